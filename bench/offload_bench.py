@@ -1,0 +1,159 @@
+"""Offload-engine benchmark: Llama-2 architecture (random weights, no download), full fine-tuning
+on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of the FSDP2 baseline).
+
+    python bench/offload_bench.py --out bench_results            # every row, in priority order
+    python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
+
+Rows are named ``<net><cap>-<mode>``: net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk
+directly: inter-GPU traffic goes through host memory, as on a commodity PCIe server) and
+``nvlink`` leaves the machine as it is; cap is the per-GPU memory cap in GiB; mode is
+``prefetch`` (offload + prefetch), ``noprefetch`` (offload, loads not overlapped), ``resident``
+(no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation checkpointing).
+Rows run until ``--budget_s`` is spent; the table (step time = mean after the warm-up
+iterations) is printed at the end and written to ``<out>/table.md`` and ``<out>/rows.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("prefetch", "noprefetch", "resident", "fsdp2")
+DEFAULT_ROWS = ("pcie48-prefetch,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,pcie24-fsdp2,"
+                "pcie24-resident,nvlink48-prefetch,nvlink48-fsdp2,nvlink48-resident")
+
+
+def parse_row(name: str) -> tuple[str, int, str]:
+    net_cap, mode = name.split("-", 1)
+    net = "pcie" if net_cap.startswith("pcie") else "nvlink"
+    if mode not in MODES or not net_cap.startswith(("pcie", "nvlink")):
+        raise SystemExit(f"error: bad row name {name!r}; expected e.g. pcie48-prefetch (modes: {', '.join(MODES)})")
+    return net, int(net_cap[len(net):]), mode
+
+
+def run_row(name: str, args, out: Path, timeout: float) -> dict:
+    net, cap, mode = parse_row(name)
+    env = dict(os.environ)
+    if net == "pcie":
+        env["NCCL_P2P_DISABLE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    result = out / f"{name}.json"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"]
+    if mode == "fsdp2":
+        cmd = launch + [str(ROOT / "bench/fsdp2_baseline.py"), "--model", args.model, "--batch_size",
+                        str(args.batch_size), "--seq_length", str(args.seq_length), "--micro_batch",
+                        str(args.fsdp_micro_batch), "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+                        "--mem_cap_gb", str(cap), "--json", str(result)]
+    else:
+        cmd = launch + [str(ROOT / "main.py"), "--config", "", "--model", args.model, "--dataset", "synthetic",
+                        "--seq_length", str(args.seq_length), "--batch_size", str(args.batch_size),
+                        "--num_chunks", str(args.num_chunks), "--num_stages", str(args.num_stages),
+                        "--schedule", args.schedule, "--num_iterations", str(args.iterations),
+                        "--gpu_memory_gb", str(cap), "--device", "cuda", "--no_save_model",
+                        "--save_dir", str(out / name), "--save_results", str(result), "--grad_clip", "1.0",
+                        "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
+                        "--use_offload" if mode != "resident" else "--no_offload",
+                        "--use_prefetch" if mode == "prefetch" else "--no_prefetch"]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        log = proc.stdout + proc.stderr
+        rc = proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        log, rc = text(e.stdout) + text(e.stderr) + "\n[timed out]", -9
+    (out / f"{name}.log").write_text(log)
+    row = {"row": name, "net": net, "cap_gb": cap, "mode": mode, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if rc == 0 and result.exists():
+        row.update(summarise(json.loads(result.read_text()), mode, args))
+    else:
+        row["status"] = "OOM" if "OutOfMemory" in log or "out of memory" in log.lower() else f"failed (rc {rc})"
+    return row
+
+
+def summarise(res: dict, mode: str, args) -> dict:
+    if mode == "fsdp2":
+        return {"status": res.get("status", "ok"), **{k: res.get(k) for k in (
+            "step_time_s", "tokens_per_s", "tflops_per_gpu", "peak_allocated_gb", "peak_reserved_gb", "host_rss_gb")}}
+    its = res["iterations"][args.warmup:]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    per_rank = [r["per_rank"] for r in its]
+    gb = 2**30
+    h2d_b = sum(pr[k].get("h2d_bytes", 0) for pr in per_rank for k in range(len(pr)))
+    h2d_s = sum(pr[k].get("h2d_seconds", 0) for pr in per_rank for k in range(len(pr)))
+    d2h_b = sum(pr[k].get("d2h_bytes", 0) for pr in per_rank for k in range(len(pr)))
+    d2h_s = sum(pr[k].get("d2h_seconds", 0) for pr in per_rank for k in range(len(pr)))
+    last = res["iterations"][-1]
+    return {
+        "status": "ok",
+        "step_time_s": mean([r["time_s"] for r in its]),
+        "tokens_per_s": mean([r["tokens_per_s"] for r in its]),
+        "tflops_per_gpu": mean([r["tflops_per_gpu"] for r in its]),
+        "peak_allocated_gb": max(last["peak_mem_bytes"]) / gb,
+        "peak_allocated_gb_per_rank": [round(b / gb, 2) for b in last["peak_mem_bytes"]],
+        "peak_reserved_gb": max(r.get("peak_reserved_bytes", 0) for r in last["per_rank"]) / gb,
+        "host_rss_gb": sum(r.get("host_rss_bytes", 0) for r in last["per_rank"]) / gb,
+        "h2d_gbps": h2d_b / h2d_s / 1e9 if h2d_s else None,
+        "d2h_gbps": d2h_b / d2h_s / 1e9 if d2h_s else None,
+        "losses": [r["loss"] for r in res["iterations"]],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| row | status | step s | tokens/s | TFLOP/s/GPU | peak alloc GB (max rank) | peak reserved GB | "
+            "host RSS GB (all ranks) | H2D GB/s | D2H GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = [head]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['row']} | {r.get('status')} | | | | | | | | |")
+            continue
+        lines.append(f"| {r['row']} | ok | {fmt(r['step_time_s'])} | {fmt(r['tokens_per_s'], 0)} | "
+                     f"{fmt(r['tflops_per_gpu'], 1)} | {fmt(r['peak_allocated_gb'], 1)} | "
+                     f"{fmt(r['peak_reserved_gb'], 1)} | {fmt(r['host_rss_gb'], 1)} | {fmt(r.get('h2d_gbps'), 1)} | "
+                     f"{fmt(r.get('d2h_gbps'), 1)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=DEFAULT_ROWS)
+    p.add_argument("--model", default="llama-2-7b")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--seq_length", type=int, default=512)
+    p.add_argument("--num_chunks", type=int, default=16)
+    p.add_argument("--num_stages", type=int, default=8)
+    p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--fsdp_micro_batch", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--budget_s", type=float, default=540)
+    p.add_argument("--row_timeout_s", type=float, default=240)
+    p.add_argument("--out", default="bench_results")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start, rows = time.time(), []
+    for name in args.rows.split(","):
+        left = args.budget_s - (time.time() - start)
+        if left < 30:
+            rows.append({"row": name, "status": "not run (budget)"})
+            continue
+        row = run_row(name, args, out, min(args.row_timeout_s, left))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out / "rows.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    text = table(rows)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Data: raw records -> tokenized examples with labels -> deterministic padded batches.
+
+Also the bundled sample data (``data/sample/``) and the tiny-model generator. Nothing here
+knows about pipelines or ``torch.distributed``.
+"""
+from data.batching import Batch, BatchStream, collate
+from data.dataset import DataError, detect_format, load_records
+from data.tiny_model import ensure_tiny_model, is_complete_tiny_model
+from data.tokenization import (
+    IGNORE_INDEX,
+    PROMPT_TEMPLATE,
+    Example,
+    encode_prompt,
+    format_prompt,
+    tokenize_records,
+)
+from data.make_sample import SAMPLE_DIR, TRAIN_FILE, VALIDATION_FILE
+
+SAMPLE_TRAIN = SAMPLE_DIR / TRAIN_FILE
+SAMPLE_VALIDATION = SAMPLE_DIR / VALIDATION_FILE
+
+__all__ = [
+    "Batch",
+    "BatchStream",
+    "DataError",
+    "Example",
+    "IGNORE_INDEX",
+    "PROMPT_TEMPLATE",
+    "SAMPLE_TRAIN",
+    "SAMPLE_VALIDATION",
+    "collate",
+    "detect_format",
+    "encode_prompt",
+    "ensure_tiny_model",
+    "format_prompt",
+    "is_complete_tiny_model",
+    "load_records",
+    "tokenize_records",
+]

@@ -1,0 +1,178 @@
+"""Loading raw records: a ``save_to_disk`` directory, local data files, or a cached dataset.
+
+Whatever the source, the result is a ``datasets.Dataset`` whose columns match one of the
+two formats the tokenizer understands (see ``detect_format``). Every failure is a
+``DataError`` naming the source, what was found and what is expected.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import datasets
+
+XSUM = "xsum"
+TEXT = "text"
+
+# Extension -> the packaged ``datasets`` builder that reads it.
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# Suffixes that mark a source as a file path (not a dataset name) even when it is missing.
+_FILE_SUFFIXES = frozenset(_BUILDERS) | {".txt", ".tsv", ".arrow", ".gz", ".zst", ".bz2", ".xz"}
+_GLOB_CHARS = "*?["
+_EXPECTED = (
+    "expected a datasets.save_to_disk directory, a .json/.jsonl/.parquet/.csv file or glob, "
+    "or a dataset name in the local datasets cache"
+)
+
+
+class DataError(ValueError):
+    """Bad or unusable training data; the message names the source and what to change."""
+
+
+def detect_format(column_names: Iterable[str]) -> str:
+    """Return ``'xsum'`` for ``document`` + ``summary`` columns, ``'text'`` for ``text``.
+
+    Raises:
+        DataError: neither set of columns is present.
+    """
+    names = set(column_names)
+    if {"document", "summary"} <= names:
+        return XSUM
+    if "text" in names:
+        return TEXT
+    raise DataError(
+        f"columns {sorted(names)} match no known format: "
+        "need 'document' and 'summary' (XSum style) or 'text'"
+    )
+
+
+def load_records(source: str, split: str = "train") -> datasets.Dataset:
+    """Load the records of ``source`` as a ``datasets.Dataset``.
+
+    Args:
+        source: a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``;
+            a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file or a glob of them; or the
+            name of a dataset that ``datasets`` can load offline from its cache.
+        split: the split to take from a ``DatasetDict`` directory or a cached dataset. Single
+            files and single-``Dataset`` directories hold one split and ignore it.
+
+    Raises:
+        DataError: missing path, unknown extension, missing split, unreadable data, or columns
+            that match no format.
+    """
+    source = str(source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        dataset = _load_saved(path, split, source)
+    elif path.is_file() or any(c in source for c in _GLOB_CHARS):
+        dataset = _load_files(source)
+    elif _looks_like_path(source):
+        raise DataError(f"data source {source!r}: no such file or directory; {_EXPECTED}")
+    else:
+        dataset = _load_cached(source, split)
+    try:
+        detect_format(dataset.column_names)
+    except DataError as e:
+        raise DataError(f"data source {source!r}: {e}") from None
+    return dataset
+
+
+def _looks_like_path(source: str) -> bool:
+    # Dataset names look like "owner/name" too, so only these mark a path for sure.
+    return (
+        os.path.isabs(source)
+        or source.startswith((".", "~"))
+        or Path(source).suffix.lower() in _FILE_SUFFIXES
+    )
+
+
+def _load_saved(path: Path, split: str, source: str) -> datasets.Dataset:
+    if (path / "dataset_dict.json").is_file():
+        dataset_dict = datasets.load_from_disk(str(path))
+        if split not in dataset_dict:
+            raise DataError(
+                f"data source {source!r}: no split {split!r}; "
+                f"the saved DatasetDict has splits {sorted(dataset_dict)}"
+            )
+        return dataset_dict[split]
+    if (path / "state.json").is_file():
+        return datasets.load_from_disk(str(path))
+    found = sorted(p.name for p in path.iterdir())[:8]
+    raise DataError(
+        f"data source {source!r}: directory is not a save_to_disk output "
+        f"(no dataset_dict.json or state.json; found {found}); {_EXPECTED}"
+    )
+
+
+def _load_files(source: str) -> datasets.Dataset:
+    expanded = os.path.expanduser(source)
+    files = [expanded] if os.path.isfile(expanded) else sorted(glob.glob(expanded))
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        raise DataError(f"data source {source!r}: the glob matches no files; {_EXPECTED}")
+    suffixes = sorted({Path(f).suffix.lower() for f in files})
+    unknown = [s for s in suffixes if s not in _BUILDERS]
+    if unknown:
+        raise DataError(
+            f"data source {source!r}: unknown file extension(s) {unknown}; "
+            f"expected one of {sorted(_BUILDERS)}"
+        )
+    builders = {_BUILDERS[s] for s in suffixes}
+    if len(builders) > 1:
+        raise DataError(
+            f"data source {source!r}: mixes file types {suffixes}; use files of one type"
+        )
+    try:
+        return datasets.load_dataset(builders.pop(), data_files=files, split="train")
+    except Exception as e:  # datasets raises many types for unreadable files
+        raise DataError(
+            f"data source {source!r}: could not read {len(files)} file(s): {_first_line(e)}"
+        ) from e
+
+
+def _load_cached(name: str, split: str) -> datasets.Dataset:
+    with _offline():
+        try:
+            return datasets.load_dataset(name, split=split)
+        except Exception as e:  # not cached, unknown split, ... : all mean "cannot use it"
+            raise DataError(
+                f"data source {name!r}: not a path, and loading it as a dataset name from the "
+                f"local cache (offline) failed: {_first_line(e)}; {_EXPECTED}"
+            ) from e
+
+
+@contextmanager
+def _offline() -> Iterator[None]:
+    """Force ``datasets`` and ``huggingface_hub`` offline for the duration of the block."""
+    import huggingface_hub.constants as hub_constants
+
+    env_keys = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    saved_env = {k: os.environ.get(k) for k in env_keys}
+    # Both libraries read the variables at import time, so patch their module flags too.
+    flags = [
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),
+        (hub_constants, "HF_HUB_OFFLINE"),
+    ]
+    saved_flags = [(m, a, getattr(m, a)) for m, a in flags if hasattr(m, a)]
+    os.environ.update({k: "1" for k in env_keys})
+    for module, attr, _ in saved_flags:
+        setattr(module, attr, True)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved_flags:
+            setattr(module, attr, value)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

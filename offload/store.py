@@ -1,0 +1,303 @@
+"""Where a stage's parameters, gradients and optimizer state live, and how they move.
+
+Per stage, everything is kept in flat buffers so that a transfer is one large copy:
+
+* ``master``  fp32 master weights (two leaf views: decayed matrices, then undecayed 1-D
+  weights) and the AdamW state: in host memory with offload, on the device without.
+* ``work``    the compute-dtype copy that crosses PCIe (pinned host memory). With fp32
+  compute it *is* the master buffer (no second copy).
+* ``dev``     the device copy the stage's modules compute with; its parameters are views
+  into it. With offload it exists only between LOAD and DROP/OFFLOAD.
+* ``grad``    device gradient buffer (parameter ``.grad`` views into it, so autograd
+  accumulates micro-batches in place); with offload it is copied to host memory.
+
+Transfers run on their own CUDA streams and are ordered by events, never by host syncs,
+except where marked. On the CPU the streams are no-ops and the same code runs synchronously,
+so the CPU tests exercise the offload logic too.
+"""
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+_WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    fused: bool | None = None  # None: torch's default for the device
+
+
+class Streams:
+    """The compute stream plus side streams for loads and offloads (CUDA only)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            # Loads gate the next compute: give them priority over gradient offloads.
+            self.load = torch.cuda.Stream(device, priority=-1)
+            self.offload = torch.cuda.Stream(device, priority=0)
+
+    def on(self, which: str):
+        return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
+
+    def event(self, which: str, timing: bool = False):
+        """An event recorded on ``which`` now (None on CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=timing)
+        ev.record(getattr(self, which))
+        return ev
+
+    def wait(self, which: str, event) -> None:
+        """Make stream ``which`` wait for ``event`` (device-side; the host does not block)."""
+        if event is not None:
+            getattr(self, which).wait_event(event)
+
+
+class BufferPool:
+    """Reuses device buffers across stages and iterations instead of re-allocating them.
+
+    A returned buffer carries the event after which its last user is done; whoever takes it
+    next makes its own stream wait on that event before writing, so no host sync is needed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, object]]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device), None
+
+    def give(self, buf: torch.Tensor, done_event) -> None:
+        self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, done_event))
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+class StageStore:
+    """Parameters, gradients and AdamW state of one stage; see the module docstring."""
+
+    def __init__(self, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype, offload: bool,
+                 optim: OptimSettings, streams: Streams, pool: BufferPool):
+        self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
+        self.streams, self.pool = streams, pool
+        named = list(module.named_parameters())
+        decay = [(n, p) for n, p in named if p.ndim >= 2]
+        no_decay = [(n, p) for n, p in named if p.ndim < 2]
+        self.params = [p for _, p in decay + no_decay]
+        self.names = [n for n, _ in decay + no_decay]
+        self.shapes = [p.shape for p in self.params]
+        self.numel = sum(p.numel() for p in self.params)
+        n_decay = sum(p.numel() for _, p in decay)
+
+        master_device = torch.device("cpu") if offload else device
+        pin = offload and device.type == "cuda"
+        self.master = torch.empty(self.numel, dtype=torch.float32, device=master_device, pin_memory=pin)
+        torch.cat([p.detach().reshape(-1).float() for p in self.params], out=self.master) if self.params else None
+        self.master_grad = torch.zeros_like(self.master)
+        groups = []
+        for lo, hi, wd in ((0, n_decay, optim.weight_decay), (n_decay, self.numel, 0.0)):
+            if hi > lo:
+                leaf = self.master[lo:hi].requires_grad_()
+                leaf.grad = self.master_grad[lo:hi]
+                groups.append({"params": [leaf], "weight_decay": wd})
+        self.optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim.betas, eps=optim.eps, fused=optim.fused)
+
+        same_dtype = compute_dtype == torch.float32
+        if offload:
+            self.work = self.master if same_dtype else torch.empty(self.numel, dtype=compute_dtype, pin_memory=pin)
+            self.host_grad = self.master_grad if same_dtype else torch.empty(self.numel, dtype=compute_dtype,
+                                                                             pin_memory=pin)
+            self.dev = self.grad = None
+            self.work.copy_(self.master)
+        else:  # resident: device copies live for the whole run
+            self.work = self.host_grad = None
+            self.dev = self.master if same_dtype else self.master.to(compute_dtype)
+            self.grad = self.master_grad if same_dtype else torch.zeros(self.numel, dtype=compute_dtype, device=device)
+            self._bind(self.dev, self.grad)
+        self._loaded_event = None   # load stream -> compute stream
+        self._grads_event = None    # offload stream: gradients are in host memory
+        self._step_future: Future | None = None
+        self.resident = not offload
+        self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
+
+    # --- views -------------------------------------------------------------------------
+    def _views(self, flat: torch.Tensor):
+        off = 0
+        for shape in self.shapes:
+            n = shape.numel()
+            yield flat[off:off + n].view(shape)
+            off += n
+
+    def _bind(self, dev: torch.Tensor | None, grad: torch.Tensor | None) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        views = self._views(dev) if dev is not None else (empty for _ in self.params)
+        gviews = self._views(grad) if grad is not None else (None for _ in self.params)
+        for p, v, g in zip(self.params, views, gviews):
+            p.data = v
+            p.grad = g
+
+    # --- actions ------------------------------------------------------------------------
+    def load(self) -> None:
+        """LOAD: host -> device copy of the weights on the load stream."""
+        if not self.offload:
+            return
+        self.wait_step()  # host wait: the optimizer thread must have written the new weights
+        dev, ready = self.pool.take(self.numel, self.dtype)
+        with self.streams.on("load"):
+            self.streams.wait("load", ready)  # the buffer's previous user is done with it
+            start = self.streams.event("load", timing=True)
+            dev.copy_(self.work, non_blocking=True)
+        self._loaded_event = self.streams.event("load", timing=True)
+        self._note_transfer("h2d", start, self._loaded_event)
+        self.dev = dev
+        self._bind(self.dev, self.grad)
+        self.resident = True
+
+    def before_compute(self, backward: bool) -> None:
+        """Called before every F/B of this stage: the compute stream waits for the load, and the
+        first backward of the iteration binds a zeroed gradient buffer (autograd then
+        accumulates every micro-batch into it in place)."""
+        if not self.resident:
+            raise RuntimeError(f"stage with {self.names[0]} computed while its parameters are not loaded")
+        if self._loaded_event is not None:
+            self.streams.wait("compute", self._loaded_event)
+            self._loaded_event = None
+        if backward and self.grad is None:
+            grad, ready = self.pool.take(self.numel, self.dtype)
+            self.streams.wait("compute", ready)
+            grad.zero_()
+            self.grad = grad
+            self._bind(self.dev, self.grad)
+
+    def drop(self) -> None:
+        """DROP: forget the device copy (weights did not change, nothing goes back)."""
+        if not self.offload:
+            return
+        self.pool.give(self.dev, self.streams.event("compute"))
+        self.dev = None
+        self._bind(None, self.grad)
+        self.resident = False
+
+    def offload_grads(self) -> None:
+        """OFFLOAD: gradients device -> host on the offload stream, then free device memory."""
+        if not self.offload:
+            return
+        done = self.streams.event("compute")
+        with self.streams.on("offload"):
+            self.streams.wait("offload", done)  # the backward that wrote the grads is done
+            start = self.streams.event("offload", timing=True)
+            self.host_grad.copy_(self.grad, non_blocking=True)
+        self._grads_event = self.streams.event("offload", timing=True)
+        self._note_transfer("d2h", start, self._grads_event)
+        self.pool.give(self.dev, done)
+        self.pool.give(self.grad, self._grads_event)
+        self.dev = self.grad = None
+        self._bind(None, None)
+        self.resident = False
+
+    def _note_transfer(self, kind: str, start, end) -> None:
+        if start is not None:
+            self.transfers.append((kind, self.numel * self.work.element_size(), start, end))
+
+    def pop_transfer_stats(self) -> dict[str, tuple[int, float]]:
+        """{kind: (bytes, seconds)} of the transfers since the last call. Call after a device
+        synchronize (reading event times needs the events to have completed)."""
+        out: dict[str, tuple[int, float]] = {}
+        for kind, nbytes, start, end in self.transfers:
+            b, t = out.get(kind, (0, 0.0))
+            out[kind] = (b + nbytes, t + start.elapsed_time(end) / 1e3)
+        self.transfers.clear()
+        return out
+
+    def _grads_ready(self) -> torch.Tensor:
+        """fp32 gradients next to the master weights."""
+        if self.offload and self._grads_event is not None:
+            self._grads_event.synchronize()  # host sync: the CPU is about to read the D2H copy
+            self._grads_event = None
+        src = self.host_grad if self.offload else self.grad
+        if src is not self.master_grad:
+            self.master_grad.copy_(src)
+        return self.master_grad
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared L2 norm of this stage's gradient, fp32, on the master device."""
+        g = self._grads_ready()
+        return torch.dot(g, g)
+
+    def step(self, lr: float, clip_coef: torch.Tensor | None, pool: ThreadPoolExecutor | None = None) -> None:
+        """STEP: AdamW on the masters, then refresh the compute copy. With offload and a thread
+        pool it runs on a CPU worker while the GPU goes on; the next LOAD waits for it."""
+        def run() -> None:
+            g = self._grads_ready()
+            if clip_coef is not None:
+                g.mul_(clip_coef.to(g.device))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            if self.offload:
+                if self.work is not self.master:
+                    self.work.copy_(self.master)
+            else:
+                if self.dev is not self.master:
+                    self.dev.copy_(self.master)
+                self.grad.zero_()
+                if self.master_grad is not self.grad:
+                    self.master_grad.zero_()
+
+        if pool is not None and self.offload:
+            self._step_future = pool.submit(run)
+        else:
+            run()
+
+    def wait_step(self) -> None:
+        if self._step_future is not None:
+            self._step_future.result()  # host wait; re-raises an optimizer error here
+            self._step_future = None
+
+    # --- autograd's saved tensors -----------------------------------------------------------
+    def saved_tensor_hooks(self):
+        """Context for a forward of this stage: autograd saves views of the weights as
+        (offset, size, stride) into the device buffer instead of the tensors, and rebuilds them
+        from whatever buffer holds the weights at backward time. Without this, a DROP could not
+        free the buffer (autograd would keep it alive) and, pooled, it would be overwritten
+        by another stage's weights before this stage's backward read it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        dev = self.dev
+        if (dev is not None and t.device == dev.device and t.dtype == dev.dtype
+                and t.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()):
+            return (_WEIGHT_VIEW, t.size(), t.stride(), t.storage_offset() - dev.storage_offset())
+        return t
+
+    def _unpack(self, packed):
+        if isinstance(packed, tuple) and packed and packed[0] is _WEIGHT_VIEW:
+            _, size, stride, offset = packed
+            if self.dev is None:
+                raise RuntimeError(f"backward of the stage with {self.names[0]} while its weights are not loaded")
+            return self.dev.as_strided(size, stride, self.dev.storage_offset() + offset)
+        return packed
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 weights under their Hugging Face names (views into the master buffer)."""
+        self.wait_step()
+        return {n: v for n, v in zip(self.names, self._views(self.master.detach()))}
+
+    def device_bytes(self) -> int:
+        """Device memory this stage takes while loaded for backward (weights + grads)."""
+        return 2 * self.numel * torch.tensor([], dtype=self.dtype).element_size()

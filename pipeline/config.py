@@ -1,0 +1,169 @@
+"""The one typed configuration of a run: defaults here < ``fine_tune.yaml`` < command-line flags.
+
+Every field is a YAML key and a flag of the same name (``--batch_size 8``). A boolean field
+``use_x`` or ``x`` is set with ``--use_x`` / ``--x`` and cleared with ``--no_x``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+ATTN_IMPLS = ("sdpa", "eager")
+
+
+class ConfigError(ValueError):
+    """Bad configuration: printed as one line by rank 0, exit code 2."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # --- model -----------------------------------------------------------------------
+    model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
+                    "(tiny, llama-2-7b, llama-2-13b), or 'generated' (small Llama made locally on first use).")
+    tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
+    num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")
+    embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).")
+    ff_dim: int = _f(0, "Must equal the model's intermediate_size if set (0 = read from the model).")
+    num_heads: int = _f(0, "Must equal the model's num_attention_heads if set (0 = read from the model).")
+    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa or eager.", choices=ATTN_IMPLS)
+    cache_dir: str = _f(".cache", "Where the generated model and tokenizer are kept.")
+    # --- data ------------------------------------------------------------------------
+    dataset: str = _f("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a "
+                      "save_to_disk directory, .json/.jsonl/.parquet/.csv file(s), or a cached dataset name.")
+    dataset_split: str = _f("train", "Split to train on.")
+    seq_length: int = _f(256, "Maximum tokens per sequence (longer records are truncated).")
+    batch_size: int = _f(8, "Sequences per iteration (global batch).")
+    num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
+    # --- pipeline --------------------------------------------------------------------
+    num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages).")
+    schedule: str = _f("gpipe", "Pipeline schedule.", choices=SCHEDULES)
+    use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
+    use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
+    activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward.")
+    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
+    optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = cores / processes).")
+    debug_schedule: bool = _f(False, "Print every rank's action list before training.")
+    # --- optimisation ----------------------------------------------------------------
+    num_iterations: int = _f(20, "Optimizer steps to run.")
+    lr: float = _f(1e-4, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr (linear/cosine).")
+    lr_schedule: str = _f("cosine", "Decay after warm-up.", choices=LR_SCHEDULES)
+    warmup_iterations: int = _f(0, "Linear warm-up steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to 1-D weights such as norms).")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.95, "AdamW beta2.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).")
+    seed: int = _f(0, "Seed for data order and random initialisation.")
+    dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
+                    choices=DTYPES)
+    # --- devices and launch ----------------------------------------------------------
+    device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
+    cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
+    nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU).")
+    master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun.")
+    # --- outputs ---------------------------------------------------------------------
+    save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics.")
+    save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model.")
+    save_params: bool = _f(False, "Also write the whole state dict to save_dir/params.pt.")
+    save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _negative_flag(name: str) -> str:
+    return "no_" + name[len("use_"):] if name.startswith("use_") else "no_" + name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="MMoC-Pipe: pipeline-parallel full fine-tuning with offload.",
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML file (default: fine_tune.yaml in the working directory, if present).")
+    p.add_argument("--check_only", action="store_true", help="Check the configuration and exit (train.sh does this).")
+    for name, f in _fields().items():
+        help_ = f"{f.metadata['help']} (default: {f.default!r})"
+        if f.type in ("bool", bool):
+            p.add_argument(f"--{name}", dest=name, action="store_true", help=help_)
+            p.add_argument(f"--{_negative_flag(name)}", dest=name, action="store_false", help=argparse.SUPPRESS)
+        else:
+            typ = {"int": int, "float": float, "str": str}[f.type]
+            p.add_argument(f"--{name}", dest=name, type=typ, choices=f.metadata.get("choices"), help=help_)
+    p.add_argument("--model_path", dest="model", type=str, help=argparse.SUPPRESS)  # the reference system's name
+    return p
+
+
+def _coerce(name: str, value: Any, typ: str) -> Any:
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {name!r} must be true or false, got {value!r}")
+    if typ == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {name!r} must be an integer, got {value!r}")
+        return value
+    if typ == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
+        return float(value)
+    return "" if value is None else str(value)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """defaults < yaml_values < overrides; unknown keys and wrongly typed values are errors."""
+    fields = _fields()
+    values: dict[str, Any] = {}
+    for source in (yaml_values or {}, overrides or {}):
+        for key, value in source.items():
+            if key not in fields:
+                close = [k for k in fields if k.split("_")[0] == key.split("_")[0]]
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown config key {key!r}{hint}")
+            values[key] = _coerce(key, value, fields[key].type)
+    cfg = TrainConfig(**values)
+    for name, f in fields.items():
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, bool]:
+    """Returns the resolved config, the YAML path it read (if any) and whether only to check it."""
+    args = vars(build_parser().parse_args(argv))
+    path = args.pop("config", None)
+    check_only = args.pop("check_only", False)
+    if path is None and os.path.exists("fine_tune.yaml"):
+        path = "fine_tune.yaml"
+    yaml_values = load_yaml(path) if path else {}
+    return make_config(yaml_values, args), path, check_only

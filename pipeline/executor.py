@@ -1,0 +1,178 @@
+"""A per-rank interpreter of an action list (see ``schedule/ir.py``).
+
+It reads the next action and dispatches on its op; it never reorders or skips work. All
+decisions about order (which micro-batch, when to load, when to step) were made by the
+schedule, which was validated and simulated before any process ran it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from offload.store import StageStore
+from schedule.ir import Action, Op
+
+
+@dataclass
+class MicroBatch:
+    """What the first and last stage need of one micro-batch (on the rank's device)."""
+
+    input_ids: torch.Tensor  # [b, t]
+    targets: torch.Tensor    # [b, t], -100 where nothing is predicted
+
+
+@dataclass
+class IterationResult:
+    loss: float | None          # sum over micro-batches of the normalised loss (last-stage rank only)
+    grad_norm: float | None     # global, before clipping (None without a NORM action)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Executor:
+    def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
+                 mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
+                 grad_clip: float, optimizer_threads: ThreadPoolExecutor | None = None, timeline=None):
+        self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
+        self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
+        self.num_stages = len(mapping)
+        self.optimizer_threads = optimizer_threads
+        self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
+        self._handlers = {
+            Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
+            Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
+            Op.LOAD: self._load, Op.DROP: self._drop, Op.OFFLOAD: self._offload,
+            Op.NORM: self._norm, Op.STEP: self._step,
+        }
+
+    # --- one iteration ------------------------------------------------------------------
+    def run(self, actions: list[Action], microbatches: list[MicroBatch], num_targets: int, lr: float,
+            train: bool = True) -> IterationResult:
+        """Interpret ``actions`` once. ``num_targets`` is the count of predicted tokens in the whole
+        global batch, so the summed micro-batch losses equal the batch's mean token loss."""
+        self.mbs, self.num_targets, self.lr = microbatches, num_targets, lr
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # stage input (needs its grad)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # stage output, or loss on the last stage
+        self.local_in: dict[tuple[int, int], torch.Tensor] = {}  # activation from a same-rank stage
+        self.local_grad: dict[tuple[int, int], torch.Tensor] = {}
+        self.recvs: dict[tuple[Op, int, int], tuple[torch.Tensor, object]] = {}
+        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        self.sends: list[tuple[object, torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+        self.clip_coef, self.grad_norm = None, None
+        for action in actions:
+            if self.timeline is not None:
+                self.timeline.begin(action)
+            self._handlers[action.op](action)
+            if self.timeline is not None:
+                self.timeline.end(action)
+        for work, _ in self.sends:  # keep each sent tensor alive until its send completed
+            work.wait()
+        loss = float(torch.stack(self.losses).sum()) if self.losses else None  # host sync: end of iteration
+        return IterationResult(loss, self.grad_norm)
+
+    # --- compute ------------------------------------------------------------------------
+    def _act_shape(self, m: int) -> tuple[int, int, int]:
+        b, t = self.mbs[m].input_ids.shape
+        return b, t, self.hidden_size
+
+    def _forward(self, a: Action) -> None:
+        s, m = a.stage, a.mb
+        self.stores[s].before_compute(backward=False)
+        stage = self.stages[s]
+        if s == 0:
+            x = self.mbs[m].input_ids
+        else:
+            x = self.local_in.pop((s, m), None)
+            if x is None:
+                buf, work = self.recvs.pop((Op.RECV_F, s, m))
+                work.wait()  # device-side wait with NCCL; the host blocks only with gloo
+                x = buf
+            x.requires_grad_(True)
+            self.inputs[(s, m)] = x
+        with self.stores[s].saved_tensor_hooks():
+            out = stage(x)
+        if s == self.num_stages - 1:
+            targets = self.mbs[m].targets
+            loss = F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                   reduction="sum") / self.num_targets
+            self.losses.append(loss.detach())
+            out = loss
+        elif self.mapping[s + 1] == self.rank:
+            self.local_in[(s + 1, m)] = out.detach()
+        self.outputs[(s, m)] = out
+
+    def _backward(self, a: Action) -> None:
+        s, m = a.stage, a.mb
+        self.stores[s].before_compute(backward=True)
+        out = self.outputs.pop((s, m))
+        if s == self.num_stages - 1:
+            out.backward()
+        else:
+            grad = self.local_grad.pop((s, m), None)
+            if grad is None:
+                grad, work = self.recvs.pop((Op.RECV_B, s, m))
+                work.wait()
+            torch.autograd.backward(out, grad)
+        if s > 0:
+            g = self.inputs.pop((s, m)).grad
+            if self.mapping[s - 1] == self.rank:
+                self.local_grad[(s - 1, m)] = g
+            else:
+                self.grads_out[(s, m)] = g
+
+    # --- communication ------------------------------------------------------------------
+    def _send_f(self, a: Action) -> None:
+        t = self.outputs[(a.stage, a.mb)].detach()
+        self.sends.append((self.p2p.send("F", t, self.mapping[a.stage + 1]), t))
+
+    def _send_b(self, a: Action) -> None:
+        t = self.grads_out.pop((a.stage, a.mb))
+        self.sends.append((self.p2p.send("B", t, self.mapping[a.stage - 1]), t))
+
+    def _recv_f(self, a: Action) -> None:
+        buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
+        self.recvs[(Op.RECV_F, a.stage, a.mb)] = (buf, self.p2p.recv("F", buf, self.mapping[a.stage - 1]))
+
+    def _recv_b(self, a: Action) -> None:
+        buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
+        self.recvs[(Op.RECV_B, a.stage, a.mb)] = (buf, self.p2p.recv("B", buf, self.mapping[a.stage + 1]))
+
+    # --- parameters and optimizer -------------------------------------------------------
+    def _load(self, a: Action) -> None:
+        self.stores[a.stage].load()
+
+    def _drop(self, a: Action) -> None:
+        self.stores[a.stage].drop()
+
+    def _offload(self, a: Action) -> None:
+        self.stores[a.stage].offload_grads()
+
+    def _norm(self, a: Action) -> None:
+        sq = sum(self.stores[s].grad_sq_norm().to(self.device) for s in sorted(self.stores))
+        if dist.is_initialized():
+            dist.all_reduce(sq)
+        norm = sq.sqrt()
+        self.grad_norm = float(norm)  # host sync: the norm is logged and gates the steps anyway
+        if not math.isfinite(self.grad_norm):
+            self.clip_coef = None
+            return
+        if self.grad_clip > 0:
+            self.clip_coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+
+    def _step(self, a: Action) -> None:
+        self.stores[a.stage].step(self.lr, self.clip_coef, self.optimizer_threads)
+
+    def finish(self) -> None:
+        """Wait for optimizer work still running on worker threads."""
+        for store in self.stores.values():
+            store.wait_step()
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()

@@ -1,0 +1,216 @@
+"""A Hugging Face decoder LM cut into pipeline stages.
+
+Stage 0 holds the token embedding, the last stage the final norm and ``lm_head``; decoder
+layers are spread evenly. A stage's ``state_dict`` keys are exactly the Hugging Face keys
+(``model.layers.7.mlp.up_proj.weight``), so loading reads only the owned tensors from the
+safetensors files and saving writes a shard a stage.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Architectures with the Llama layout (embed_tokens / layers / norm / lm_head, RMSNorm, RoPE).
+_ARCH_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=2048, max_position_embeddings=2048),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+def preset_config(name: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**PRESETS[name], rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def partition_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Decoder layers of each stage: as even as possible, extra layers to the middle stages
+    (the first and last stages also carry the embedding and the head). With more stages than
+    layers, the first (then the last) stage holds only the embedding (the head)."""
+    if not 1 <= num_stages <= num_layers + 2:
+        raise ValueError(f"num_stages ({num_stages}) must be between 1 and num_layers + 2 ({num_layers + 2})")
+    counts = [0] * num_stages
+    holders = list(range(num_stages))
+    if num_stages > num_layers:  # some stage holds no layer: embedding-only first, then head-only last
+        holders = holders[1:] if num_stages == num_layers + 1 else holders[1:-1]
+    base, extra = divmod(num_layers, len(holders))
+    for i, s in enumerate(holders):
+        counts[s] = base
+    # hand out the remainder from the middle outwards
+    order = sorted(holders, key=lambda s: abs(s - (num_stages - 1) / 2))
+    for s in order[:extra]:
+        counts[s] += 1
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def _arch_classes(config):
+    prefix = _ARCH_PREFIX.get(config.model_type)
+    if prefix is None:
+        raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {', '.join(_ARCH_PREFIX)}")
+    mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    return getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RMSNorm"), getattr(mod, f"{prefix}RotaryEmbedding")
+
+
+def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, T, T] mask. Needed for eager attention, where ``None`` means *non-causal*."""
+    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return torch.triu(mask, diagonal=1)[None, None]
+
+
+class _Body(nn.Module):
+    """Holds the ``model.*`` part so that parameter names match Hugging Face's."""
+
+
+class Stage(nn.Module):
+    """One pipeline stage. ``forward`` takes token ids (first stage) or hidden states and returns
+    hidden states, or logits for the last stage."""
+
+    def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False):
+        super().__init__()
+        layer_cls, norm_cls, rope_cls = _arch_classes(config)
+        self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
+        self.attn_implementation = config._attn_implementation or "eager"
+        self.checkpointing = checkpointing
+        self.model = _Body()
+        if self.is_first:
+            self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.model.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in layer_ids})
+        if self.is_last:
+            self.model.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = rope_cls(config=config)  # buffers only, not persistent
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.is_first else x
+        if len(self.model.layers):
+            seq_len = h.shape[1]
+            position_ids = torch.arange(seq_len, device=h.device)[None]
+            position_embeddings = self.rotary_emb(h, position_ids)
+            # sdpa (and flash) treat a None mask as causal and then use their fast causal kernels;
+            # every other implementation gets the explicit mask.
+            mask = None if self.attn_implementation in ("sdpa", "flash_attention_2") else \
+                causal_mask(seq_len, h.dtype, h.device)
+            for layer in self.model.layers.values():
+                if self.checkpointing and torch.is_grad_enabled():
+                    run = functools.partial(layer, attention_mask=mask, position_ids=position_ids,
+                                            position_embeddings=position_embeddings)
+                    h = checkpoint(run, h, use_reentrant=False)
+                else:
+                    h = layer(h, attention_mask=mask, position_ids=position_ids,
+                              position_embeddings=position_embeddings)
+                if isinstance(h, tuple):  # older transformers return (hidden_states,)
+                    h = h[0]
+        if self.is_last:
+            h = self.lm_head(self.model.norm(h))
+        return h
+
+
+def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu") -> None:
+    """Random init as Hugging Face does (normal(0, initializer_range), norms 1), seeded per
+    tensor name so every partition of the model gets the same weights. Drawing on a GPU is
+    much faster for 7B-class presets (the numbers then differ from a CPU draw)."""
+    std = config.initializer_range
+    for name, p in stage.named_parameters():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + _stable_hash(name))
+        with torch.no_grad():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device) * std)
+
+
+def _stable_hash(text: str) -> int:
+    h = 0
+    for ch in text.encode():
+        h = (h * 131 + ch) % 2_147_483_647
+    return h
+
+
+def _safetensors_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from the index or the single model.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: model_dir / v for k, v in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_weights_(stage: Stage, model_dir: Path) -> None:
+    """Read only this stage's tensors from the checkpoint (upcast to the stage's dtype)."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(model_dir)
+    wanted = dict(stage.named_parameters())
+    missing = [k for k in wanted if k not in files]
+    if missing:
+        raise KeyError(f"{model_dir}: checkpoint lacks {len(missing)} tensors of stage {stage.index}, e.g. {missing[0]}")
+    by_file: dict[Path, list[str]] = {}
+    for k in wanted:
+        by_file.setdefault(files[k], []).append(k)
+    with torch.no_grad():
+        for path, keys in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for k in keys:
+                    t = f.get_tensor(k)
+                    if t.shape != wanted[k].shape:
+                        raise ValueError(f"{path.name}: {k} has shape {tuple(t.shape)}, model expects {tuple(wanted[k].shape)}")
+                    wanted[k].copy_(t)
+
+
+def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
+                seed: int, checkpointing: bool = False, init_device: torch.device | str = "cpu") -> Stage:
+    """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random."""
+    with torch.device("meta"):
+        stage = Stage(config, index, num_stages, layer_ids, checkpointing)
+    stage = stage.to_empty(device="cpu")
+    _, _, rope_cls = _arch_classes(config)
+    stage.rotary_emb = rope_cls(config=config)  # meta init left its buffers empty
+    if model_dir is None:
+        init_weights_(stage, config, seed, init_device)
+    else:
+        load_weights_(stage, model_dir)
+    return stage
+
+
+def stage_num_params(config, layer_ids: range, first: bool, last: bool) -> int:
+    """Parameter count of a stage, from the config alone (for plans and memory estimates)."""
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    bias = 1 if getattr(config, "attention_bias", False) else 0
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2 + bias * (heads + 2 * kv) * head_dim
+    per_layer = attn + 3 * h * f + 2 * h
+    return len(layer_ids) * per_layer + (v * h if first else 0) + ((v * h + h) if last else 0)
+
+
+def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
+    n = stage_num_params(config, range(num_layers), True, True) - config.vocab_size * config.hidden_size
+    return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
+
+
+__all__ = ["PRESETS", "Stage", "build_stage", "causal_mask", "init_weights_", "load_weights_",
+           "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params"]

@@ -1,0 +1,281 @@
+"""Build a rank's part of the job (model stages, stores, data, schedule) and run the training loop."""
+from __future__ import annotations
+
+import copy
+import os
+import resource
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import schedule as sched
+from offload.store import BufferPool, StageStore, Streams
+from pipeline import checkpoint
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.dist import DistEnv, Log, barrier, broadcast_object, gather_objects, pick_device
+from pipeline.executor import Executor, MicroBatch
+from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
+from pipeline.optim import lr_at, optim_settings
+
+GENERATED_MODEL = "tiny-llama"
+
+
+# --- model resolution -----------------------------------------------------------------------
+@dataclass
+class ModelSource:
+    config: object            # transformers config (already truncated to num_layers)
+    weights_dir: Path | None  # None: random weights (preset)
+    tokenizer_dir: Path | None
+
+
+def _generated_model_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.cache_dir) / GENERATED_MODEL
+
+
+def ensure_generated_model(cfg: TrainConfig, env: DistEnv) -> None:
+    """Rank 0 builds the small local model on first use; the others wait for it."""
+    needed = cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)
+    if not needed:
+        return
+    error = None
+    if env.rank == 0:
+        from data import SAMPLE_TRAIN, ensure_tiny_model
+
+        try:
+            ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
+        except (OSError, ValueError) as e:
+            error = f"could not build the generated model in {_generated_model_dir(cfg)}: {e}"
+    error = broadcast_object(error)
+    if error:
+        raise ConfigError(error)
+
+
+def resolve_model(cfg: TrainConfig) -> ModelSource:
+    """The model's config, where its weights and tokenizer are; checks the config's claims."""
+    if cfg.model in PRESETS:
+        hf_config = preset_config(cfg.model)
+        weights_dir = None
+        tok = Path(cfg.tokenizer) if cfg.tokenizer else _generated_model_dir(cfg)
+    else:
+        path = _generated_model_dir(cfg) if cfg.model == "generated" else Path(cfg.model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model {cfg.model!r}: no config.json in {path} (give a Hugging Face model "
+                              f"directory or a preset: {', '.join(PRESETS)}, generated)")
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        weights_dir = path
+        tok = Path(cfg.tokenizer) if cfg.tokenizer else path
+    hf_config = copy.deepcopy(hf_config)
+    if hf_config.model_type not in ("llama", "mistral", "qwen2"):
+        raise ConfigError(f"model {cfg.model!r} has model_type {hf_config.model_type!r}; "
+                          "supported: llama, mistral, qwen2")
+    for key, attr in (("embedding_dim", "hidden_size"), ("ff_dim", "intermediate_size"),
+                      ("num_heads", "num_attention_heads")):
+        given, actual = getattr(cfg, key), getattr(hf_config, attr)
+        if given and given != actual:
+            raise ConfigError(f"{key}={given} contradicts the model's {attr}={actual}; "
+                              f"remove {key} or set it to {actual}")
+    total = hf_config.num_hidden_layers
+    if cfg.num_layers:
+        if cfg.num_layers > total:
+            raise ConfigError(f"num_layers ({cfg.num_layers}) exceeds the model's {total} decoder layers")
+        hf_config.num_hidden_layers = cfg.num_layers
+    if getattr(hf_config, "tie_word_embeddings", False) and cfg.num_stages > 1:
+        raise ConfigError(f"model {cfg.model!r} ties lm_head to the embedding; pipelining it over "
+                          f"{cfg.num_stages} stages is not supported yet (use an untied model)")
+    hf_config._attn_implementation = cfg.attn_implementation
+    tok_dir = tok if (tok / "tokenizer_config.json").is_file() or (tok / "tokenizer.json").is_file() else None
+    return ModelSource(hf_config, weights_dir, tok_dir)
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    """Checks that need no files: they run on every rank before anything is loaded."""
+    if cfg.num_stages < 1 or cfg.num_stages % world_size:
+        raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
+                          f"processes ({world_size}); e.g. num_stages={world_size * 2}")
+    if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
+        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
+    if cfg.seq_length < 2:
+        raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
+    if cfg.num_iterations < 1:
+        raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
+    if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
+        raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+# --- data -------------------------------------------------------------------------------------
+def build_stream(cfg: TrainConfig, source: ModelSource):
+    from data import SAMPLE_TRAIN, BatchStream, load_records, tokenize_records
+    from data.synthetic import synthetic_examples
+
+    if cfg.dataset == "synthetic":
+        examples = synthetic_examples(max(cfg.batch_size * 4, 64), cfg.seq_length, source.config.vocab_size, cfg.seed)
+        return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed), 0
+    if source.tokenizer_dir is None:
+        raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
+    examples, skipped = tokenize_records(records, tokenizer, cfg.seq_length)
+    if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                          f"{source.config.vocab_size}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed), skipped
+
+
+# --- the run ---------------------------------------------------------------------------------
+class Trainer:
+    """Everything one rank owns: its stages and stores, its action list, the executor."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.device = pick_device(cfg.device, env)
+        self.dtype = compute_dtype(cfg, self.device)
+        if self.device.type == "cuda" and cfg.gpu_memory_gb:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_gb * 2**30 / total), self.device)
+        self.source = resolve_model(cfg)
+        hf = self.source.config
+        S = cfg.num_stages
+        if S > hf.num_hidden_layers + 2:
+            raise ConfigError(f"num_stages ({S}) exceeds the model's decoder layers + 2 "
+                              f"({hf.num_hidden_layers} + 2); use fewer stages")
+        self.mapping = sched.round_robin(S, env.world_size)
+        self.loss_rank = self.mapping[-1]
+        self.log = Log(env.rank, speaker=self.loss_rank)
+        self.stream, skipped = build_stream(cfg, self.source)
+        if skipped:
+            self.log.info(f"data: skipped {skipped} unusable rows")
+        self.schedule = sched.build(cfg.schedule, S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
+                                    prefetch=cfg.use_prefetch, clip=cfg.grad_clip > 0)
+        if cfg.debug_schedule and env.rank == 0:
+            print(sched.format_schedule(self.schedule), flush=True)
+        self.actions = self.schedule[env.rank]
+
+        # Only this rank's stages are ever built.
+        self.parts = partition_layers(hf.num_hidden_layers, S)
+        self.stage_ids = sched.stages_of(env.rank, self.mapping)
+        torch.manual_seed(cfg.seed)
+        streams, pool = Streams(self.device), BufferPool(self.device)
+        self.stages, self.stores = {}, {}
+        fused = self.device.type == "cuda" or cfg.use_offload
+        for s in self.stage_ids:
+            stage = build_stage(hf, s, S, self.parts[s], model_dir=self.source.weights_dir, seed=cfg.seed,
+                                checkpointing=cfg.activation_checkpointing, init_device=self.device)
+            stage.rotary_emb.to(self.device)
+            self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
+                                        optim=optim_settings(cfg, fused=fused), streams=streams, pool=pool)
+            self.stages[s] = stage
+        threads = None
+        if cfg.use_offload:
+            n = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
+            # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
+            threads = ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=torch.set_num_threads,
+                                         initargs=(n,))
+        from pipeline.comm import P2P
+
+        self.p2p = P2P(self.mapping)
+        self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
+                                 dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
+                                 optimizer_threads=threads)
+        self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
+
+    def microbatches(self, batch) -> list[MicroBatch]:
+        return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device))
+                for mb in batch.microbatches(self.cfg.num_chunks)]
+
+    def train(self) -> list[dict]:
+        cfg, history = self.cfg, []
+        self.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
+                      f"{self.env.world_size} processes ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
+                      f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
+        for it in range(cfg.num_iterations):
+            batch = self.stream.next_batch()
+            t0 = time.perf_counter()
+            res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host sync: end of iteration, for honest timing
+            dt = time.perf_counter() - t0
+            tokens = batch.input_ids.numel()
+            row = {"iteration": it, "time_s": dt, "tokens_per_s": tokens / dt, "loss": res.loss,
+                   "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": self.peak_memory(),
+                   "tflops_per_gpu": self.flops_per_token * tokens / dt / self.env.world_size / 1e12,
+                   **self.device_stats()}
+            history.append(row)
+            if res.loss is not None:
+                gn = "n/a" if res.grad_norm is None else f"{res.grad_norm:.4f}"
+                self.log.info(f"step {it + 1:5d}/{cfg.num_iterations} loss {res.loss:.4f} grad_norm {gn} "
+                              f"lr {row['lr']:.3g} tok/s {row['tokens_per_s']:.0f} step_time {dt:.3f}s")
+        self.executor.finish()
+        return history
+
+    def device_stats(self) -> dict:
+        """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""
+        out = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.device.type == "cuda":
+            out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            totals = {"h2d": [0, 0.0], "d2h": [0, 0.0]}
+            for store in self.stores.values():
+                for kind, (nbytes, secs) in store.pop_transfer_stats().items():
+                    totals[kind][0] += nbytes
+                    totals[kind][1] += secs
+            for kind, (nbytes, secs) in totals.items():
+                out[f"{kind}_bytes"], out[f"{kind}_seconds"] = nbytes, secs
+        return out
+
+    def peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: peak RSS of the process
+
+    def save(self, history: list[dict]) -> None:
+        cfg = self.cfg
+        out = Path(cfg.save_dir)
+        if cfg.save_model:
+            checkpoint.save_hf_model(out / "model", self.stores, self.source, self.env, cfg.num_stages)
+            self.log.info(f"saved Hugging Face model to {out / 'model'}")
+        if cfg.save_params:
+            checkpoint.save_params(out / "params.pt", self.stores, self.env)
+            self.log.info(f"saved parameters to {out / 'params.pt'}")
+        if cfg.save_results:
+            per_rank = gather_objects(history)
+            if self.env.rank == 0:
+                rows = []
+                for i in range(len(history)):
+                    loss_row = per_rank[self.loss_rank][i]
+                    rows.append({**{k: loss_row[k] for k in ("iteration", "time_s", "tokens_per_s", "tflops_per_gpu",
+                                                              "loss", "grad_norm", "lr")},
+                                 "peak_mem_bytes": [h[i]["peak_mem_bytes"] for h in per_rank],
+                                 "per_rank": [{k: v for k, v in h[i].items() if k.endswith(("_bytes", "_seconds"))}
+                                              for h in per_rank]})
+                checkpoint.write_json_atomic(Path(cfg.save_results),
+                                             {"config": cfg.to_dict(), "world_size": self.env.world_size,
+                                              "iterations": rows})
+        barrier()
+
+
+def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
+    check_config(cfg, env.world_size)
+    ensure_generated_model(cfg, env)
+    trainer = Trainer(cfg, env)
+    history = trainer.train()
+    trainer.save(history)
+    return history
+
+
+__all__ = ["Trainer", "train", "check_config", "resolve_model"]

@@ -1,0 +1,32 @@
+"""Pipeline schedules as plain data: IR, generators, lowering passes, validator, simulator.
+
+Pure Python: nothing here imports torch.
+"""
+from schedule.generate import SCHEDULE_NAMES, generate, list_schedule
+from schedule.ir import Action, Op, Schedule, channel, format_schedule, peer_recv, round_robin, stages_of
+from schedule.lower import add_load_offload, add_optimizer, add_send_recv, build, stage_intervals
+from schedule.validate import ScheduleError, SimResult, format_grid, simulate, validate
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "add_load_offload",
+    "add_optimizer",
+    "add_send_recv",
+    "build",
+    "channel",
+    "format_grid",
+    "format_schedule",
+    "generate",
+    "list_schedule",
+    "peer_recv",
+    "round_robin",
+    "simulate",
+    "stage_intervals",
+    "stages_of",
+    "validate",
+]

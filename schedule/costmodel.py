@@ -1,0 +1,264 @@
+"""Predict the step time of a lowered schedule on a given GPU topology (pure, no torch).
+
+An event-driven simulation of the executor (``pipeline/executor.py`` with ``offload/store.py``):
+
+* Each rank runs its list in order on one compute lane. F/B of stage ``s`` take the given
+  seconds and start once the rank reached them, the stage's latest LOAD has completed and
+  the producer finished (``F(s-1, m)``, ``B(s+1, m)``, or ``F(last, m)`` for the last
+  backward), plus ``p2p_latency_s`` when the producer is on another rank. SEND, RECV and
+  DROP take no time.
+* LOAD (host -> device, ``stage_bytes[s]``) and OFFLOAD (device -> host, the gradients)
+  are asynchronous: issued when the compute lane reaches them, started once the rank's
+  previous transfer in the same direction finished (one copy stream per direction), and
+  done when their bytes went through. Transfers of GPUs under one root group, in one
+  direction, share the root's bandwidth max-min fairly (each also capped by its own link),
+  re-divided whenever a transfer starts or ends. The two directions do not interfere.
+* STEP runs on the rank's CPU lane (the optimizer thread) for ``step_s`` once the stage's
+  OFFLOAD completed; a later LOAD of that stage blocks the rank until the step is done.
+* NORM is a barrier across ranks that also waits for each rank's offloads (the host reads
+  the gradients), then takes ``norm_s``.
+
+Issuing a transfer when the compute lane reaches it is conservative: the real host thread
+runs ahead of the GPU, so a copy can start up to one compute earlier.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from schedule.ir import COMPUTE_OPS, Action, Op, Schedule
+
+_EPS = 1e-9  # seconds: events closer than this are simultaneous
+
+
+@dataclass
+class Prediction:
+    """Predicted timing of one iteration.
+
+    Attributes:
+        step_time: time at which the last action (compute, transfer or optimizer step) ends.
+        timeline: per rank, ``(start, end, action)`` of every action, sorted by start.
+        bubble_fraction: ``1 - total F/B time / (num_ranks * step_time)``.
+        exposed_transfer_s: per rank, compute-lane time spent waiting on transfers (a LOAD
+            before F/B, offloads before NORM).
+    """
+
+    step_time: float
+    timeline: dict[int, list[tuple[float, float, Action]]]
+    bubble_fraction: float
+    exposed_transfer_s: dict[int, float] = field(default_factory=dict)
+
+    def events(self) -> list[dict]:
+        """The timeline as event dicts (the format ``pipeline/timeline.py`` writes)."""
+        return [{"rank": r, "name": str(a), "op": a.op.value, "stage": a.stage, "mb": a.mb, "start": s, "end": e}
+                for r, rows in sorted(self.timeline.items()) for s, e, a in rows]
+
+
+@dataclass
+class _Transfer:
+    rank: int
+    action: Action
+    key: tuple[int, str]  # (root group, direction)
+    cap: float            # bytes/s of the GPU's own link
+    left: float           # bytes still to move
+    start: float = math.nan
+    rate: float = 0.0
+
+
+def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
+    return float(value) if isinstance(value, (int, float)) else float(value[i])
+
+
+def producer(a: Action, num_stages: int) -> Action | None:
+    """The compute whose output ``a`` consumes (None for a first-stage forward)."""
+    if a.op is Op.FORWARD:
+        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
+    if a.stage == num_stages - 1:
+        return Action(a.stage, Op.FORWARD, a.mb)
+    return Action(a.stage + 1, Op.BACKWARD, a.mb)
+
+
+def predict(
+    schedule: Schedule,
+    mapping: list[int],
+    gpu_of_rank: list[int],
+    groups: list[int],
+    stage_compute_s: Mapping[int, tuple[float, float]],
+    stage_bytes: Sequence[int],
+    link_gbps: float | Sequence[float],
+    root_gbps: float | Mapping[int, float],
+    *,
+    offload_bytes: Sequence[int] | None = None,
+    step_s: float = 0.0,
+    norm_s: float = 0.0,
+    p2p_latency_s: float = 0.0,
+) -> Prediction:
+    """Simulate one iteration of ``schedule``; see the module docstring for the semantics.
+
+    Args:
+        schedule: lowered per-rank action lists.
+        mapping: ``mapping[s]`` is the rank of stage ``s``.
+        gpu_of_rank: physical GPU (index into ``groups``) that rank ``r`` runs on.
+        groups: root group of each physical GPU.
+        stage_compute_s: ``{stage: (forward s, backward s)}`` per micro-batch.
+        stage_bytes: bytes a LOAD of each stage moves; OFFLOAD moves ``offload_bytes``
+            (default the same: gradients in the compute dtype).
+        link_gbps: GB/s of each GPU's own link (one value, or one per physical GPU).
+        root_gbps: GB/s of a root group per direction (one value, or ``{group: GB/s}``).
+    """
+    num_stages = len(mapping)
+    if len(stage_bytes) != num_stages:
+        raise ValueError(f"stage_bytes has {len(stage_bytes)} entries for {num_stages} stages")
+    off_bytes = stage_bytes if offload_bytes is None else offload_bytes
+    missing = [s for s in range(num_stages) if s not in stage_compute_s]
+    if missing:
+        raise ValueError(f"stage_compute_s has no (forward, backward) seconds for stages {missing}")
+    ranks = sorted(schedule)
+    pc = {r: 0 for r in ranks}
+    ready = {r: 0.0 for r in ranks}        # when the rank reached (or reaches) its next action
+    cpu_free = {r: 0.0 for r in ranks}
+    exposed = {r: 0.0 for r in ranks}
+    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}
+    done: dict[Action, float] = {}         # compute action -> end
+    load_done: dict[int, float] = {}       # stage -> end of its latest LOAD (inf while moving)
+    offload_done: dict[int, float] = {}
+    step_end: dict[int, float] = {}
+    steps: dict[int, deque] = {r: deque() for r in ranks}  # (stage, issue time) waiting for the CPU lane
+    norm_at: dict[int, float] = {}
+    lanes: dict[tuple[int, str], deque] = {}
+    busy: set[tuple[int, str]] = set()
+    active: list[_Transfer] = []
+    now = 0.0
+
+    def reshare() -> None:
+        """Max-min fair rates per (root, direction): equal shares, capped by each link."""
+        by_key: dict[tuple[int, str], list[_Transfer]] = {}
+        for t in active:
+            by_key.setdefault(t.key, []).append(t)
+        for (root, _), ts in by_key.items():
+            left, n = _per(root_gbps, root) * 1e9, len(ts)
+            for t in sorted(ts, key=lambda t: t.cap):
+                t.rate = min(t.cap, left / n)
+                left, n = left - t.rate, n - 1
+
+    def start_lane(r: int, direction: str) -> None:
+        q = lanes.get((r, direction))
+        if (r, direction) not in busy and q:
+            t = q.popleft()
+            t.start = now
+            active.append(t)
+            busy.add((r, direction))
+
+    def enqueue(r: int, a: Action, nbytes: float, direction: str) -> None:
+        gpu = gpu_of_rank[r]
+        t = _Transfer(r, a, (groups[gpu], direction), _per(link_gbps, gpu) * 1e9, float(nbytes))
+        if not (t.cap > 0 and _per(root_gbps, t.key[0]) > 0):
+            raise ValueError(f"GPU {gpu}: link_gbps ({_per(link_gbps, gpu)}) and root_gbps of group {t.key[0]} "
+                             f"({_per(root_gbps, t.key[0])}) must be > 0")
+        lanes.setdefault((r, direction), deque()).append(t)
+        start_lane(r, direction)
+
+    def issue(r: int) -> bool:
+        """Try to run rank ``r``'s next action at ``now``; False if it must wait."""
+        a = schedule[r][pc[r]]
+        s = a.stage
+        if a.op in COMPUTE_OPS:
+            dep = producer(a, num_stages)
+            if dep is not None and dep not in done:
+                return False
+            dep_t = 0.0 if dep is None else done[dep] + (p2p_latency_s if mapping[dep.stage] != r else 0.0)
+            load_t = load_done.get(s, 0.0)
+            if math.isinf(load_t):
+                return False
+            start = max(now, dep_t, load_t)
+            exposed[r] += max(0.0, load_t - max(ready[r], dep_t))  # ready[r]: when the rank got here
+            end = start + stage_compute_s[s][0 if a.op is Op.FORWARD else 1]
+            done[a] = end
+            ready[r] = end
+            timeline[r].append((start, end, a))
+        elif a.op is Op.LOAD:
+            need = step_end.get(s, 0.0)
+            if need > now + _EPS:  # host wait for the optimizer thread (inf: not even started)
+                ready[r] = need if math.isfinite(need) else ready[r]
+                return False
+            load_done[s] = math.inf
+            enqueue(r, a, stage_bytes[s], "h2d")
+        elif a.op is Op.OFFLOAD:
+            offload_done[s] = math.inf
+            enqueue(r, a, off_bytes[s], "d2h")
+        elif a.op is Op.STEP:
+            step_end[s] = math.inf
+            steps[r].append((s, now))
+        elif a.op is Op.NORM:
+            norm_at.setdefault(r, ready[r])
+            return False  # released by release_norm
+        else:  # SEND / RECV / DROP: issued, no lane time
+            timeline[r].append((now, now, a))
+        if a.op not in COMPUTE_OPS:
+            ready[r] = max(ready[r], now)
+        pc[r] += 1
+        return True
+
+    def pump_steps() -> bool:
+        moved = False
+        for r in ranks:
+            while steps[r] and math.isfinite(offload_done.get(steps[r][0][0], 0.0)):
+                s, issued = steps[r].popleft()
+                start = max(issued, cpu_free[r], offload_done.get(s, 0.0))
+                step_end[s] = cpu_free[r] = start + step_s
+                timeline[r].append((start, step_end[s], Action(s, Op.STEP)))
+                moved = True
+        return moved
+
+    def release_norm() -> bool:
+        if len(norm_at) < len(ranks):
+            return False
+        own = {r: max([t for s, t in offload_done.items() if mapping[s] == r], default=0.0) for r in ranks}
+        if any(math.isinf(t) for t in own.values()):
+            return False
+        t = max(max(norm_at[r], own[r]) for r in ranks)
+        for r in ranks:
+            exposed[r] += max(0.0, own[r] - norm_at[r])
+            timeline[r].append((norm_at[r], t + norm_s, schedule[r][pc[r]]))
+            ready[r] = t + norm_s
+            pc[r] += 1
+        norm_at.clear()
+        return True
+
+    while True:
+        progressed = True
+        while progressed:
+            progressed = False
+            for r in ranks:
+                while pc[r] < len(schedule[r]) and ready[r] <= now + _EPS and issue(r):
+                    progressed = True
+            progressed = pump_steps() or progressed
+            progressed = release_norm() or progressed
+        if all(pc[r] == len(schedule[r]) for r in ranks) and not active and not any(steps.values()):
+            break
+        reshare()
+        candidates = [ready[r] for r in ranks if pc[r] < len(schedule[r]) and ready[r] > now + _EPS]
+        candidates += [now + t.left / t.rate for t in active if t.rate > 0]
+        if not candidates:
+            stuck = {r: str(schedule[r][pc[r]]) for r in ranks if pc[r] < len(schedule[r])}
+            raise ValueError(f"cost model deadlocked at t={now:.6g}s: next action per waiting rank {stuck}; "
+                             f"validate the schedule first (schedule.validate)")
+        t_next = min(candidates)
+        for t in active:
+            t.left -= t.rate * (t_next - now)
+        now = t_next
+        finished = [t for t in active if t.left <= t.rate * _EPS]
+        for t in finished:
+            active.remove(t)
+            busy.discard((t.rank, t.key[1]))
+            (load_done if t.action.op is Op.LOAD else offload_done)[t.action.stage] = now
+            timeline[t.rank].append((t.start, now, t.action))
+            start_lane(t.rank, t.key[1])
+    step_time = max((e for rows in timeline.values() for _, e, _ in rows), default=0.0)
+    busy_s = sum(e - s for rows in timeline.values() for s, e, a in rows if a.op in COMPUTE_OPS)
+    bubble = 1.0 - busy_s / (len(ranks) * step_time) if step_time > 0 else 0.0
+    for rows in timeline.values():
+        rows.sort(key=lambda x: (x[0], x[1]))
+    return Prediction(step_time, timeline, bubble, exposed)

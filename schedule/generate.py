@@ -1,0 +1,181 @@
+"""Schedule generators: the compute-only order (F and B actions) of every rank.
+
+All schedules come from one list-scheduling engine, a small discrete simulation with
+forward cost 1 and backward cost 2. Each rank has a fixed forward order, a fixed backward
+order and a warm-up count ``W``; whenever it is idle it takes its next forward while at most
+``W`` forwards are in flight (forward done, backward not yet), else its next backward. A
+rank whose preferred action is not ready waits, or in the 1F1B family runs a ready backward
+instead of a forward that is not ready (it would idle, and a backward only frees memory).
+Steady state is strict: at most ``W + 1`` forwards (and their activations) are ever in
+flight, as in the real schedules. With a partial last group of micro-batches the strict
+Megatron order would stall; the backfill rule is what keeps any ``M >= 1`` working.
+
+The schedules differ only in their orders and warm-up counts:
+
+* ``gpipe``: forwards stage by stage, then backwards stage by stage; ``W`` = all forwards.
+* ``interleaved``: Megatron's interleaved 1F1B; micro-batches in groups of ``N`` (ranks),
+  chunk-major inside a group, ``W_r = 2 (N - r - 1) + (v - 1) N``.
+* ``1f1b``: the same with one group of all ``M`` micro-batches (breadth-first / looped
+  1F1B); with one stage per rank both are classic 1F1B, ``W_r = N - r - 1``.
+"""
+from __future__ import annotations
+
+import math
+
+from schedule.ir import Action, Op, Schedule, round_robin, stages_of
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+# Costs the engine orders by; the simulator in validate.py uses the same defaults.
+FORWARD_COST = 1.0
+BACKWARD_COST = 2.0
+
+
+def check_mapping(num_stages: int, mapping: list[int]) -> int:
+    """Return the number of ranks of a stage -> rank mapping, or raise if it is malformed."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages ({num_stages}) must be >= 1")
+    if len(mapping) != num_stages:
+        raise ValueError(f"mapping has {len(mapping)} entries ({mapping}) but num_stages is {num_stages}")
+    num_ranks = max(mapping) + 1
+    idle = [r for r in range(num_ranks) if r not in mapping]
+    if min(mapping) < 0 or idle:
+        raise ValueError(f"mapping {mapping} must give every rank 0..{num_ranks - 1} at least one stage; "
+                         f"ranks without a stage: {idle}")
+    return num_ranks
+
+
+def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[int] | None = None) -> Schedule:
+    """Compute-only schedule (F and B actions) of every rank.
+
+    Args:
+        name: one of ``SCHEDULE_NAMES``.
+        num_stages: number of pipeline stages (virtual stages included).
+        num_microbatches: micro-batches per iteration, >= 1.
+        mapping: ``mapping[s]`` is the rank of stage ``s``; default one stage per rank. For
+            virtual stages pass ``round_robin(num_stages, world_size)``.
+
+    Returns:
+        ``{rank: [Action, ...]}``; a rank's chunks are its stages in ascending order.
+    """
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULE_NAMES)}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches ({num_microbatches}) must be >= 1")
+    if mapping is None:
+        mapping = round_robin(num_stages, num_stages)
+    num_ranks = check_mapping(num_stages, mapping)
+    # A rank's place in the pipeline is the order of its first stage (rank r under round-robin).
+    firsts = sorted(range(num_ranks), key=lambda r: stages_of(r, mapping)[0])
+    position = {r: i for i, r in enumerate(firsts)}
+
+    f_orders, b_orders, warmups = {}, {}, {}
+    for r in range(num_ranks):
+        stages = stages_of(r, mapping)
+        num_chunks = len(stages)
+        group = num_ranks if name == "interleaved" else num_microbatches
+        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group)
+        total = len(f_orders[r])
+        if name == "gpipe":
+            warmups[r] = total
+        elif num_chunks == 1:
+            warmups[r] = min(total, num_ranks - position[r] - 1)
+        else:
+            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group)
+    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe")
+
+
+def _grouped_orders(stages: list[int], num_microbatches: int, group: int) -> tuple[list[Action], list[Action]]:
+    """Forward and backward orders: micro-batch groups in turn, chunk-major inside a group."""
+    forwards, backwards = [], []
+    for first in range(0, num_microbatches, group):
+        mbs = range(first, min(first + group, num_microbatches))
+        forwards += [Action(s, Op.FORWARD, m) for s in stages for m in mbs]
+        backwards += [Action(s, Op.BACKWARD, m) for s in reversed(stages) for m in mbs]
+    return forwards, backwards
+
+
+def list_schedule(
+    f_orders: dict[int, list[Action]],
+    b_orders: dict[int, list[Action]],
+    warmups: dict[int, int],
+    num_stages: int,
+    backfill: bool = True,
+) -> Schedule:
+    """Merge each rank's forward and backward orders by simulating the pipeline.
+
+    An idle rank takes its next forward while at most ``warmups[r]`` forwards are in flight,
+    else its next backward, and waits if that one is not ready. With ``backfill`` a rank whose
+    next forward is not ready takes its next backward instead when that one is ready (it would
+    idle otherwise, and a backward only frees memory). If every rank waits (a warm-up count too
+    small for an unusual mapping), the smallest relaxation is made: idle ranks take a ready
+    backward, or else the lowest idle rank takes a ready extra forward. This cannot stall when
+    the orders are consistent with one global order, as those built here are.
+
+    Raises:
+        ValueError: the orders are inconsistent (every rank waits and nothing is ready).
+    """
+    done: dict[Action, float] = {}  # compute action -> finish time
+    out: Schedule = {r: [] for r in f_orders}
+    nf = {r: 0 for r in f_orders}
+    nb = {r: 0 for r in f_orders}
+    free = {r: 0.0 for r in f_orders}
+    now = 0.0
+
+    def dep(a: Action) -> Action | None:
+        if a.op is Op.FORWARD:
+            return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
+        if a.stage == num_stages - 1:
+            return Action(a.stage, Op.FORWARD, a.mb)
+        return Action(a.stage + 1, Op.BACKWARD, a.mb)
+
+    def ready(a: Action | None) -> bool:
+        if a is None:
+            return False
+        d = dep(a)
+        return d is None or done.get(d, math.inf) <= now
+
+    def next_f(r: int) -> Action | None:
+        return f_orders[r][nf[r]] if nf[r] < len(f_orders[r]) else None
+
+    def next_b(r: int) -> Action | None:
+        return b_orders[r][nb[r]] if nb[r] < len(b_orders[r]) else None
+
+    def start(r: int, a: Action) -> None:
+        if a.op is Op.FORWARD:
+            nf[r] += 1
+        else:
+            nb[r] += 1
+        free[r] = now + (FORWARD_COST if a.op is Op.FORWARD else BACKWARD_COST)
+        done[a] = free[r]
+        out[r].append(a)
+
+    def finished(r: int) -> bool:
+        return nf[r] == len(f_orders[r]) and nb[r] == len(b_orders[r])
+
+    while not all(finished(r) for r in out):
+        idle = [r for r in out if free[r] <= now and not finished(r)]
+        started = False
+        for r in idle:
+            f, b = next_f(r), next_b(r)
+            want_forward = f is not None and (b is None or nf[r] - nb[r] <= warmups[r])
+            a = f if want_forward else b
+            if backfill and want_forward and not ready(a) and ready(b):
+                a = b  # idle otherwise; a backward only frees memory
+            if ready(a):
+                start(r, a)
+                started = True
+        if not started and all(free[r] <= now for r in out):
+            # Every rank waits on another: relax the warm-up rule, backwards first (they free memory).
+            relaxed = [r for r in idle if ready(next_b(r))]
+            if not relaxed:
+                relaxed = [r for r in idle if ready(next_f(r))][:1]
+            if not relaxed:
+                waiting = {r: (next_f(r), next_b(r)) for r in idle}
+                raise ValueError(f"schedule engine stalled at time {now}: next (forward, backward) per rank "
+                                 f"{waiting}; the forward/backward orders are inconsistent")
+            for r in relaxed:
+                start(r, next_b(r) if ready(next_b(r)) else next_f(r))
+        busy = [free[r] for r in out if free[r] > now]
+        if busy:
+            now = min(busy)
+    return out

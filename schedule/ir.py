@@ -1,0 +1,127 @@
+"""The action IR: what one rank does, in order, during one training iteration.
+
+A schedule is plain data: ``dict[rank, list[Action]]``. Generators produce the compute
+actions (F and B); lowering passes insert communication, parameter movement and optimizer
+actions; the executor in ``pipeline/`` interprets the result without reordering it.
+
+An action prints compactly and parses back::
+
+    2F0        forward of stage 2 on micro-batch 0
+    2B3        backward of stage 2 on micro-batch 3
+    1SEND_F0   send stage 1's output activation of micro-batch 0 to the rank of stage 2
+    2RECV_F0   receive stage 2's input activation of micro-batch 0 from the rank of stage 1
+    2SEND_B0   send the gradient w.r.t. stage 2's input of micro-batch 0 to the rank of stage 1
+    1RECV_B0   receive the gradient w.r.t. stage 1's output of micro-batch 0
+    3L         load stage 3's parameters host -> device
+    3D         drop stage 3's device parameters (no copy back: they did not change)
+    3O         offload stage 3's gradients device -> host and free its device memory
+    3S         optimizer step of stage 3
+    NORM       all-reduce of the squared gradient norm across ranks (for global clipping)
+
+A micro-batch index is opaque to the IR: the data side decides which rows (or, for
+sequence-level pipelining, which slice of a sequence) it stands for.
+"""
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import NamedTuple
+
+
+class Op(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    LOAD = "L"
+    DROP = "D"
+    OFFLOAD = "O"
+    STEP = "S"
+    NORM = "NORM"
+
+
+COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD})
+COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
+RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
+# Ops that carry a micro-batch index; the others are per stage (or per rank for NORM).
+MICROBATCH_OPS = COMPUTE_OPS | COMM_OPS
+RANK_OPS = frozenset({Op.NORM})
+
+_ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|NORM|F|B|L|D|O|S)(\d*)$")
+
+
+class Action(NamedTuple):
+    """One step of a rank's program. ``stage`` is -1 for rank-level ops (NORM)."""
+
+    stage: int
+    op: Op
+    mb: int | None = None
+
+    def __str__(self) -> str:
+        if self.op in RANK_OPS:
+            return self.op.value
+        mb = "" if self.mb is None else str(self.mb)
+        return f"{self.stage}{self.op.value}{mb}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        m = _ACTION_RE.match(text.strip())
+        if m is None:
+            raise ValueError(f"cannot parse action {text!r}: expected e.g. '2F0', '1SEND_F3', '3L', 'NORM'")
+        stage, op, mb = m.group(1), Op(m.group(2)), m.group(3)
+        if op in RANK_OPS:
+            if stage or mb:
+                raise ValueError(f"cannot parse action {text!r}: {op.value} takes no stage or micro-batch")
+            return Action(-1, op)
+        if not stage:
+            raise ValueError(f"cannot parse action {text!r}: missing stage index")
+        if (op in MICROBATCH_OPS) != bool(mb):
+            need = "needs" if op in MICROBATCH_OPS else "takes no"
+            raise ValueError(f"cannot parse action {text!r}: {op.value} {need} a micro-batch index")
+        return Action(int(stage), op, int(mb) if mb else None)
+
+
+Schedule = dict[int, list[Action]]
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """One line per rank: ``rank 0: 0L 0F0 0F1 ...``."""
+    return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in sorted(schedule.items()))
+
+
+def round_robin(num_stages: int, world_size: int) -> list[int]:
+    """Default stage -> rank mapping: stage s runs on rank s % world_size (virtual stages)."""
+    return [s % world_size for s in range(num_stages)]
+
+
+def stages_of(rank: int, mapping: list[int]) -> list[int]:
+    """Stages owned by ``rank``, ascending."""
+    return [s for s, r in enumerate(mapping) if r == rank]
+
+
+def peer_recv(send: Action) -> Action:
+    """The RECV on the peer rank that matches ``send`` (named by the consumer's stage)."""
+    if send.op is Op.SEND_F:
+        return Action(send.stage + 1, Op.RECV_F, send.mb)
+    if send.op is Op.SEND_B:
+        return Action(send.stage - 1, Op.RECV_B, send.mb)
+    raise ValueError(f"peer_recv needs a SEND_F or SEND_B action, got {send}")
+
+
+def channel(a: Action, mapping: list[int]) -> tuple[int, int, str]:
+    """``(src_rank, dst_rank, kind)`` of a SEND or RECV; kind 'F' carries activations, 'B' gradients."""
+    if a.op is Op.SEND_F:
+        return mapping[a.stage], mapping[a.stage + 1], "F"
+    if a.op is Op.SEND_B:
+        return mapping[a.stage], mapping[a.stage - 1], "B"
+    if a.op is Op.RECV_F:
+        return mapping[a.stage - 1], mapping[a.stage], "F"
+    if a.op is Op.RECV_B:
+        return mapping[a.stage + 1], mapping[a.stage], "B"
+    raise ValueError(f"channel needs a SEND or RECV action, got {a}")

@@ -1,0 +1,243 @@
+"""Lowering passes: list -> list functions that turn a compute-only schedule into the
+program the executor runs. Each pass is pure and can be tested on its own; ``build`` chains
+them and validates the result.
+
+Order of the passes: ``add_send_recv`` -> ``add_load_offload`` (if offloading parameters)
+-> ``add_optimizer``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from schedule.generate import generate
+from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, channel, peer_recv, stages_of
+from schedule.validate import validate
+
+def send_of(a: Action) -> Action | None:
+    """The SEND that follows compute action ``a`` when its consumer is on another rank."""
+    if a.op is Op.FORWARD:
+        return Action(a.stage, Op.SEND_F, a.mb)
+    if a.op is Op.BACKWARD:
+        return Action(a.stage, Op.SEND_B, a.mb)
+    return None
+
+
+def _recv_for(a: Action) -> Action:
+    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb)
+
+
+def _remote_consumer(a: Action, mapping: list[int]) -> bool:
+    if a.op is Op.FORWARD:
+        return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
+    return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
+
+
+def _remote_producer(a: Action, mapping: list[int]) -> bool:
+    if a.op is Op.FORWARD:
+        return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
+    return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
+
+
+def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
+    """Insert SEND/RECV actions for every cross-rank activation and gradient.
+
+    A SEND goes right after the compute that produces the tensor. A RECV goes right before
+    the compute that consumes it, then moves earlier where needed so that on every channel
+    ``(src, dst, kind)`` receives are posted in the order of the sends (the channels are FIFO).
+    Neighbouring stages on one rank pass the tensor locally, with no communication.
+    """
+    base: Schedule = {}
+    for r, acts in schedule.items():
+        base[r] = []
+        for a in acts:
+            base[r].append(a)
+            if a.op in COMPUTE_OPS and _remote_consumer(a, mapping):
+                base[r].append(send_of(a))
+    # Per channel, the RECV each SEND expects, in the order the sends are issued.
+    send_seq: dict[tuple[int, int, str], list[Action]] = {}
+    for r in sorted(base):
+        for a in base[r]:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                send_seq.setdefault(channel(a, mapping), []).append(peer_recv(a))
+    out: Schedule = {}
+    for r, acts in base.items():
+        consumer_at = {}  # recv -> index in ``acts`` of the compute that needs it
+        for i, a in enumerate(acts):
+            if a.op in COMPUTE_OPS and _remote_producer(a, mapping):
+                consumer_at[_recv_for(a)] = i
+        placed = []  # (anchor index, channel, seq in channel, recv)
+        for ch, recvs in send_seq.items():
+            if ch[1] != r:
+                continue
+            anchor = len(acts)
+            # Walk backwards: a recv must be posted no later than any recv after it on the channel.
+            for k in range(len(recvs) - 1, -1, -1):
+                anchor = min(anchor, consumer_at.get(recvs[k], len(acts)))
+                placed.append((anchor, ch, k, recvs[k]))
+        placed.sort(key=lambda p: p[:3])
+        new, j = [], 0
+        for i, a in enumerate(acts + [None]):
+            while j < len(placed) and placed[j][0] == i:
+                new.append(placed[j][3])
+                j += 1
+            if a is not None:
+                new.append(a)
+        out[r] = new
+    return out
+
+
+class Interval(NamedTuple):
+    """A span of one stage's compute on a rank; first/last index its compute actions."""
+
+    stage: int
+    first: int
+    last: int
+    final: bool  # holds the stage's last backward: ends with OFFLOAD, not DROP
+
+
+def stage_intervals(actions: list[Action]) -> list[Interval]:
+    """Residency intervals of each stage in one rank's list, ordered by start.
+
+    A stage's forward span and backward span merge into one interval when they overlap or
+    when no other stage computes between them (dropping and reloading would be pure waste).
+    """
+    spans: dict[int, dict[Op, list[int]]] = {}
+    for i, a in enumerate(actions):
+        if a.op in COMPUTE_OPS:
+            spans.setdefault(a.stage, {}).setdefault(a.op, []).append(i)
+    intervals = []
+    for s, by_op in spans.items():
+        f, b = by_op.get(Op.FORWARD), by_op.get(Op.BACKWARD)
+        if f and b:
+            between = {actions[i].stage for i in range(f[-1] + 1, b[0]) if actions[i].op in COMPUTE_OPS}
+            if b[0] < f[-1] or not between:
+                intervals.append(Interval(s, f[0], b[-1], True))
+                continue
+        if f:
+            intervals.append(Interval(s, f[0], f[-1], b is None))
+        if b:
+            intervals.append(Interval(s, b[0], b[-1], True))
+    return sorted(intervals, key=lambda iv: iv.first)
+
+
+def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool) -> Schedule:
+    """Insert parameter LOAD / DROP / OFFLOAD actions around each stage's residency intervals.
+
+    LOAD goes before an interval, DROP after a forward-only interval (the parameters did not
+    change, so no copy back), OFFLOAD after a stage's final interval (after its last backward
+    and that backward's SEND). Without prefetch a LOAD sits right before the interval's first
+    compute. With prefetch, interval k's LOAD moves up to where interval k-1 starts (before the
+RECV of its first compute),
+    but not before interval k-2 (or an earlier interval of the same stage) has been dropped,
+    so its copy overlaps compute and at most two intervals' parameters are resident at once;
+    the first interval loads at the start of the list. A DROP immediately followed by a LOAD
+    of the same stage cancels out: the parameters just stay resident.
+    """
+    out: Schedule = {}
+    for r, acts in schedule.items():
+        intervals = stage_intervals(acts)
+        inserts: list[tuple[int, int, int, Action]] = []  # (gap, D/O before L, order, action)
+        end_gap, start_gap = [], []
+        for k, iv in enumerate(intervals):
+            first = acts[iv.first]
+            leading_recv = iv.first > 0 and acts[iv.first - 1] == _recv_for(first)
+            start_gap.append(iv.first - 1 if leading_recv else iv.first)
+            gap = iv.last + 1
+            if gap < len(acts) and acts[gap] == send_of(acts[iv.last]):
+                gap += 1  # release after the SEND has been issued from the output
+            end_gap.append(gap)
+            inserts.append((gap, 0, k, Action(iv.stage, Op.OFFLOAD if iv.final else Op.DROP)))
+        for k, iv in enumerate(intervals):
+            if not prefetch:
+                gap = iv.first
+            elif k == 0:
+                gap = 0
+            else:
+                gap = start_gap[k - 1]
+                if k >= 2:
+                    gap = max(gap, end_gap[k - 2])
+                same = [end_gap[j] for j in range(k) if intervals[j].stage == iv.stage]
+                gap = min(max([gap] + same), iv.first)
+            inserts.append((gap, 1, k, Action(iv.stage, Op.LOAD)))
+        inserts.sort(key=lambda x: x[:3])
+        new, j = [], 0
+        for i, a in enumerate(acts + [None]):
+            gap_actions = []
+            while j < len(inserts) and inserts[j][0] == i:
+                gap_actions.append(inserts[j][3])
+                j += 1
+            for s in {x.stage for x in gap_actions if x.op is Op.DROP}:
+                if Action(s, Op.LOAD) in gap_actions:
+                    gap_actions.remove(Action(s, Op.DROP))
+                    gap_actions.remove(Action(s, Op.LOAD))
+            new += gap_actions
+            if a is not None:
+                new.append(a)
+        out[r] = new
+    return out
+
+
+def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: bool) -> Schedule:
+    """Insert optimizer STEP actions (and one NORM per rank when clipping).
+
+    Without clipping a stage steps as soon as its gradients are final: right after its last
+    backward, that backward's SEND and (when offloading) its OFFLOAD. With clipping every rank
+    first finishes all its work, then NORM (a collective over all ranks: the global gradient
+    norm must be known before any step), then steps its stages in the order they finished.
+    """
+    out: Schedule = {}
+    for r, acts in schedule.items():
+        last_b = {a.stage: i for i, a in enumerate(acts) if a.op is Op.BACKWARD}
+        stages = sorted(last_b, key=last_b.get)
+        missing = [s for s in stages_of(r, mapping) if s not in last_b]
+        if missing:
+            raise ValueError(f"rank {r}: stages {missing} have no backward; cannot place their STEP")
+        if clip:
+            out[r] = list(acts) + [Action(-1, Op.NORM)] + [Action(s, Op.STEP) for s in stages]
+            continue
+        after: dict[int, int] = {}  # index of the action a STEP follows -> stage
+        for s, i in last_b.items():
+            followers = {send_of(acts[i])} | ({Action(s, Op.OFFLOAD)} if offload else set())
+            while i + 1 < len(acts) and acts[i + 1] in followers:
+                i += 1
+            if offload and acts[i] != Action(s, Op.OFFLOAD):
+                raise ValueError(f"rank {r}: offload=True but stage {s}'s last backward is not followed by "
+                                 f"{s}O (got {acts[i]}); run add_load_offload first")
+            after[i] = s
+        new = []
+        for i, a in enumerate(acts):
+            new.append(a)
+            if i in after:
+                new.append(Action(after[i], Op.STEP))
+        out[r] = new
+    return out
+
+
+def build(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    mapping: list[int],
+    *,
+    offload: bool,
+    prefetch: bool,
+    clip: bool,
+) -> Schedule:
+    """Generate, lower and validate the full program of every rank.
+
+    Args:
+        name: schedule name, see ``generate``.
+        num_stages: pipeline stages (virtual stages included).
+        num_microbatches: micro-batches per iteration.
+        mapping: ``mapping[s]`` is the rank of stage ``s``.
+        offload: keep parameters on the host and load them per residency interval.
+        prefetch: issue each LOAD one interval early (only meaningful with ``offload``).
+        clip: global gradient-norm clipping (adds one NORM per rank before the steps).
+    """
+    schedule = generate(name, num_stages, num_microbatches, mapping)
+    schedule = add_send_recv(schedule, mapping)
+    if offload:
+        schedule = add_load_offload(schedule, mapping, prefetch)
+    schedule = add_optimizer(schedule, mapping, clip=clip, offload=offload)
+    validate(schedule, mapping, num_stages, num_microbatches)
+    return schedule

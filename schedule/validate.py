@@ -1,0 +1,448 @@
+"""Check a schedule before any process runs it: static rules, then a simulation of the
+executor that finds channel-order mismatches and deadlocks.
+
+Executor contract modelled here (each rank runs its list strictly in order):
+
+* SEND/RECV are non-blocking when issued. Messages travel on FIFO channels keyed
+  ``(src_rank, dst_rank, kind)``, kind 'F' (activations) or 'B' (gradients): the k-th SEND
+  on a channel matches the k-th RECV on it, and both must name the same tensor.
+* A RECV completes once its SEND has been issued and every earlier message on the channel
+  completed; a SEND completes once its RECV has been posted (rendezvous).
+* F(s, m) / B(s, m) block until the RECV they consume has completed.
+* At the end of its list a rank blocks until all its SENDs completed.
+* NORM is a collective: it blocks until every rank has reached its NORM.
+* With parameter offload (any LOAD in the schedule) a stage computes only while resident:
+  after a LOAD and before the next DROP / OFFLOAD.
+
+Every error is a ``ScheduleError`` whose message names the values and ends with the rank x
+step grid, the faulty cells marked ``>>like this<<``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, NamedTuple, NoReturn
+
+from schedule.ir import COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, peer_recv
+
+Cell = tuple[int, int]  # (rank, step index); step == len(list) means "the end of the list"
+_GRID_COLUMNS = 16  # steps per block of the grid, so long schedules stay readable
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule; the message carries the values and the marked grid."""
+
+
+@dataclass
+class SimResult:
+    """Timing of a simulated iteration.
+
+    Attributes:
+        timeline: per rank, ``(start, end, action)`` in list order.
+        makespan: time at which the last rank finishes.
+        bubble_fraction: ``1 - total compute time / (num_ranks * makespan)``.
+    """
+
+    timeline: dict[int, list[tuple[float, float, Action]]]
+    makespan: float
+    bubble_fraction: float
+
+
+def default_cost(a: Action) -> float:
+    """F costs 1, B costs 2, everything else 0."""
+    return {Op.FORWARD: 1.0, Op.BACKWARD: 2.0}.get(a.op, 0.0)
+
+
+def format_grid(schedule: Schedule, mark: Iterable[Cell] | Cell | None = None) -> str:
+    """Rank x step grid of a schedule, one row per rank, marked cells shown ``>>2F0<<``."""
+    if isinstance(mark, tuple) and len(mark) == 2 and all(isinstance(x, int) for x in mark):
+        mark = [mark]
+    marks = set(mark or ())
+    ranks = sorted(schedule)
+    cells = {r: [str(a) for a in schedule[r]] for r in ranks}
+    for r, i in sorted(marks):
+        if r not in cells:
+            continue
+        if i >= len(cells[r]):
+            cells[r] += [""] * (i - len(cells[r])) + ["<end>"]
+        cells[r][i] = f">>{cells[r][i]}<<"
+    num_cols = max([len(c) for c in cells.values()] + [0])
+    label = max([len(f"rank {r}") for r in ranks] + [4])
+    blocks = []
+    for lo in range(0, max(num_cols, 1), _GRID_COLUMNS):
+        cols = range(lo, min(lo + _GRID_COLUMNS, num_cols))
+        width = {j: max([len(str(j))] + [len(cells[r][j]) for r in ranks if j < len(cells[r])]) for j in cols}
+        lines = ["step".ljust(label) + " | " + " ".join(str(j).ljust(width[j]) for j in cols)]
+        for r in ranks:
+            row = " ".join((cells[r][j] if j < len(cells[r]) else "").ljust(width[j]) for j in cols)
+            lines.append(f"rank {r}".ljust(label) + " | " + row)
+        blocks.append("\n".join(line.rstrip() for line in lines))
+    return "\n\n".join(blocks)
+
+
+def _fail(schedule: Schedule, message: str, marks: Iterable[Cell] = ()) -> NoReturn:
+    raise ScheduleError(f"{message}\n{format_grid(schedule, list(marks))}")
+
+
+def _remote_producer(a: Action, mapping: list[int]) -> bool:
+    """Whether compute ``a`` consumes a tensor made on another rank (so needs a RECV)."""
+    if a.op is Op.FORWARD:
+        return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
+    return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
+
+
+def _has_peer(a: Action, mapping: list[int]) -> bool:
+    """Whether a SEND / RECV connects its stage to a neighbouring stage on another rank."""
+    s = a.stage
+    if a.op in (Op.SEND_F, Op.RECV_B):
+        return s + 1 < len(mapping) and mapping[s + 1] != mapping[s]
+    return s > 0 and mapping[s - 1] != mapping[s]
+
+
+def _producer(a: Action, num_stages: int) -> Action | None:
+    """The compute whose output ``a`` consumes (None for the first forward)."""
+    if a.op is Op.FORWARD:
+        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
+    if a.stage == num_stages - 1:
+        return Action(a.stage, Op.FORWARD, a.mb)
+    return Action(a.stage + 1, Op.BACKWARD, a.mb)
+
+
+def _recv_for(a: Action) -> Action:
+    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb)
+
+
+def _send_for(a: Action) -> Action:
+    return Action(a.stage, Op.SEND_F if a.op is Op.FORWARD else Op.SEND_B, a.mb)
+
+
+def validate(
+    schedule: Schedule,
+    mapping: list[int],
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    compute_only: bool = False,
+) -> None:
+    """Raise ``ScheduleError`` unless ``schedule`` is a correct program for the executor.
+
+    Args:
+        schedule: ``{rank: [Action, ...]}``.
+        mapping: ``mapping[s]`` is the rank of stage ``s``.
+        num_stages: number of stages; every (stage, micro-batch) needs one F and one B.
+        num_microbatches: number of micro-batches.
+        compute_only: check a generator's output (F and B only, communication implicit, no
+            optimizer actions) instead of a fully lowered program.
+    """
+    S, M = num_stages, num_microbatches
+    if len(mapping) != S:
+        raise ScheduleError(f"mapping has {len(mapping)} entries ({mapping}) but num_stages is {S}")
+    num_ranks = max(mapping) + 1
+    if sorted(schedule) != list(range(num_ranks)):
+        _fail(schedule, f"schedule has ranks {sorted(schedule)}; mapping {mapping} needs ranks 0..{num_ranks - 1}")
+
+    where: dict[Action, Cell] = {}  # every action but LOAD / DROP / NORM is unique in the schedule
+    norms: dict[int, int] = {}
+    for r, acts in sorted(schedule.items()):
+        for i, a in enumerate(acts):
+            if not isinstance(a, Action):
+                _fail(schedule, f"rank {r} step {i}: {a!r} is not an Action", [(r, i)])
+            if compute_only and a.op not in COMPUTE_OPS:
+                _fail(schedule, f"rank {r} step {i}: {a} in a compute-only schedule (only F and B allowed)", [(r, i)])
+            if a.op is Op.NORM:
+                if r in norms:
+                    _fail(schedule, f"rank {r} has two NORM actions (steps {norms[r]} and {i}); "
+                                    f"NORM is one collective per rank", [(r, norms[r]), (r, i)])
+                norms[r] = i
+                continue
+            if not 0 <= a.stage < S:
+                _fail(schedule, f"rank {r} step {i}: {a} names stage {a.stage}; stages are 0..{S - 1}", [(r, i)])
+            if a.op in COMPUTE_OPS | COMM_OPS and not (a.mb is not None and 0 <= a.mb < M):
+                _fail(schedule, f"rank {r} step {i}: {a} names micro-batch {a.mb}; micro-batches are "
+                                f"0..{M - 1}", [(r, i)])
+            if mapping[a.stage] != r:
+                _fail(schedule, f"rank {r} step {i}: {a} is on rank {r} but stage {a.stage} belongs to rank "
+                                f"{mapping[a.stage]} (mapping {mapping})", [(r, i)])
+            if a.op in COMM_OPS and not _has_peer(a, mapping):
+                _fail(schedule, f"rank {r} step {i}: {a} has no peer: the neighbouring stage is on this "
+                                f"rank or does not exist (mapping {mapping})", [(r, i)])
+            if a.op in (Op.LOAD, Op.DROP):
+                continue
+            if a in where:
+                _fail(schedule, f"{a} appears twice (rank {where[a][0]} step {where[a][1]} and rank {r} "
+                                f"step {i})", [where[a], (r, i)])
+            where[a] = (r, i)
+
+    # Every (stage, micro-batch) runs F then B, each exactly once, after its local inputs.
+    missing = [str(Action(s, op, m)) for s in range(S) for m in range(M)
+               for op in (Op.FORWARD, Op.BACKWARD) if Action(s, op, m) not in where]
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        _fail(schedule, f"missing compute actions: {', '.join(missing[:8])}{more}; every stage needs one F and "
+                        f"one B per micro-batch ({S} stages x {M} micro-batches)")
+    for a, (r, i) in sorted(where.items(), key=lambda x: x[1]):
+        if a.op not in COMPUTE_OPS:
+            continue
+        if a.op is Op.BACKWARD and where[Action(a.stage, Op.FORWARD, a.mb)][1] > i:
+            _fail(schedule, f"rank {r} step {i}: {a} runs before its forward "
+                            f"{Action(a.stage, Op.FORWARD, a.mb)}", [(r, i), where[Action(a.stage, Op.FORWARD, a.mb)]])
+        producer = _producer(a, S)
+        if producer is None:
+            pass
+        elif not _remote_producer(a, mapping):
+            if where[producer][1] > i:
+                _fail(schedule, f"rank {r} step {i}: {a} runs before {producer}, whose output it needs "
+                                f"(both on rank {r})", [(r, i), where[producer]])
+        elif not compute_only:
+            recv = _recv_for(a)
+            if recv not in where or where[recv][1] > i:
+                _fail(schedule, f"rank {r} step {i}: {a} needs {recv} posted before it (its input comes from "
+                                f"stage {producer.stage} on rank {mapping[producer.stage]})", [(r, i)])
+            send = _send_for(producer)
+            if send not in where:
+                _fail(schedule, f"{producer} (rank {where[producer][0]}) has no {send} for {a} on rank {r}",
+                      [where[producer], (r, i)])
+            if where[send][1] < where[producer][1]:
+                _fail(schedule, f"rank {where[send][0]} step {where[send][1]}: {send} is issued before "
+                                f"{producer} produced the tensor", [where[send], where[producer]])
+    for a, cell in where.items():
+        if a.op in SEND_OPS and peer_recv(a) not in where:
+            _fail(schedule, f"rank {cell[0]} step {cell[1]}: {a} has no matching {peer_recv(a)} on rank "
+                            f"{channel(a, mapping)[1]}", [cell])
+
+    if not compute_only:
+        _check_residency(schedule, mapping, where)
+        _check_optimizer(schedule, mapping, where, norms)
+    simulate(schedule, mapping)
+
+
+def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action, Cell]) -> None:
+    """With parameter offload, a stage computes only between a LOAD and the next DROP / OFFLOAD."""
+    offloads = any(a.op is Op.LOAD for acts in schedule.values() for a in acts)
+    for r, acts in sorted(schedule.items()):
+        resident: dict[int, int] = {}  # stage -> step of its LOAD
+        released: dict[int, int] = {}  # stage -> step of its last DROP / OFFLOAD
+        backward_done: set[int] = set()
+        for i, a in enumerate(acts):
+            if a.op in (Op.DROP, Op.OFFLOAD) and not offloads:
+                _fail(schedule, f"rank {r} step {i}: {a} but the schedule has no LOAD (parameters are never "
+                                f"offloaded)", [(r, i)])
+            if not offloads:
+                continue
+            if a.op is Op.LOAD:
+                if a.stage in resident:
+                    _fail(schedule, f"rank {r} step {i}: {a} loads stage {a.stage}, already resident since step "
+                                    f"{resident[a.stage]}", [(r, resident[a.stage]), (r, i)])
+                resident[a.stage] = i
+            elif a.op in (Op.DROP, Op.OFFLOAD):
+                if a.stage not in resident:
+                    _fail(schedule, f"rank {r} step {i}: {a} releases stage {a.stage}, which is not resident",
+                          [(r, i)])
+                if a.op is Op.DROP and a.stage in backward_done:
+                    _fail(schedule, f"rank {r} step {i}: {a} drops stage {a.stage} after a backward: its "
+                                    f"gradients would be lost; use {a.stage}O", [(r, i)])
+                del resident[a.stage]
+                released[a.stage] = i
+            elif a.op in COMPUTE_OPS:
+                if a.stage not in resident:
+                    before = [(r, released[a.stage])] if a.stage in released else []
+                    _fail(schedule, f"rank {r} step {i}: {a} runs while stage {a.stage} is not resident "
+                                    f"(no {a.stage}L since its last release)", before + [(r, i)])
+                if a.op is Op.BACKWARD:
+                    backward_done.add(a.stage)
+        if offloads and resident:
+            s = min(resident)
+            _fail(schedule, f"rank {r}: stage {s} is still resident at the end (loaded at step {resident[s]}); "
+                            f"its gradients must be offloaded with {s}O", [(r, resident[s]), (r, len(acts))])
+    if not offloads:
+        return
+    for s, r in enumerate(mapping):
+        last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
+        o = where.get(Action(s, Op.OFFLOAD))
+        if o is None or o[1] < last_b:
+            _fail(schedule, f"rank {r}: stage {s} needs one {s}O after its last backward (step {last_b})",
+                  [(r, last_b)] + ([o] if o else []))
+
+
+def _mbs(where: dict[Action, Cell], stage: int) -> list[int]:
+    return [a.mb for a in where if a.stage == stage and a.op is Op.BACKWARD]
+
+
+def _check_optimizer(schedule: Schedule, mapping: list[int], where: dict[Action, Cell], norms: dict[int, int]) -> None:
+    """STEP once per stage after its final gradients; NORM, if any, on every rank before its STEPs."""
+    if norms and sorted(norms) != sorted(schedule):
+        lacking = sorted(set(schedule) - set(norms))
+        _fail(schedule, f"ranks {lacking} have no NORM but ranks {sorted(norms)} do: NORM is a collective over "
+                        f"all ranks", [(r, i) for r, i in norms.items()])
+    for s, r in enumerate(mapping):
+        step = where.get(Action(s, Op.STEP))
+        last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
+        if step is None:
+            _fail(schedule, f"rank {r}: stage {s} has no {s}S (optimizer step); every stage steps once after its "
+                            f"last backward (step {last_b})", [(r, last_b)])
+        if step[1] < last_b:
+            _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before stage {s}'s last backward (step {last_b})",
+                  [step, (r, last_b)])
+        o = where.get(Action(s, Op.OFFLOAD))
+        if o is not None and step[1] < o[1]:
+            _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before {s}O (step {o[1]}) moved its gradients "
+                            f"to the host", [step, o])
+        if r in norms and step[1] < norms[r]:
+            _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before NORM (step {norms[r]}); clipping needs "
+                            f"the global norm first", [step, (r, norms[r])])
+    for r, n in norms.items():
+        late = [i for i, a in enumerate(schedule[r]) if a.op in (Op.BACKWARD, Op.OFFLOAD) and i > n]
+        if late:
+            _fail(schedule, f"rank {r} step {n}: NORM comes before {schedule[r][late[0]]} (step {late[0]}); the "
+                            f"norm must cover every gradient of the rank", [(r, n), (r, late[0])])
+
+
+class _Msg(NamedTuple):
+    action: Action
+    rank: int
+    step: int
+    time: float  # issue time of a SEND (after its cost), post time of a RECV
+
+
+def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], float] | None = None) -> SimResult:
+    """Run the executor contract on the schedule; raise ``ScheduleError`` on a deadlock or a
+    channel-order mismatch.
+
+    Every action occupies its rank for ``cost(action)`` (default: F 1, B 2, others 0),
+    starting when its inputs are there. A schedule with no SEND/RECV at all (a generator's
+    output) is simulated with implicit communication: a compute waits for its producer.
+    """
+    cost = cost or default_cost
+    num_stages = len(mapping)
+    ranks = sorted(schedule)
+    implicit = not any(a.op in COMM_OPS for acts in schedule.values() for a in acts)
+    pc = {r: 0 for r in ranks}
+    clock = {r: 0.0 for r in ranks}
+    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}
+    done: dict[Action, float] = {}
+    sends: dict[tuple[int, int, str], list[_Msg]] = {}
+    recvs: dict[tuple[int, int, str], list[_Msg]] = {}
+    recv_slot: dict[tuple[int, Action], tuple[tuple[int, int, str], int]] = {}
+    recv_done: dict[tuple[int, int, str], list[float]] = {}
+    norm_at: dict[int, float] = {}
+    finished: set[int] = set()
+
+    def check_pair(ch: tuple[int, int, str], k: int) -> None:
+        if k < len(sends.get(ch, [])) and k < len(recvs.get(ch, [])):
+            s, v = sends[ch][k], recvs[ch][k]
+            if peer_recv(s.action) != v.action:
+                _fail(schedule, f"channel rank {ch[0]} -> rank {ch[1]} ({ch[2]}), message #{k}: rank {s.rank} sends "
+                                f"{s.action} (step {s.step}) but rank {v.rank} posts {v.action} (step {v.step}) as "
+                                f"its receive #{k}; receives must be posted in the order of the sends "
+                                f"(expected {peer_recv(s.action)})", [(s.rank, s.step), (v.rank, v.step)])
+
+    def completion(ch: tuple[int, int, str], k: int) -> float | None:
+        times = recv_done.setdefault(ch, [])
+        while len(times) <= k:
+            j = len(times)
+            if j >= len(sends.get(ch, [])) or j >= len(recvs[ch]):
+                return None
+            times.append(max(sends[ch][j].time, recvs[ch][j].time, times[-1] if times else 0.0))
+        return times[k]
+
+    def pending_sends(r: int) -> list[tuple[tuple[int, int, str], _Msg]]:
+        return [(ch, m) for ch, ms in sends.items() for k, m in enumerate(ms)
+                if m.rank == r and k >= len(recvs.get(ch, []))]
+
+    progress = True
+    while progress:
+        progress = False
+        for r in ranks:
+            acts = schedule[r]
+            while pc[r] < len(acts):
+                i, a = pc[r], acts[pc[r]]
+                start = clock[r]
+                if a.op in SEND_OPS or a.op in RECV_OPS:
+                    if not 0 <= a.stage < num_stages or not _has_peer(a, mapping):
+                        _fail(schedule, f"rank {r} step {i}: {a} has no peer stage on another rank "
+                                        f"(mapping {mapping})", [(r, i)])
+                    ch = channel(a, mapping)
+                    if ch[0 if a.op in SEND_OPS else 1] != r:
+                        _fail(schedule, f"rank {r} step {i}: {a} belongs on rank "
+                                        f"{ch[0 if a.op in SEND_OPS else 1]}", [(r, i)])
+                    if a.op in SEND_OPS:
+                        queue = sends.setdefault(ch, [])
+                        queue.append(_Msg(a, r, i, start + cost(a)))
+                    else:
+                        queue = recvs.setdefault(ch, [])
+                        recv_slot[(r, a)] = (ch, len(queue))
+                        queue.append(_Msg(a, r, i, start))
+                    check_pair(ch, len(queue) - 1)
+                elif a.op in COMPUTE_OPS:
+                    producer = _producer(a, num_stages)
+                    if a.op is Op.BACKWARD and Action(a.stage, Op.FORWARD, a.mb) not in done:
+                        _fail(schedule, f"rank {r} step {i}: {a} runs before its forward", [(r, i)])
+                    if producer is None:
+                        pass
+                    elif not _remote_producer(a, mapping):
+                        if producer not in done:
+                            _fail(schedule, f"rank {r} step {i}: {a} runs before {producer} on the same rank",
+                                  [(r, i)])
+                        start = max(start, done[producer])
+                    elif implicit:
+                        if producer not in done:
+                            break
+                        start = max(start, done[producer])
+                    else:
+                        slot = recv_slot.get((r, _recv_for(a)))
+                        if slot is None:
+                            _fail(schedule, f"rank {r} step {i}: {a} needs {_recv_for(a)} posted before it",
+                                  [(r, i)])
+                        t = completion(*slot)
+                        if t is None:
+                            break
+                        start = max(start, t)
+                elif a.op is Op.NORM:
+                    norm_at.setdefault(r, start)
+                    if len(norm_at) < len(ranks):
+                        break
+                    start = max(norm_at.values())
+                end = start + cost(a)
+                if a.op in COMPUTE_OPS:
+                    done[a] = end
+                timeline[r].append((start, end, a))
+                clock[r] = end
+                pc[r] += 1
+                progress = True
+            if pc[r] == len(acts) and r not in finished and not pending_sends(r):
+                finished.add(r)
+                progress = True
+
+    if len(finished) < len(ranks):
+        lines, marks = [], []
+        for r in ranks:
+            if r in finished:
+                continue
+            if pc[r] == len(schedule[r]):
+                ch, m = pending_sends(r)[0]
+                lines.append(f"rank {r} at the end of its list waits for {m.action} (step {m.step}) to be received "
+                             f"by rank {ch[1]}, which never posts {peer_recv(m.action)}")
+            else:
+                a = schedule[r][pc[r]]
+                if a.op is Op.NORM:
+                    lines.append(f"rank {r} step {pc[r]}: NORM waits for ranks "
+                                 f"{sorted(set(ranks) - set(norm_at))} to reach their NORM")
+                elif implicit:
+                    lines.append(f"rank {r} step {pc[r]}: {a} waits for {_producer(a, num_stages)}")
+                else:
+                    ch, k = recv_slot[(r, _recv_for(a))]
+                    why = ("its SEND has not been issued" if k >= len(sends.get(ch, []))
+                           else "an earlier message on the channel has not completed")
+                    lines.append(f"rank {r} step {pc[r]}: {a} waits for {_recv_for(a)} (message #{k} on channel "
+                                 f"rank {ch[0]} -> rank {ch[1]} ({ch[2]})): {why}")
+            marks.append((r, pc[r]))
+        _fail(schedule, "deadlock: no rank can progress\n  " + "\n  ".join(lines), marks)
+    for ch, vs in recvs.items():
+        if len(vs) > len(sends.get(ch, [])):
+            v = vs[len(sends.get(ch, []))]
+            _fail(schedule, f"rank {v.rank} step {v.step}: {v.action} is never matched by a SEND on channel rank "
+                            f"{ch[0]} -> rank {ch[1]} ({ch[2]})", [(v.rank, v.step)])
+
+    makespan = max(clock.values(), default=0.0)
+    busy = sum(e - s for acts in timeline.values() for s, e, a in acts if a.op in COMPUTE_OPS)
+    bubble = 1.0 - busy / (len(ranks) * makespan) if makespan > 0 else 0.0
+    return SimResult(timeline, makespan, bubble)

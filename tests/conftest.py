@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny Llama model (GQA, 6 layers) and tokenizer built locally once per session."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
+    config.addinivalue_line("markers", "slow: multi-process end-to-end runs")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from data import SAMPLE_TRAIN, ensure_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    return ensure_tiny_model(path, data_files=[SAMPLE_TRAIN], hidden_size=64, intermediate_size=128, num_layers=6,
+                             num_heads=4, num_kv_heads=2, vocab_size=512, max_position_embeddings=256, seed=1)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    yield
+
+
+def env_without_dist() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT)
+    return env

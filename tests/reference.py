@@ -1,0 +1,54 @@
+"""Ordinary single-process training of the plain Hugging Face model: the ground truth the
+pipeline must reproduce (same batches, same AdamW groups, clipping and LR schedule)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.optim import lr_at
+
+
+def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.train import build_stream, resolve_model
+
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=cfg.attn_implementation,
+                                                 dtype=torch.float32)
+    if cfg.num_layers:
+        model.model.layers = model.model.layers[: cfg.num_layers]
+        model.config.num_hidden_layers = cfg.num_layers
+    stream, _ = build_stream(cfg, resolve_model(cfg))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    losses = []
+    for it in range(cfg.num_iterations):
+        batch = stream.next_batch()
+        # Hugging Face's own loss: mean over every trained token of the batch, shifted inside.
+        loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(it, cfg)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_training(losses, params, ref_losses, ref_params, rtol: float = 1e-5) -> None:
+    """Per-step losses and every final tensor agree to ``rtol`` (relative, per tensor norm)."""
+    assert len(losses) == len(ref_losses), (len(losses), len(ref_losses))
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= rtol * abs(b), f"step {i}: loss {a!r} vs reference {b!r}"
+    assert sorted(params) == sorted(ref_params), sorted(set(params) ^ set(ref_params))
+    for k, ref in ref_params.items():
+        diff = (params[k].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert diff <= rtol, f"{k}: relative difference {diff:.3e} > {rtol}"

@@ -1,0 +1,102 @@
+"""Configuration: precedence (defaults < YAML < flags), typing, unknown keys, and bad input
+reported as one line from one rank with a non-zero exit before any training."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, env_without_dist
+from pipeline.config import ConfigError, make_config, parse_args
+
+
+def _yaml(tmp_path, text: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_defaults_yaml_flags(tmp_path):
+    path = _yaml(tmp_path, "batch_size: 16\nnum_chunks: 8\nuse_offload: true\nlr: 0.001\n")
+    cfg, used, check_only = parse_args(["--config", path, "--num_chunks", "2", "--no_offload", "--no_prefetch"])
+    assert used == path and not check_only
+    assert cfg.batch_size == 16          # YAML over default
+    assert cfg.num_chunks == 2           # flag over YAML
+    assert cfg.use_offload is False      # --no_offload over YAML's true
+    assert cfg.use_prefetch is False
+    assert cfg.lr == 0.001
+    assert cfg.seq_length == make_config().seq_length  # untouched default
+
+
+def test_legacy_flag_names_exist():
+    cfg, _, _ = parse_args(["--config", "", "--batch_size", "4", "--num_chunks", "2", "--seq_length", "32",
+                            "--embedding_dim", "64", "--ff_dim", "128", "--num_iterations", "3", "--num_stages", "2",
+                            "--num_layers", "2", "--num_heads", "4", "--model", "tiny",
+                            "--dataset", "sample", "--save_results", "r.json", "--save_params", "--save_dir", "d",
+                            "--use_prefetch", "--use_offload"])
+    assert (cfg.batch_size, cfg.use_offload, cfg.save_params, cfg.embedding_dim) == (4, True, True, 64)
+
+
+def test_model_path_alias():
+    cfg, _, _ = parse_args(["--config", "", "--model_path", "/some/dir"])
+    assert cfg.model == "/some/dir"
+
+
+def test_unknown_key_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'batchsize'"):
+        make_config({"batchsize": 3})
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"batch_size": "eight"}, "must be an integer"),
+    ({"use_offload": "yes"}, "must be true or false"),
+    ({"schedule": "zigzag"}, "schedule must be one of"),
+])
+def test_bad_types(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)
+
+
+def _main(args, nproc: int = 1):
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "main.py"), "--config", "", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=180)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--num_stages", "3"], "num_stages (3) must be a positive multiple of the number of processes (2)"),
+    (["--batch_size", "6", "--num_chunks", "4"], "batch_size (6) must be divisible by num_chunks (4)"),
+    (["--seq_length", "1"], "seq_length (1) must be at least 2"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--model", "/nonexistent/model"], "no config.json in /nonexistent/model"),
+    (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl': no such file or directory"),
+    (["--num_stages", "12"], "exceeds the model's decoder layers + 2"),
+    (["--embedding_dim", "99"], "embedding_dim=99 contradicts the model's hidden_size=64"),
+])
+def test_bad_input_one_line_from_one_rank(tiny_model_dir, args, needle):
+    base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--device", "cpu", "--num_iterations", "1",
+            "--no_save_model", "--seq_length", "32"]
+    proc = _main(base + args, nproc=2)
+    assert proc.returncode != 0
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stdout
+
+
+def test_missing_columns(tiny_model_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"article": "a", "highlights": "b"}\n' * 20)
+    proc = _main(["--model", str(tiny_model_dir), "--dataset", str(data), "--num_stages", "2",
+                  "--device", "cpu", "--no_save_model"])
+    assert proc.returncode == 2
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "document" in lines[0], proc.stderr[-2000:]

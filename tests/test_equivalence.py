@@ -1,0 +1,144 @@
+"""The core guarantee: pipeline training == ordinary single-process training of the HF model.
+
+In-process runs (one process holding every stage) cover each schedule and offload mode
+quickly; torchrun runs cover 2 and 4 processes with 2 virtual stages each over gloo. The
+mutation tests show the comparison fails when a micro-batch meets the wrong labels, a
+stage's gradient is lost, or a layer is skipped.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline.config import make_config
+from pipeline.dist import DistEnv
+from reference import assert_same_training, reference_train
+from conftest import ROOT, env_without_dist
+
+ITERS = 3
+
+
+def _cfg(model_dir, **kw):
+    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
+                num_iterations=ITERS, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
+                weight_decay=0.01, grad_clip=1.0, attn_implementation="eager", save_model=False)
+    base.update(kw)
+    return make_config(base)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_dir: str, num_layers: int = 0):
+    return reference_train(_cfg(model_dir, num_layers=num_layers), model_dir)
+
+
+def _run_in_process(cfg):
+    from pipeline.train import Trainer
+
+    trainer = Trainer(cfg, DistEnv(0, 1, 0, 1))
+    history = trainer.train()
+    params = {}
+    for store in trainer.stores.values():
+        params.update({k: v.clone() for k, v in store.master_state_dict().items()})
+    return [h["loss"] for h in history], params
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("offload,prefetch", [(False, False), (True, False), (True, True)])
+def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetch):
+    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=offload, use_prefetch=prefetch)
+    losses, params = _run_in_process(cfg)
+    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+
+
+def test_truncated_model_matches_reference(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
+    losses, params = _run_in_process(cfg)
+    assert_same_training(losses, params, *_reference(str(tiny_model_dir), 3))
+
+
+# --- the comparison must be able to fail -------------------------------------------------------
+def _expect_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
+    patch(monkeypatch)
+    losses, params = _run_in_process(_cfg(tiny_model_dir, schedule="interleaved", use_offload=True))
+    with pytest.raises(AssertionError):
+        assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+
+
+def test_detects_wrong_labels(tiny_model_dir, monkeypatch):
+    from data import Batch
+
+    original = Batch.microbatches
+
+    def rotated(self, n):  # micro-batch m gets the targets of micro-batch m+1
+        mbs = original(self, n)
+        targets = [mb.targets for mb in mbs]
+        return [Batch(mb.input_ids, mb.labels, targets[(i + 1) % n], mb.num_targets) for i, mb in enumerate(mbs)]
+
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Batch, "microbatches", rotated))
+
+
+def test_detects_lost_gradient(tiny_model_dir, monkeypatch):
+    from offload.store import StageStore
+
+    original = StageStore.offload_grads
+
+    def lossy(self):  # stage 2's gradient never reaches the host
+        if self.module.index == 2:
+            self.grad.zero_()
+        original(self)
+
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "offload_grads", lossy))
+
+
+def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
+    from pipeline import model as model_mod
+
+    original = model_mod.build_stage
+
+    def skipping(*args, **kw):
+        stage = original(*args, **kw)
+        layers = list(stage.model.layers.values())
+        if layers and stage.index == 1:
+            layers[0].forward = lambda h, **_: h  # weights stay, compute is skipped
+        return stage
+
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.train.build_stage", skipping))
+
+
+# --- several processes over gloo ------------------------------------------------------------------
+def run_torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "main.py"), "--config", "", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=timeout)
+
+
+def _flags(cfg) -> list[str]:
+    out = []
+    for k, v in cfg.to_dict().items():
+        if k in ("nproc", "master_port", "cuda_visible_devices"):  # train.sh's, not main.py's business
+            continue
+        if isinstance(v, bool):
+            out.append(f"--{k}" if v else ("--no_" + k[4:] if k.startswith("use_") else f"--no_{k}"))
+        elif v != "":
+            out += [f"--{k}", str(v)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_torchrun_matches_reference(tiny_model_dir, tmp_path, nproc, schedule, offload):
+    cfg = _cfg(tiny_model_dir, schedule=schedule, num_stages=2 * nproc, use_offload=offload,
+               save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
+    proc = run_torchrun(nproc, _flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    losses = [row["loss"] for row in results["iterations"]]
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))

@@ -1,0 +1,345 @@
+"""L0 tests of the GPU topology, the cost model, the mapping planner and the timeline writers."""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+import schedule as sched
+from offload.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
+from pipeline.timeline import COLOURS, PNG_SIGNATURE, Timeline, gantt_size, write_chrome_trace, write_gantt_png
+from schedule.costmodel import predict
+from schedule.ir import Action, Op
+from schedule.mapping import manual_mapping, plan_mapping
+
+DATA = Path(__file__).parent / "data"
+GB = 1e9
+
+
+def acts(text: str) -> list[Action]:
+    return [Action.parse(t) for t in text.split()]
+
+
+def spans(pred, rank: int) -> dict[str, tuple[float, float]]:
+    return {str(a): (round(s, 9), round(e, 9)) for s, e, a in pred.timeline[rank]}
+
+
+# --- topology ---------------------------------------------------------------------------------
+def test_parse_l20_two_root_complexes():
+    topo = parse_nvidia_smi_topo((DATA / "topo_4xL20_2roots.txt").read_text(), bandwidth_gbps=25.0)
+    assert topo.indices() == [0, 1, 2, 3]
+    assert topo.groups() == [0, 1, 0, 1]  # GPU0+GPU2 under root A (PHB), GPU1+GPU3 under root B
+    assert [g.numa for g in topo.gpus] == [0, 0, 0, 0]
+    assert topo.link_gbps() == [25.0] * 4 and not topo.nvlink
+
+
+def test_parse_dual_socket_switches():
+    topo = parse_nvidia_smi_topo((DATA / "topo_8gpu_dual_socket.txt").read_text())
+    assert topo.groups() == [0, 0, 1, 1, 2, 2, 3, 3]  # PIX pairs; NODE / SYS do not share
+    assert [g.numa for g in topo.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_parse_nvlink_box_groups_through_nics():
+    topo = parse_nvidia_smi_topo((DATA / "topo_4gpu_nvlink.txt").read_text())  # header has ANSI codes
+    assert topo.nvlink
+    assert topo.groups() == [0, 0, 1, 1]  # GPU0, GPU1 are PXB to NIC0; GPU2, GPU3 to NIC1
+    assert [g.numa for g in topo.gpus] == [0, 0, 1, 1]
+    bare = "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNV4\t0-7\t0\nGPU1\tNV4\t X \t0-7\tN/A\n"
+    topo = parse_nvidia_smi_topo(bare)
+    assert topo.groups() == [0, 1] and [g.numa for g in topo.gpus] == [0, None]
+
+
+def test_parse_errors_carry_values():
+    with pytest.raises(ValueError, match="no nvidia-smi topo matrix.*'Failed to initialize NVML'"):
+        parse_nvidia_smi_topo("Failed to initialize NVML\n")
+    with pytest.raises(ValueError, match="'FOO' between GPU0 and GPU1"):
+        parse_nvidia_smi_topo("\tGPU0\tGPU1\nGPU0\t X \tFOO\nGPU1\tFOO\t X \n")
+
+
+def test_topology_file_yaml_and_json(tmp_path):
+    y = tmp_path / "topo.yaml"
+    y.write_text("gpus:\n  - {index: 1, root: 7, numa: 0, bandwidth_gbps: 25}\n"
+                 "  - {index: 0, root: 3, numa: 0, bandwidth_gbps: 24.5}\n  - {index: 2, root: 3}\n")
+    topo = load_topology_file(y)
+    assert topo.indices() == [0, 1, 2] and topo.groups() == [0, 1, 0]
+    assert topo.gpus[0] == GpuLink(0, 0, 0, 24.5) and topo.gpus[2].numa is None
+    j = tmp_path / "topo.json"
+    j.write_text(json.dumps({"gpus": [{"index": 0, "root": 0, "numa": 1, "bandwidth_gbps": 12}]}))
+    assert load_topology_file(j).gpus == [GpuLink(0, 0, 1, 12.0)]
+
+
+@pytest.mark.parametrize("body, match", [
+    ("gpus: []", "non-empty list"),
+    ("gpus:\n  - {index: 0, root: 0, speed: 3}", r"unknown keys \['speed'\]"),
+    ("gpus:\n  - {index: -1, root: 0}", r"gpus\[0\].index = -1"),
+    ("gpus:\n  - {index: 0, root: 0}\n  - {index: 0, root: 1}", r"duplicate GPU indices in \[0, 0\]"),
+    ("gpus:\n  - {index: 0, root: 0, bandwidth_gbps: 0}", r"bandwidth_gbps = 0 must be"),
+    ("gpus: [", "cannot parse"),
+])
+def test_topology_file_errors(tmp_path, body, match):
+    f = tmp_path / "t.yaml"
+    f.write_text(body)
+    with pytest.raises(ValueError, match=match) as err:
+        load_topology_file(f)
+    assert "\n" not in str(err.value)
+
+
+def _fake_sysfs(root: Path) -> Path:
+    devices = root / "bus" / "pci" / "devices"
+    devices.mkdir(parents=True)
+    for bridge, port, bdf, vendor, cls, numa in [
+        ("pci0000:00", "0000:00:01.0", "0000:01:00.0", "0x10de", "0x030200", "0"),
+        ("pci0000:00", "0000:00:02.0", "0000:02:00.0", "0x10de", "0x030000", "0"),
+        ("pci0000:00", "0000:00:03.0", "0000:03:00.0", "0x8086", "0x020000", "0"),  # a NIC
+        ("pci0000:80", "0000:80:01.0", "0000:81:00.0", "0x10de", "0x030200", "-1"),
+    ]:
+        d = root / "devices" / bridge / port / bdf
+        d.mkdir(parents=True)
+        for name, text in [("vendor", vendor), ("class", cls), ("numa_node", numa),
+                           ("max_link_speed", "16.0 GT/s PCIe"), ("max_link_width", "16")]:
+            (d / name).write_text(text + "\n")
+        (devices / bdf).symlink_to(d)
+    return root
+
+
+def test_sysfs_and_discover_fallback(tmp_path, monkeypatch):
+    root = _fake_sysfs(tmp_path / "sys")
+    topo = read_sysfs(root)
+    assert topo.groups() == [0, 0, 1] and [g.numa for g in topo.gpus] == [0, 0, None]
+    assert topo.link_gbps() == [31.5] * 3  # Gen4 x16, nominal
+
+    def no_nvidia_smi(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", no_nvidia_smi)
+    assert discover(sysfs_root=root).groups() == [0, 0, 1]
+    assert discover(sysfs_root=tmp_path / "empty") is None
+
+
+# --- cost model -------------------------------------------------------------------------------
+TWO = {0: acts("0L 0F0 0SEND_F0"), 1: acts("1L 1RECV_F0 1F0")}
+COMPUTE = {0: (0.1, 0.2), 1: (0.1, 0.2)}
+
+
+def test_shared_root_halves_bandwidth():
+    # Two GPUs under one 20 GB/s root each load 10 GB at once: 10 GB/s each, 1.0 s.
+    p = predict(TWO, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB, 10 * GB], 100.0, 20.0)
+    assert spans(p, 0) == {"0L": (0.0, 1.0), "0F0": (1.0, 1.1), "0SEND_F0": (1.1, 1.1)}
+    assert spans(p, 1)["1L"] == (0.0, 1.0) and spans(p, 1)["1F0"] == (1.1, 1.2)
+    assert p.step_time == pytest.approx(1.2)
+    assert p.exposed_transfer_s == pytest.approx({0: 1.0, 1: 0.0})  # rank 1 waited on rank 0, not its load
+    assert p.bubble_fraction == pytest.approx(1 - 0.2 / (2 * 1.2))
+    # Under different roots each gets the full 20 GB/s: 0.5 s.
+    p = predict(TWO, [0, 1], [0, 1], [0, 1], COMPUTE, [10 * GB, 10 * GB], 100.0, 20.0)
+    assert spans(p, 0)["0L"] == (0.0, 0.5) and spans(p, 1)["1L"] == (0.0, 0.5)
+    assert p.step_time == pytest.approx(0.7)
+
+
+def test_processor_sharing_and_link_caps():
+    # 10 GB and 5 GB under one 20 GB/s root: 10 GB/s each until the small one ends at 0.5 s,
+    # then the big one's last 5 GB go at 20 GB/s: done at 0.75 s.
+    p = predict(TWO, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB, 5 * GB], 100.0, 20.0)
+    assert spans(p, 0)["0L"] == (0.0, 0.75) and spans(p, 1)["1L"] == (0.0, 0.5)
+    # Max-min fair with link caps 8 and 25 GB/s: GPU0 gets 8, GPU1 the other 12.
+    p = predict(TWO, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB, 10 * GB], [8.0, 25.0], 20.0)
+    assert spans(p, 1)["1L"] == pytest.approx((0.0, 10 / 12)) and spans(p, 0)["0L"] == (0.0, 1.25)
+    # Opposite directions do not share: an offload and a load under one root both take 0.5 s.
+    p = predict({0: acts("0O"), 1: acts("1L")}, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB] * 2, 20.0, 20.0)
+    assert spans(p, 0)["0O"] == (0.0, 0.5) and spans(p, 1)["1L"] == (0.0, 0.5)
+
+
+def test_one_rank_lanes_offload_and_step():
+    program = {0: acts("0L 1L 0F0 1F0 1B0 1O 1S 0B0 0O 0S")}
+    p = predict(program, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, step_s=0.3)
+    assert spans(p, 0) == {
+        "0L": (0.0, 0.5), "1L": (0.5, 1.0),        # one copy stream per direction: FIFO
+        "0F0": (0.5, 0.6), "1F0": (1.0, 1.1), "1B0": (1.1, 1.3),
+        "1O": (1.3, 1.8), "1S": (1.8, 2.1),        # the step waits for its offload
+        "0B0": (1.3, 1.5), "0O": (1.8, 2.3),       # queued behind 1O on the d2h stream
+        "0S": (2.3, 2.6),
+    }
+    assert p.step_time == pytest.approx(2.6)
+    assert p.exposed_transfer_s[0] == pytest.approx(0.5 + 0.4)
+
+
+def test_load_waits_for_step_norm_and_p2p_latency():
+    p = predict({0: acts("0O 0S 0L 0F0")}, [0], [0], [0], {0: (0.1, 0.2)}, [10 * GB], 20.0, 20.0, step_s=0.3)
+    assert spans(p, 0) == {"0O": (0.0, 0.5), "0S": (0.5, 0.8), "0L": (0.8, 1.3), "0F0": (1.3, 1.4)}
+    program = {0: acts("0F0 0SEND_F0 NORM"), 1: acts("1O 1RECV_F0 1F0 NORM 1S")}
+    p = predict(program, [0, 1], [0, 1], [0, 1], COMPUTE, [10 * GB] * 2, 20.0, 20.0,
+                norm_s=0.05, step_s=0.1, p2p_latency_s=0.01)
+    assert spans(p, 1)["1F0"] == (0.11, 0.21)  # 0F0 ends at 0.1, plus 0.01 latency
+    assert spans(p, 0)["NORM"] == (0.1, 0.55) and spans(p, 1)["NORM"] == (0.21, 0.55)  # waits for 1O
+    assert spans(p, 1)["1S"] == (0.55, 0.65)
+    assert p.exposed_transfer_s == pytest.approx({0: 0.0, 1: 0.29})
+
+
+@pytest.mark.parametrize("name", sched.SCHEDULE_NAMES)
+@pytest.mark.parametrize("num_ranks, per_rank, num_mbs", [(2, 1, 4), (4, 2, 8), (3, 2, 6)])
+def test_free_transfers_match_simulator(name, num_ranks, per_rank, num_mbs):
+    n = num_ranks * per_rank
+    mapping = sched.round_robin(n, num_ranks)
+    program = sched.build(name, n, num_mbs, mapping, offload=True, prefetch=True, clip=True)
+    p = predict(program, mapping, list(range(num_ranks)), [0] * num_ranks, {s: (1.0, 2.0) for s in range(n)},
+                [0] * n, 25.0, 25.0)
+    sim = sched.simulate(program, mapping)
+    assert p.step_time == pytest.approx(sim.makespan)
+    assert p.bubble_fraction == pytest.approx(sim.bubble_fraction)
+
+
+def test_deadlock_is_reported():
+    with pytest.raises(ValueError, match=r"deadlocked.*\{1: '1F0'\}"):
+        predict({0: [], 1: acts("1F0")}, [0, 1], [0, 1], [0, 1], COMPUTE, [0, 0], 1.0, 1.0)
+
+
+# --- mapping planner --------------------------------------------------------------------------
+def _plan(groups, per_rank, num_mbs, **kw):
+    n = len(groups) * per_rank
+    # 1 GB stages at 25 GB/s load in 0.04 s, as long as a stage's 4 forwards; backward twice that.
+    return plan_mapping(groups, n, [GB] * n, "interleaved", num_mbs,
+                        stage_compute_s={s: (0.01, 0.02) for s in range(n)}, link_gbps=25.0, **kw)
+
+
+def _alternates(groups, perm):
+    return all(groups[perm[r]] != groups[perm[(r + 1) % len(perm)]] for r in range(len(perm)))
+
+
+def test_two_roots_two_gpus_cross_mapping():
+    groups = [0, 0, 1, 1]
+    plan = _plan(groups, 4, 8)
+    assert plan.method == "exhaustive"
+    assert plan.gpu_of_rank == [0, 2, 1, 3]  # alternates roots; the closest such to the identity
+    assert plan.step_time < plan.sequential_step_time == plan.worst_step_time
+    assert plan.cuda_visible_devices == "0,2,1,3"
+    assert "rank -> GPU [0, 2, 1, 3]" in plan.describe()
+
+
+def test_two_roots_four_gpus_cross_mapping():
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    plan = _plan(groups, 4, 16)
+    assert plan.gpu_of_rank == [0, 4, 2, 6, 1, 5, 3, 7] and _alternates(groups, plan.gpu_of_rank)
+    assert plan.step_time < plan.sequential_step_time <= plan.worst_step_time
+    assert not _alternates(groups, plan.worst_gpu_of_rank)
+    assert plan.evaluated == 35  # 8!/(4!4!)/2 root patterns, each simulated once
+
+
+def test_already_crossed_or_uncontended_keeps_identity():
+    plan = _plan([0, 1, 0, 1], 4, 8)  # the L20 box: PCI order already alternates roots
+    assert plan.gpu_of_rank == [0, 1, 2, 3] and plan.step_time == plan.sequential_step_time
+    plan = _plan([0, 1, 2, 3], 2, 4, gpu_ids=[4, 5, 6, 7])
+    assert plan.gpu_of_rank == [4, 5, 6, 7] and plan.worst_step_time == plan.step_time
+    assert plan.evaluated == 1
+
+
+def test_greedy_above_exhaustive_limit():
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    plan = _plan(groups, 4, 16, exhaustive_max=4)
+    assert plan.method == "greedy" and _alternates(groups, plan.gpu_of_rank)
+    assert plan.step_time == pytest.approx(_plan(groups, 4, 16).step_time)
+
+
+def test_manual_mapping_and_errors():
+    gpus, reason = manual_mapping([3, 1, 2, 0])
+    assert gpus == [3, 1, 2, 0] and "CUDA_VISIBLE_DEVICES=3,1,2,0" in reason
+    with pytest.raises(ValueError, match=r"stage_bytes has 3 entries .* num_stages is 4"):
+        plan_mapping([0, 1], 4, [1, 2, 3], "1f1b", 4)
+
+
+# --- timeline ---------------------------------------------------------------------------------
+def _fake_events() -> list[dict]:
+    rows = [(0, "0L", 0.0, 1.0), (0, "0F0", 1.0, 2.0), (0, "0B0", 3.0, 5.0), (0, "0O", 5.0, 6.0),
+            (0, "0S", 6.0, 7.0), (1, "1L", 0.0, 1.0), (1, "1RECV_F0", 1.0, 1.0), (1, "1F0", 2.0, 3.0),
+            (1, "1B0", 3.0, 4.0), (1, "NORM", 6.0, 6.5)]
+    events = []
+    for rank, name, s, e in rows:
+        a = Action.parse(name)
+        events.append({"rank": rank, "name": name, "op": a.op.value, "stage": a.stage, "mb": a.mb,
+                       "start": 100.0 + s, "end": 100.0 + e})
+    return events
+
+
+def test_chrome_trace(tmp_path):
+    path = write_chrome_trace(tmp_path / "trace.json", _fake_events())
+    trace = json.loads(path.read_text())["traceEvents"]
+    boxes = [e for e in trace if e["ph"] == "X"]
+    assert len(boxes) == 10
+    by_name = {e["name"]: e for e in boxes}
+    assert by_name["0L"]["ts"] == 0 and by_name["0B0"]["ts"] == pytest.approx(3e6)
+    assert by_name["0B0"]["dur"] == pytest.approx(2e6) and by_name["1F0"]["pid"] == 1
+    lanes = {e["args"]["name"]: e["tid"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert by_name["0F0"]["tid"] == lanes["compute"] and by_name["0L"]["tid"] == lanes["load"]
+    assert by_name["0O"]["tid"] == lanes["offload"] and by_name["1RECV_F0"]["tid"] == lanes["comm"]
+    assert by_name["0S"]["tid"] == lanes["optimizer"]
+
+
+def _png_chunks(data: bytes) -> dict[bytes, bytes]:
+    """Chunks of a PNG (IDAT concatenated), checking the signature and every CRC."""
+    assert data[:8] == PNG_SIGNATURE
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,), tag = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(tag + body) & 0xFFFFFFFF
+        chunks[tag] = chunks.get(tag, b"") + body
+        pos += 12 + n
+    assert b"IEND" in chunks
+    return chunks
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    return struct.unpack(">II", _png_chunks(data)[b"IHDR"][:8])
+
+
+def _read_png(data: bytes):
+    """Pixels of a PNG from our own encoder: 8-bit RGB, filter 0 on every scanline."""
+    import numpy as np
+
+    chunks = _png_chunks(data)
+    w, h, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 2)
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(h, 1 + 3 * w)
+    assert not raw[:, 0].any()
+    return (w, h), raw[:, 1:].reshape(h, w, 3)
+
+
+def test_gantt_png_numpy(tmp_path):
+    path = tmp_path / "gantt.png"
+    size = write_gantt_png(path, _fake_events(), width=700, row_height=40, backend="numpy")
+    assert size == gantt_size(2, 700, 40) == (700, 2 * 20 + 2 * 40)
+    (w, h), img = _read_png(path.read_bytes())
+    assert (w, h) == size
+    # Time 0..7 s spans x = 20..680; rank 0's backward (3..5 s) sits mid-row, mid-time.
+    x, y = 20 + int(4.0 / 7 * 660), 20 + int(0.5 * 40)
+    assert tuple(img[y, x]) == COLOURS["B"]
+    assert tuple(img[20 + int(0.2 * 40), 20 + int(0.5 / 7 * 660)]) == COLOURS["L"]
+    assert tuple(img[h - 2, w - 2]) == (255, 255, 255)
+
+
+def test_gantt_png_auto_backend(tmp_path):
+    path = tmp_path / "gantt.png"
+    events = {r: [e for e in _fake_events() if e["rank"] == r] for r in (0, 1)}
+    size = write_gantt_png(path, events, width=640, row_height=30)  # matplotlib if installed, else numpy
+    assert _png_size(path.read_bytes()) == size == gantt_size(2, 640, 30)
+
+
+def test_cpu_timeline_and_prediction_share_the_writers(tmp_path):
+    tl = Timeline(rank=3, device_type="cpu")
+    for a in acts("3L 3F0 3B0"):
+        tl.begin(a)
+        time.sleep(0.001)
+        tl.end(a)
+    events = tl.events()
+    assert [e["name"] for e in events] == ["3L", "3F0", "3B0"]
+    assert [e["lane"] for e in events] == ["load", "compute", "compute"]
+    assert all(e["end"] - e["start"] >= 0.001 and e["rank"] == 3 for e in events)
+    with pytest.raises(ValueError, match="end\\(3F1\\) without a matching begin"):
+        tl.end(Action(3, Op.FORWARD, 1))
+    pred = predict(TWO, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB, 10 * GB], 100.0, 20.0)
+    trace = json.loads(write_chrome_trace(tmp_path / "t.json", pred.events() + events).read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 3}
+    assert write_gantt_png(tmp_path / "p.png", pred.events(), backend="numpy") == gantt_size(2)

@@ -1,0 +1,107 @@
+"""Stages: the partition plan, the layer-by-layer forward against Hugging Face's own forward,
+and loading only the tensors a rank owns."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.model import build_stage, partition_layers, preset_config, stage_num_params
+
+
+@pytest.mark.parametrize("layers,stages,expected", [
+    (8, 4, [2, 2, 2, 2]),
+    (6, 4, [1, 2, 2, 1]),       # extra layers go to the middle (the ends carry embedding / head)
+    (32, 8, [4] * 8),
+    (40, 16, [2] * 4 + [3] * 8 + [2] * 4),
+    (4, 5, [0, 1, 1, 1, 1]),    # one stage more than layers: embedding-only first stage
+    (4, 6, [0, 1, 1, 1, 1, 0]),  # two more: head-only last stage too
+])
+def test_partition(layers, stages, expected):
+    parts = partition_layers(layers, stages)
+    assert [i for r in parts for i in r] == list(range(layers))  # every layer exactly once, in order
+    assert [len(r) for r in parts] == expected
+
+
+def test_partition_rejects_too_many_stages():
+    with pytest.raises(ValueError, match=r"num_stages \(7\) must be between 1 and num_layers \+ 2 \(6\)"):
+        partition_layers(4, 7)
+
+
+def _hf(model_dir, impl):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("num_stages", [1, 3, 8])
+def test_stage_forward_equals_hf(tiny_model_dir, impl, num_stages):
+    hf = _hf(tiny_model_dir, impl)
+    x = torch.randint(3, hf.config.vocab_size, (2, 24))
+    ref = hf(x).logits
+    parts = partition_layers(hf.config.num_hidden_layers, num_stages)
+    h = x
+    with torch.no_grad():
+        for s in range(num_stages):
+            h = build_stage(hf.config, s, num_stages, parts[s], model_dir=tiny_model_dir, seed=0).eval()(h)
+    torch.testing.assert_close(h, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_needs_the_causal_mask(tiny_model_dir):
+    """The trap the stage guards against: eager attention given a None mask is non-causal."""
+    hf = _hf(tiny_model_dir, "eager")
+    stage = build_stage(hf.config, 0, 1, range(hf.config.num_hidden_layers), model_dir=tiny_model_dir, seed=0).eval()
+    x = torch.randint(3, hf.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        prefix = stage(x[:, :8])
+        full = stage(x)
+        torch.testing.assert_close(full[:, :8], prefix, rtol=1e-5, atol=1e-5)  # the future does not leak back
+        stage.attn_implementation = "sdpa"  # the layers still run eager: the stage now passes mask=None
+        leaky = stage(x)
+    assert not torch.allclose(leaky[:, :8], prefix, atol=1e-4)
+
+
+def test_only_owned_tensors_are_read(tiny_model_dir, monkeypatch):
+    from safetensors import safe_open
+
+    read = []
+    original = safe_open
+
+    class Spy:
+        def __init__(self, *a, **kw):
+            self.f = original(*a, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, k):
+            read.append(k)
+            return self.f.get_tensor(k)
+
+    monkeypatch.setattr("safetensors.safe_open", Spy)
+    hf = _hf(tiny_model_dir, "sdpa")
+    stage = build_stage(hf.config, 2, 4, partition_layers(6, 4)[2], model_dir=tiny_model_dir, seed=0)
+    assert sorted(read) == sorted(k for k, _ in stage.named_parameters())
+    assert all(k.startswith("model.layers.3.") or k.startswith("model.layers.4.") for k in read)
+
+
+def test_preset_weights_do_not_depend_on_the_partition():
+    cfg = preset_config("tiny")
+    cfg.num_hidden_layers = 4
+    cfg._attn_implementation = "sdpa"
+    whole = build_stage(cfg, 0, 1, range(4), model_dir=None, seed=3).state_dict()
+    parts = partition_layers(4, 3)
+    split = {}
+    for s in range(3):
+        split.update(build_stage(cfg, s, 3, parts[s], model_dir=None, seed=3).state_dict())
+    assert sorted(whole) == sorted(split)
+    for k in whole:
+        assert torch.equal(whole[k], split[k]), k
+    assert sum(v.numel() for v in whole.values()) == stage_num_params(cfg, range(4), True, True)
