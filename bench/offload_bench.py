@@ -49,6 +49,8 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         str(args.batch_size), "--seq_length", str(args.seq_length), "--micro_batch",
                         str(args.fsdp_micro_batch), "--iterations", str(args.iterations), "--warmup", str(args.warmup),
                         "--mem_cap_gb", str(cap), "--json", str(result)]
+        if cap <= 24:  # deferred gradient sync keeps full fp32 grads (27 GiB for 7B): sync each micro-batch
+            cmd.append("--sync_each_micro")
     else:
         cmd = launch + [str(ROOT / "main.py"), "--config", "", "--model", args.model, "--dataset", "synthetic",
                         "--seq_length", str(args.seq_length), "--batch_size", str(args.batch_size),
@@ -130,7 +132,7 @@ def main() -> None:
     p.add_argument("--num_chunks", type=int, default=16)
     p.add_argument("--num_stages", type=int, default=8)
     p.add_argument("--schedule", default="gpipe")
-    p.add_argument("--fsdp_micro_batch", type=int, default=4)
+    p.add_argument("--fsdp_micro_batch", type=int, default=2)
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
