@@ -1,7 +1,9 @@
 """MMoC-Pipe entry point: ``torchrun --nproc_per_node N main.py [--flags]`` (or ``bash train.sh``)."""
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from pipeline.config import ConfigError, parse_args
 from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
@@ -31,11 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(env, pick_device(cfg.device, env), timeout_s=600)
     try:
         train(cfg, env)
-        return 0
     except (ConfigError, DataError) as e:
-        return _fail(env, str(e))
-    finally:
         cleanup()
+        return _fail(env, str(e))
+    except BaseException:  # noqa: BLE001 - e.g. CUDA OOM on one rank
+        # Peers may be blocked in a send/recv with this rank; a clean NCCL teardown would wait
+        # for them forever. Report, then leave at once: torchrun then stops the other ranks.
+        print(f"[rank {env.rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    cleanup()
+    return 0
 
 
 if __name__ == "__main__":

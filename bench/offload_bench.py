@@ -4,7 +4,7 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
     python bench/offload_bench.py --out bench_results            # every row, in priority order
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
 
-Rows are named ``<net><cap>-<mode>``: net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk
+Rows are named ``<net><cap>-<mode>[@<model>]``: net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk
 directly: inter-GPU traffic goes through host memory, as on a commodity PCIe server) and
 ``nvlink`` leaves the machine as it is; cap is the per-GPU memory cap in GiB; mode is
 ``prefetch`` (offload + prefetch), ``noprefetch`` (offload, loads not overlapped), ``resident``
@@ -28,16 +28,18 @@ DEFAULT_ROWS = ("pcie48-prefetch,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,
                 "pcie24-resident,nvlink48-prefetch,nvlink48-fsdp2,nvlink48-resident")
 
 
-def parse_row(name: str) -> tuple[str, int, str]:
+def parse_row(name: str) -> tuple[str, int, str, str | None]:
+    name, _, model = name.partition("@")
     net_cap, mode = name.split("-", 1)
     net = "pcie" if net_cap.startswith("pcie") else "nvlink"
     if mode not in MODES or not net_cap.startswith(("pcie", "nvlink")):
         raise SystemExit(f"error: bad row name {name!r}; expected e.g. pcie48-prefetch (modes: {', '.join(MODES)})")
-    return net, int(net_cap[len(net):]), mode
+    return net, int(net_cap[len(net):]), mode, model or None
 
 
 def run_row(name: str, args, out: Path, timeout: float) -> dict:
-    net, cap, mode = parse_row(name)
+    net, cap, mode, model = parse_row(name)
+    model = model or args.model
     env = dict(os.environ)
     if net == "pcie":
         env["NCCL_P2P_DISABLE"] = "1"
@@ -45,14 +47,14 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
     result = out / f"{name}.json"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"]
     if mode == "fsdp2":
-        cmd = launch + [str(ROOT / "bench/fsdp2_baseline.py"), "--model", args.model, "--batch_size",
+        cmd = launch + [str(ROOT / "bench/fsdp2_baseline.py"), "--model", model, "--batch_size",
                         str(args.batch_size), "--seq_length", str(args.seq_length), "--micro_batch",
                         str(args.fsdp_micro_batch), "--iterations", str(args.iterations), "--warmup", str(args.warmup),
                         "--mem_cap_gb", str(cap), "--json", str(result)]
         if cap <= 24:  # deferred gradient sync keeps full fp32 grads (27 GiB for 7B): sync each micro-batch
             cmd.append("--sync_each_micro")
     else:
-        cmd = launch + [str(ROOT / "main.py"), "--config", "", "--model", args.model, "--dataset", "synthetic",
+        cmd = launch + [str(ROOT / "main.py"), "--config", "", "--model", model, "--dataset", "synthetic",
                         "--seq_length", str(args.seq_length), "--batch_size", str(args.batch_size),
                         "--num_chunks", str(args.num_chunks), "--num_stages", str(args.num_stages),
                         "--schedule", args.schedule, "--num_iterations", str(args.iterations),
@@ -70,7 +72,8 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
         log, rc = text(e.stdout) + text(e.stderr) + "\n[timed out]", -9
     (out / f"{name}.log").write_text(log)
-    row = {"row": name, "net": net, "cap_gb": cap, "mode": mode, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    row = {"row": name, "model": model, "net": net, "cap_gb": cap, "mode": mode, "rc": rc,
+           "wall_s": round(time.time() - t0, 1)}
     if rc == 0 and result.exists():
         row.update(summarise(json.loads(result.read_text()), mode, args))
     else:
@@ -80,8 +83,10 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
 
 def summarise(res: dict, mode: str, args) -> dict:
     if mode == "fsdp2":
-        return {"status": res.get("status", "ok"), **{k: res.get(k) for k in (
-            "step_time_s", "tokens_per_s", "tflops_per_gpu", "peak_allocated_gb", "peak_reserved_gb", "host_rss_gb")}}
+        return {"status": res.get("status", "ok"), **{k: res.get(k) for k in ("step_time_s", "tokens_per_s",
+                                                                                "tflops_per_gpu")},
+                "peak_allocated_gb": res.get("peak_allocated_gib"), "peak_reserved_gb": res.get("peak_reserved_gib"),
+                "host_rss_gb": sum(res.get("host_rss_peak_gib_per_rank") or []) or None}  # GiB, all ranks
     its = res["iterations"][args.warmup:]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     per_rank = [r["per_rank"] for r in its]
@@ -107,8 +112,8 @@ def summarise(res: dict, mode: str, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| row | status | step s | tokens/s | TFLOP/s/GPU | peak alloc GB (max rank) | peak reserved GB | "
-            "host RSS GB (all ranks) | H2D GB/s | D2H GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| row | status | step s | tokens/s | TFLOP/s/GPU | peak alloc GiB (max rank) | peak reserved GiB | "
+            "host RSS GiB (all ranks) | H2D GB/s | D2H GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [head]
     for r in rows:

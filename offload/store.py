@@ -106,7 +106,9 @@ class StageStore:
         master_device = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"
         self.master = torch.empty(self.numel, dtype=torch.float32, device=master_device, pin_memory=pin)
-        torch.cat([p.detach().reshape(-1).float() for p in self.params], out=self.master) if self.params else None
+        with torch.no_grad():
+            for p, view in zip(self.params, self._views(self.master)):
+                view.copy_(p.detach())  # the module's weights may live on another device than the master
         self.master_grad = torch.zeros_like(self.master)
         groups = []
         for lo, hi, wd in ((0, n_decay, optim.weight_decay), (n_decay, self.numel, 0.0)):

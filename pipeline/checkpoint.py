@@ -48,8 +48,9 @@ def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages:
     barrier()
     mine = {}
     for s, store in stores.items():
-        # Clone: safetensors refuses tensors that share one storage (ours are views of a flat buffer).
-        tensors = {k: v.clone() for k, v in store.master_state_dict().items()}
+        # Copy: safetensors refuses tensors that share one storage (ours are views of a flat
+        # buffer), and resident masters live on the GPU.
+        tensors = {k: v.to("cpu", copy=True) for k, v in store.master_state_dict().items()}
         save_file(tensors, str(tmp / _shard_name(s, num_stages)), metadata={"format": "pt"})
         mine[s] = {k: v.numel() * v.element_size() for k, v in tensors.items()}
         del tensors
@@ -83,7 +84,8 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
         parts_dir.mkdir(parents=True)
     barrier()
     for s, store in stores.items():
-        torch.save({k: v.clone() for k, v in store.master_state_dict().items()}, parts_dir / f"stage{s:05d}.pt")
+        torch.save({k: v.to("cpu", copy=True) for k, v in store.master_state_dict().items()},
+                   parts_dir / f"stage{s:05d}.pt")
     barrier()
     if env.rank == 0:
         merged = {}

