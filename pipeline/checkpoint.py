@@ -65,7 +65,7 @@ def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config = source.config
-        config.torch_dtype = torch.float32
+        config.dtype = torch.float32  # the masters are saved in float32
         config.save_pretrained(tmp)
         if source.tokenizer_dir is not None:
             from transformers import AutoTokenizer

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from schedule.ir import COMPUTE_OPS, Action, Op, Schedule
+from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, producer
 
 _EPS = 1e-9  # seconds: events closer than this are simultaneous
 
@@ -71,13 +71,6 @@ def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
     return float(value) if isinstance(value, (int, float)) else float(value[i])
 
 
-def producer(a: Action, num_stages: int) -> Action | None:
-    """The compute whose output ``a`` consumes (None for a first-stage forward)."""
-    if a.op is Op.FORWARD:
-        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
-    if a.stage == num_stages - 1:
-        return Action(a.stage, Op.FORWARD, a.mb)
-    return Action(a.stage + 1, Op.BACKWARD, a.mb)
 
 
 def predict(

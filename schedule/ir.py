@@ -125,3 +125,19 @@ def channel(a: Action, mapping: list[int]) -> tuple[int, int, str]:
     if a.op is Op.RECV_B:
         return mapping[a.stage + 1], mapping[a.stage], "B"
     raise ValueError(f"channel needs a SEND or RECV action, got {a}")
+
+
+def producer(a: Action, num_stages: int) -> Action | None:
+    """The compute whose output compute ``a`` consumes (None for a first-stage forward)."""
+    if a.op is Op.FORWARD:
+        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
+    if a.stage == num_stages - 1:
+        return Action(a.stage, Op.FORWARD, a.mb)
+    return Action(a.stage + 1, Op.BACKWARD, a.mb)
+
+
+def remote_producer(a: Action, mapping: list[int]) -> bool:
+    """Whether compute ``a`` consumes a tensor made on another rank (so needs a RECV)."""
+    if a.op is Op.FORWARD:
+        return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
+    return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]

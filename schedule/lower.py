@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from schedule.generate import generate
-from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, channel, peer_recv, stages_of
+from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, channel, peer_recv, remote_producer, stages_of
 from schedule.validate import validate
 
 def send_of(a: Action) -> Action | None:
@@ -32,10 +32,6 @@ def _remote_consumer(a: Action, mapping: list[int]) -> bool:
     return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
 
 
-def _remote_producer(a: Action, mapping: list[int]) -> bool:
-    if a.op is Op.FORWARD:
-        return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
-    return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
 
 
 def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
@@ -63,7 +59,7 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
     for r, acts in base.items():
         consumer_at = {}  # recv -> index in ``acts`` of the compute that needs it
         for i, a in enumerate(acts):
-            if a.op in COMPUTE_OPS and _remote_producer(a, mapping):
+            if a.op in COMPUTE_OPS and remote_producer(a, mapping):
                 consumer_at[_recv_for(a)] = i
         placed = []  # (anchor index, channel, seq in channel, recv)
         for ch, recvs in send_seq.items():

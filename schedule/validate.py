@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, NoReturn
 
-from schedule.ir import COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, peer_recv
+from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, peer_recv,
+                         producer, remote_producer)
 
 Cell = tuple[int, int]  # (rank, step index); step == len(list) means "the end of the list"
 _GRID_COLUMNS = 16  # steps per block of the grid, so long schedules stay readable
@@ -83,11 +84,6 @@ def _fail(schedule: Schedule, message: str, marks: Iterable[Cell] = ()) -> NoRet
     raise ScheduleError(f"{message}\n{format_grid(schedule, list(marks))}")
 
 
-def _remote_producer(a: Action, mapping: list[int]) -> bool:
-    """Whether compute ``a`` consumes a tensor made on another rank (so needs a RECV)."""
-    if a.op is Op.FORWARD:
-        return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
-    return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
 
 
 def _has_peer(a: Action, mapping: list[int]) -> bool:
@@ -98,13 +94,6 @@ def _has_peer(a: Action, mapping: list[int]) -> bool:
     return s > 0 and mapping[s - 1] != mapping[s]
 
 
-def _producer(a: Action, num_stages: int) -> Action | None:
-    """The compute whose output ``a`` consumes (None for the first forward)."""
-    if a.op is Op.FORWARD:
-        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
-    if a.stage == num_stages - 1:
-        return Action(a.stage, Op.FORWARD, a.mb)
-    return Action(a.stage + 1, Op.BACKWARD, a.mb)
 
 
 def _recv_for(a: Action) -> Action:
@@ -185,25 +174,25 @@ def validate(
         if a.op is Op.BACKWARD and where[Action(a.stage, Op.FORWARD, a.mb)][1] > i:
             _fail(schedule, f"rank {r} step {i}: {a} runs before its forward "
                             f"{Action(a.stage, Op.FORWARD, a.mb)}", [(r, i), where[Action(a.stage, Op.FORWARD, a.mb)]])
-        producer = _producer(a, S)
-        if producer is None:
+        src = producer(a, S)
+        if src is None:
             pass
-        elif not _remote_producer(a, mapping):
-            if where[producer][1] > i:
-                _fail(schedule, f"rank {r} step {i}: {a} runs before {producer}, whose output it needs "
-                                f"(both on rank {r})", [(r, i), where[producer]])
+        elif not remote_producer(a, mapping):
+            if where[src][1] > i:
+                _fail(schedule, f"rank {r} step {i}: {a} runs before {src}, whose output it needs "
+                                f"(both on rank {r})", [(r, i), where[src]])
         elif not compute_only:
             recv = _recv_for(a)
             if recv not in where or where[recv][1] > i:
                 _fail(schedule, f"rank {r} step {i}: {a} needs {recv} posted before it (its input comes from "
-                                f"stage {producer.stage} on rank {mapping[producer.stage]})", [(r, i)])
-            send = _send_for(producer)
+                                f"stage {src.stage} on rank {mapping[src.stage]})", [(r, i)])
+            send = _send_for(src)
             if send not in where:
-                _fail(schedule, f"{producer} (rank {where[producer][0]}) has no {send} for {a} on rank {r}",
-                      [where[producer], (r, i)])
-            if where[send][1] < where[producer][1]:
+                _fail(schedule, f"{src} (rank {where[src][0]}) has no {send} for {a} on rank {r}",
+                      [where[src], (r, i)])
+            if where[send][1] < where[src][1]:
                 _fail(schedule, f"rank {where[send][0]} step {where[send][1]}: {send} is issued before "
-                                f"{producer} produced the tensor", [where[send], where[producer]])
+                                f"{src} produced the tensor", [where[send], where[src]])
     for a, cell in where.items():
         if a.op in SEND_OPS and peer_recv(a) not in where:
             _fail(schedule, f"rank {cell[0]} step {cell[1]}: {a} has no matching {peer_recv(a)} on rank "
@@ -373,20 +362,20 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                         queue.append(_Msg(a, r, i, start))
                     check_pair(ch, len(queue) - 1)
                 elif a.op in COMPUTE_OPS:
-                    producer = _producer(a, num_stages)
+                    src = producer(a, num_stages)
                     if a.op is Op.BACKWARD and Action(a.stage, Op.FORWARD, a.mb) not in done:
                         _fail(schedule, f"rank {r} step {i}: {a} runs before its forward", [(r, i)])
-                    if producer is None:
+                    if src is None:
                         pass
-                    elif not _remote_producer(a, mapping):
-                        if producer not in done:
-                            _fail(schedule, f"rank {r} step {i}: {a} runs before {producer} on the same rank",
+                    elif not remote_producer(a, mapping):
+                        if src not in done:
+                            _fail(schedule, f"rank {r} step {i}: {a} runs before {src} on the same rank",
                                   [(r, i)])
-                        start = max(start, done[producer])
+                        start = max(start, done[src])
                     elif implicit:
-                        if producer not in done:
+                        if src not in done:
                             break
-                        start = max(start, done[producer])
+                        start = max(start, done[src])
                     else:
                         slot = recv_slot.get((r, _recv_for(a)))
                         if slot is None:
@@ -427,7 +416,7 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                     lines.append(f"rank {r} step {pc[r]}: NORM waits for ranks "
                                  f"{sorted(set(ranks) - set(norm_at))} to reach their NORM")
                 elif implicit:
-                    lines.append(f"rank {r} step {pc[r]}: {a} waits for {_producer(a, num_stages)}")
+                    lines.append(f"rank {r} step {pc[r]}: {a} waits for {producer(a, num_stages)}")
                 else:
                     ch, k = recv_slot[(r, _recv_for(a))]
                     why = ("its SEND has not been issued" if k >= len(sends.get(ch, []))
