@@ -299,7 +299,3 @@ class StageStore:
         """fp32 weights under their Hugging Face names (views into the master buffer)."""
         self.wait_step()
         return {n: v for n, v in zip(self.names, self._views(self.master.detach()))}
-
-    def device_bytes(self) -> int:
-        """Device memory this stage takes while loaded for backward (weights + grads)."""
-        return 2 * self.numel * torch.tensor([], dtype=self.dtype).element_size()

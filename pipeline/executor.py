@@ -7,9 +7,8 @@ schedule, which was validated and simulated before any process ran it.
 from __future__ import annotations
 
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,6 @@ class MicroBatch:
 class IterationResult:
     loss: float | None          # sum over micro-batches of the normalised loss (last-stage rank only)
     grad_norm: float | None     # global, before clipping (None without a NORM action)
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class Executor:
@@ -172,7 +170,3 @@ class Executor:
         """Wait for optimizer work still running on worker threads."""
         for store in self.stores.values():
             store.wait_step()
-
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 import schedule as sched
 from offload.store import BufferPool, StageStore, Streams
 from pipeline import checkpoint
+from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, barrier, broadcast_object, gather_objects, pick_device
 from pipeline.executor import Executor, MicroBatch
@@ -46,7 +47,7 @@ def ensure_generated_model(cfg: TrainConfig, env: DistEnv) -> None:
 
         try:
             ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RuntimeError) as e:
             error = f"could not build the generated model in {_generated_model_dir(cfg)}: {e}"
     error = broadcast_object(error)
     if error:
@@ -187,8 +188,6 @@ class Trainer:
             # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
             threads = ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=torch.set_num_threads,
                                          initargs=(n,))
-        from pipeline.comm import P2P
-
         self.p2p = P2P(self.mapping)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
