@@ -100,3 +100,18 @@ def test_missing_columns(tiny_model_dir, tmp_path):
     assert proc.returncode == 2
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and "document" in lines[0], proc.stderr[-2000:]
+
+
+def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**env_without_dist(), "MASTER_PORT": str(port), "NPROC": "2"}
+        proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--model", str(tiny_model_dir)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2
+    assert _error_lines(proc.stderr) == [f"error: master_port {port} is in use; set master_port in fine_tune.yaml "
+                                         f"or MASTER_PORT=<free port>"], proc.stderr[-2000:]
