@@ -89,12 +89,10 @@ def summarise(res: dict, mode: str, args) -> dict:
                 "host_rss_gb": sum(res.get("host_rss_peak_gib_per_rank") or []) or None}  # GiB, all ranks
     its = res["iterations"][args.warmup:]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    per_rank = [r["per_rank"] for r in its]
+    per_rank = [rank for r in its for rank in r["per_rank"]]
+    total = lambda key: sum(rank.get(key, 0) for rank in per_rank)  # noqa: E731
     gb = 2**30
-    h2d_b = sum(pr[k].get("h2d_bytes", 0) for pr in per_rank for k in range(len(pr)))
-    h2d_s = sum(pr[k].get("h2d_seconds", 0) for pr in per_rank for k in range(len(pr)))
-    d2h_b = sum(pr[k].get("d2h_bytes", 0) for pr in per_rank for k in range(len(pr)))
-    d2h_s = sum(pr[k].get("d2h_seconds", 0) for pr in per_rank for k in range(len(pr)))
+    h2d_b, h2d_s, d2h_b, d2h_s = (total(k) for k in ("h2d_bytes", "h2d_seconds", "d2h_bytes", "d2h_seconds"))
     last = res["iterations"][-1]
     return {
         "status": "ok",

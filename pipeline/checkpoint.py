@@ -32,6 +32,12 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _cpu_copy(store) -> dict[str, torch.Tensor]:
+    """A stage's fp32 weights as separate CPU tensors: safetensors refuses tensors that share one
+    storage (ours are views of a flat buffer), and resident masters live on the GPU."""
+    return {k: v.to("cpu", copy=True) for k, v in store.master_state_dict().items()}
+
+
 def _shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
@@ -48,9 +54,7 @@ def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages:
     barrier()
     mine = {}
     for s, store in stores.items():
-        # Copy: safetensors refuses tensors that share one storage (ours are views of a flat
-        # buffer), and resident masters live on the GPU.
-        tensors = {k: v.to("cpu", copy=True) for k, v in store.master_state_dict().items()}
+        tensors = _cpu_copy(store)
         save_file(tensors, str(tmp / _shard_name(s, num_stages)), metadata={"format": "pt"})
         mine[s] = {k: v.numel() * v.element_size() for k, v in tensors.items()}
         del tensors
@@ -84,8 +88,7 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
         parts_dir.mkdir(parents=True)
     barrier()
     for s, store in stores.items():
-        torch.save({k: v.to("cpu", copy=True) for k, v in store.master_state_dict().items()},
-                   parts_dir / f"stage{s:05d}.pt")
+        torch.save(_cpu_copy(store), parts_dir / f"stage{s:05d}.pt")
     barrier()
     if env.rank == 0:
         merged = {}

@@ -71,8 +71,6 @@ def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
     return float(value) if isinstance(value, (int, float)) else float(value[i])
 
 
-
-
 def predict(
     schedule: Schedule,
     mapping: list[int],

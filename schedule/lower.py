@@ -13,6 +13,7 @@ from schedule.generate import generate
 from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, channel, peer_recv, remote_producer, stages_of
 from schedule.validate import validate
 
+
 def send_of(a: Action) -> Action | None:
     """The SEND that follows compute action ``a`` when its consumer is on another rank."""
     if a.op is Op.FORWARD:
@@ -30,8 +31,6 @@ def _remote_consumer(a: Action, mapping: list[int]) -> bool:
     if a.op is Op.FORWARD:
         return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
     return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
-
-
 
 
 def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:

@@ -84,16 +84,12 @@ def _fail(schedule: Schedule, message: str, marks: Iterable[Cell] = ()) -> NoRet
     raise ScheduleError(f"{message}\n{format_grid(schedule, list(marks))}")
 
 
-
-
 def _has_peer(a: Action, mapping: list[int]) -> bool:
     """Whether a SEND / RECV connects its stage to a neighbouring stage on another rank."""
     s = a.stage
     if a.op in (Op.SEND_F, Op.RECV_B):
         return s + 1 < len(mapping) and mapping[s + 1] != mapping[s]
     return s > 0 and mapping[s - 1] != mapping[s]
-
-
 
 
 def _recv_for(a: Action) -> Action:
