@@ -3,15 +3,29 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from pipeline.config import ConfigError, parse_args
 from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
 
 
+# How long a rank other than 0 waits before exiting on an error that rank 0 reports too.
+REPORT_GRACE_S = 60.0
+
+
 def _fail(env: DistEnv, message: str) -> int:
-    if env.rank == 0:  # one line from one rank; every rank exits non-zero
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    """One line from one rank, a non-zero exit on every rank.
+
+    Rank 0 reports and exits. The others wait first: had one of them exited before rank 0
+    printed (rank 0 may still be importing torch), torchrun would kill rank 0 and the line
+    would be lost. torchrun stops the waiting ranks as soon as rank 0 has exited; a rank
+    whose error rank 0 did not share reports it itself when the wait runs out.
+    """
+    if env.rank != 0:
+        time.sleep(REPORT_GRACE_S)
+    prefix = "" if env.rank == 0 else f"[rank {env.rank}] "
+    print(f"error: {prefix}{message}", file=sys.stderr, flush=True)
     return 2
 
 
