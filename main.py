@@ -31,15 +31,21 @@ def _fail(env: DistEnv, message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from data import DataError
-    from pipeline.train import check_config, train
+    from pipeline.train import check_config, plan, train
 
     env = DistEnv.from_environ()
     try:
-        cfg, path, check_only = parse_args(argv)
+        cfg, path, mode = parse_args(argv)
+        if mode == "plan":  # for the processes torchrun starts, or for `nproc` of them
+            world_size = env.world_size if env.world_size > 1 else (cfg.nproc or 1)
+            check_config(cfg, world_size, need_devices=False)
+            if env.rank == 0:
+                print(plan(cfg, world_size), flush=True)
+            return 0
         check_config(cfg, env.world_size)
     except (ConfigError, DataError) as e:
         return _fail(env, str(e))
-    if check_only:
+    if mode == "check":
         return 0
     if env.rank == 0:
         print(f"config ({path or 'defaults'} + flags): " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),

@@ -97,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="MMoC-Pipe: pipeline-parallel full fine-tuning with offload.",
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML file (default: fine_tune.yaml in the working directory, if present).")
-    p.add_argument("--check_only", action="store_true", help="Check the configuration and exit (train.sh does this).")
+    p.add_argument("--check_only", dest="mode", action="store_const", const="check",
+                   help="Check the configuration and exit (train.sh does this).")
+    p.add_argument("--plan", "--dry_run", dest="mode", action="store_const", const="plan",
+                   help="Print the memory each GPU and the host need, the action lists and whether the run fits; "
+                        "load no weights, train nothing.")
     for name, f in _fields().items():
         help_ = f"{f.metadata['help']} (default: {f.default!r})"
         if f.type in ("bool", bool):
@@ -158,12 +162,12 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
     return cfg
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, bool]:
-    """Returns the resolved config, the YAML path it read (if any) and whether only to check it."""
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, str]:
+    """Returns the resolved config, the YAML path it read (if any) and the mode: train, check or plan."""
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config", None)
-    check_only = args.pop("check_only", False)
+    mode = args.pop("mode", "train")
     if path is None and os.path.exists("fine_tune.yaml"):
         path = "fine_tune.yaml"
     yaml_values = load_yaml(path) if path else {}
-    return make_config(yaml_values, args), path, check_only
+    return make_config(yaml_values, args), path, mode

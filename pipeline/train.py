@@ -93,8 +93,9 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     return ModelSource(hf_config, weights_dir, tok_dir)
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need no files: they run on every rank before anything is loaded."""
+def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -> None:
+    """Checks that need no files: they run on every rank before anything is loaded.
+    ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
     if cfg.num_stages < 1 or cfg.num_stages % world_size:
         raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
                           f"processes ({world_size}); e.g. num_stages={world_size * 2}")
@@ -104,7 +105,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
     if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
@@ -153,9 +154,7 @@ class Trainer:
         self.source = resolve_model(cfg)
         hf = self.source.config
         S = cfg.num_stages
-        if S > hf.num_hidden_layers + 2:
-            raise ConfigError(f"num_stages ({S}) exceeds the model's decoder layers + 2 "
-                              f"({hf.num_hidden_layers} + 2); use fewer stages")
+        check_stage_count(cfg, hf)
         self.mapping = sched.round_robin(S, env.world_size)
         self.loss_rank = self.mapping[-1]
         self.log = Log(env.rank, speaker=self.loss_rank)
@@ -268,13 +267,38 @@ class Trainer:
         barrier()
 
 
+def plan(cfg: TrainConfig, world_size: int) -> str:
+    """The ``--plan`` report (rank 0 alone, before any process group exists)."""
+    from pipeline import plan as plan_mod
+
+    if cfg.model == "generated" and not (_generated_model_dir(cfg) / "config.json").is_file():
+        from data import SAMPLE_TRAIN, ensure_tiny_model
+
+        ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
+    source = resolve_model(cfg)
+    check_stage_count(cfg, source.config)
+    return plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size)
+
+
+def check_stage_count(cfg: TrainConfig, hf_config) -> None:
+    if cfg.num_stages > hf_config.num_hidden_layers + 2:
+        raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
+                          f"({hf_config.num_hidden_layers} + 2); use fewer stages")
+
+
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
+    from pipeline.plan import check_fits
+
     check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
+    source = resolve_model(cfg)
+    check_stage_count(cfg, source.config)
+    # Before any weight is read: a run that cannot fit stops here, with advice.
+    check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size)
     trainer = Trainer(cfg, env)
     history = trainer.train()
     trainer.save(history)
     return history
 
 
-__all__ = ["Trainer", "train", "check_config", "resolve_model"]
+__all__ = ["Trainer", "check_config", "plan", "resolve_model", "train"]

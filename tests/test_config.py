@@ -19,8 +19,10 @@ def _yaml(tmp_path, text: str) -> str:
 
 def test_precedence_defaults_yaml_flags(tmp_path):
     path = _yaml(tmp_path, "batch_size: 16\nnum_chunks: 8\nuse_offload: true\nlr: 0.001\n")
-    cfg, used, check_only = parse_args(["--config", path, "--num_chunks", "2", "--no_offload", "--no_prefetch"])
-    assert used == path and not check_only
+    cfg, used, mode = parse_args(["--config", path, "--num_chunks", "2", "--no_offload", "--no_prefetch"])
+    assert used == path and mode == "train"
+    assert parse_args(["--config", path, "--check_only"])[2] == "check"
+    assert parse_args(["--config", path, "--dry_run"])[2] == parse_args(["--config", path, "--plan"])[2] == "plan"
     assert cfg.batch_size == 16          # YAML over default
     assert cfg.num_chunks == 2           # flag over YAML
     assert cfg.use_offload is False      # --no_offload over YAML's true

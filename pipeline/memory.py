@@ -1,0 +1,221 @@
+"""How much GPU and host memory a run needs, from the model config and the action lists alone.
+
+No weights are loaded and no tensor is made: the estimate walks each rank's action list and
+keeps a ledger of what the executor and the stores hold at every action.
+
+* **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
+  gradient and AdamW's two moments on the device. With offload the device holds only the
+  buffer pool of ``offload/store.py``: the walk replays its take/give on LOAD, the first
+  backward, DROP and OFFLOAD, so prefetch and buffer reuse are counted as they happen.
+* **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
+  layer with sdpa attention (measured with saved-tensor hooks; ``tests/test_memory.py``
+  checks the formula against autograd for float32 and bfloat16), held from a stage's forward
+  to its backward; with activation checkpointing only each layer's input.
+* **In flight.** Stage inputs and outputs the executor keeps (sent tensors live until the end
+  of the iteration), and the transient peak inside one forward/backward: the logits of the
+  last stage, a layer's gradients, and a recomputed layer under checkpointing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedule.ir import Action, Op
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the estimate needs from a Hugging Face config."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_dim: int       # num_key_value_heads * head_dim
+    vocab: int
+
+    @staticmethod
+    def of(config) -> "ModelShape":
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return ModelShape(config.hidden_size, config.intermediate_size, heads, kv * head_dim, config.vocab_size)
+
+
+def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa") -> float:
+    """Bytes autograd keeps per token for one decoder layer (``d``: compute dtype size).
+
+    Two RMSNorms save an fp32 copy of their input, the rsqrt and the normalised input (8h + 8 +
+    2dh); q/k/v and gate/up share their input (2dh); attention keeps rotated q and k, v, its
+    output and the log-sum-exp (dh + 2d*kv + dh + 4*heads); the MLP keeps gate, up, silu(gate)
+    and their product (4df). Eager attention keeps the fp32 softmax (heads * seq_len a token)
+    and unscaled copies of its inputs instead of the log-sum-exp.
+    """
+    h, f = m.hidden, m.intermediate
+    saved = 8 * h + 8 + 6 * d * h + 2 * d * m.kv_dim + 4 * m.heads + 4 * d * f
+    if attn == "eager":
+        saved += 4 * m.heads * seq_len + 4 * h - 4 * m.heads + (d * h if d < 4 else 0)
+    return saved
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    numel: int
+    num_layers: int
+    first: bool
+    last: bool
+
+
+@dataclass
+class RankMemory:
+    """Peak bytes of one rank, and what the peak is made of."""
+
+    rank: int
+    device_peak: int = 0
+    host: int = 0
+    at: str = ""                                   # the action during which the peak occurs
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    shape: ModelShape
+    stages: list[StagePlan]
+    mapping: list[int]
+    micro_batch: int
+    seq_len: int
+    dtype_bytes: int
+    offload: bool
+    checkpointing: bool
+    attn: str = "sdpa"
+    cpu: bool = False  # device memory is host memory: count everything once
+
+
+def _weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
+    """Autograd computes a weight's gradient as a new tensor, then adds it into ``.grad``: the
+    largest weight of the stage is a transient of its backward."""
+    m, st = inp.shape, inp.stages[s]
+    largest = m.hidden * m.intermediate if st.num_layers else 0
+    if st.first or st.last:
+        largest = max(largest, m.vocab * m.hidden)
+    return largest * inp.dtype_bytes
+
+
+def _per_token(inp: MemoryInputs, s: int) -> tuple[float, float, float]:
+    """(saved from F to B, transient during F, transient during B) per token of stage ``s``."""
+    m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
+    h, f, V = m.hidden, m.intermediate, m.vocab
+    layer = layer_saved_bytes_per_token(m, d, inp.seq_len, inp.attn)
+    saved = st.num_layers * (d * h if inp.checkpointing else layer)
+    if st.first:
+        saved += 8 + (d * h if inp.checkpointing and st.num_layers else 0)  # token ids; embedding output
+    elif not inp.checkpointing and d == 4:
+        saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
+    fwd = bwd = 0.0
+    if st.num_layers:
+        # backward of one layer: the MLP's three f-wide gradients and a few h-wide ones; under
+        # checkpointing the layer's saved tensors are recomputed first.
+        bwd = 3 * d * f + 4 * d * h + (layer if inp.checkpointing else 0)
+        fwd = 4 * d * f if inp.checkpointing else 0  # the MLP of the layer being run
+    if st.last:
+        saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
+        upcast = 4 * V if d < 4 else 0
+        fwd = max(fwd, d * V + upcast)                 # the logits and their fp32 copy
+        bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
+    return saved, fwd, bwd
+
+
+def _param_bytes_resident(numel: int, d: int) -> int:
+    # compute copy + its grad + fp32 master + master grad + AdamW moments; fp32 compute aliases
+    return numel * (d + d + 4 + 4 + 8 - (8 if d == 4 else 0))
+
+
+def _param_bytes_host(numel: int, d: int) -> int:
+    # fp32 master + master grad + AdamW moments, and pinned compute copies of weights and grads
+    return numel * (4 + 4 + 8 + (2 * d if d < 4 else 0))
+
+
+def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMemory:
+    """Walk one rank's action list and return its peak device memory and its host memory."""
+    d, tokens = inp.dtype_bytes, inp.micro_batch * inp.seq_len
+    h = inp.shape.hidden
+    mine = [s for s, r in enumerate(inp.mapping) if r == rank]
+    out = RankMemory(rank)
+    if inp.offload:
+        out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine)
+        params_static = 0
+    else:
+        params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine)
+
+    pool_free: dict[int, int] = {}   # numel -> free buffers
+    pool_bytes = 0
+    has_grad: set[int] = set()
+
+    def take(numel: int) -> None:
+        nonlocal pool_bytes
+        if pool_free.get(numel):
+            pool_free[numel] -= 1
+        else:
+            pool_bytes += numel * d
+
+    def give(numel: int) -> None:
+        pool_free[numel] = pool_free.get(numel, 0) + 1
+
+    saved = 0.0           # autograd's saved tensors of forwards whose backward has not run
+    held = 0.0            # executor-held inputs/outputs/sent tensors
+    per_mb: dict[tuple[int, int], float] = {}
+    io = d * h * tokens   # one hidden-state tensor of a micro-batch
+    for a in actions:
+        s = a.stage
+        fwd_t = bwd_t = 0.0
+        if a.op is Op.LOAD:
+            take(inp.stages[s].numel)
+        elif a.op is Op.DROP:
+            give(inp.stages[s].numel)
+        elif a.op is Op.OFFLOAD:
+            give(inp.stages[s].numel)
+            give(inp.stages[s].numel)
+            has_grad.discard(s)
+        elif a.op is Op.FORWARD:
+            per_tok, fwd_t, _ = _per_token(inp, s)
+            per_mb[(s, a.mb)] = per_tok * tokens
+            saved += per_tok * tokens
+            if s > 0 and inp.mapping[s - 1] != rank:
+                held += io  # the received input, kept for its gradient (a local one is counted as an output)
+            if not inp.stages[s].last:
+                held += io  # the output: kept for backward and, when sent, until the iteration ends
+        elif a.op is Op.BACKWARD:
+            _, _, bwd_t = _per_token(inp, s)
+            if inp.offload and s not in has_grad:
+                take(inp.stages[s].numel)
+                has_grad.add(s)
+            saved -= per_mb.pop((s, a.mb))
+            if s > 0 and inp.mapping[s - 1] == rank:
+                held += io  # the input's gradient, handed to the previous stage of this rank
+            # a received input is freed and its gradient, sent on, lives until the iteration ends
+            if not inp.stages[s].last and inp.mapping[s + 1] == rank:
+                held -= 2 * io  # the output (the next stage's input) and the gradient it got back
+        now = params_static + pool_bytes + saved + held
+        transient = (fwd_t + bwd_t) * tokens + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
+        peak = now + transient
+        if peak > out.device_peak:
+            out.device_peak = int(peak)
+            out.at = str(a)
+            out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
+                         "in_flight": int(held), "transient": int(transient)}
+    if inp.cpu:  # one memory: the "device" tensors are host tensors
+        out.host += out.device_peak
+        out.device_peak = 0
+    return out
+
+
+def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:
+    return [estimate_rank(inp, r, schedule[r]) for r in sorted(schedule)]
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+__all__ = ["MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "estimate", "estimate_rank", "gib",
+           "layer_saved_bytes_per_token"]

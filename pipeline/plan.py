@@ -1,0 +1,157 @@
+"""``--plan``: what a configuration needs (GPU and host memory, the action lists) and whether it fits,
+before any weight is loaded; and the same check as training's first step, so a run that cannot
+fit stops with advice instead of an out-of-memory error after minutes of loading."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+
+import torch
+
+import schedule as sched
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, gib
+from pipeline.model import partition_layers, stage_num_params
+
+# Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
+# allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
+USABLE_FRACTION = 0.9
+
+
+def device_type(cfg: TrainConfig) -> str:
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def dtype_bytes(cfg: TrainConfig, device: str) -> int:
+    if cfg.dtype == "auto":
+        return 2 if device == "cuda" else 4
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
+
+
+def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) -> tuple[list[RankMemory], dict]:
+    """Per-rank memory estimate of ``cfg`` and the schedule it runs."""
+    S = cfg.num_stages
+    parts = partition_layers(hf_config.num_hidden_layers, S)
+    stages = [StagePlan(stage_num_params(hf_config, parts[s], s == 0, s == S - 1), len(parts[s]), s == 0, s == S - 1)
+              for s in range(S)]
+    program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
+                          prefetch=cfg.use_prefetch, clip=cfg.grad_clip > 0)
+    inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
+                       dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
+                       attn=cfg.attn_implementation, cpu=device == "cpu")
+    return estimate(inp, program), program
+
+
+def gpu_capacity(cfg: TrainConfig) -> int | None:
+    """Bytes a rank may allocate on its GPU (the cap if set), None without a GPU."""
+    if cfg.gpu_memory_gb:
+        return int(cfg.gpu_memory_gb * 2**30)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _fits(ranks: list[RankMemory], gpu: int | None, host: int | None) -> bool:
+    gpu_ok = gpu is None or max(r.device_peak for r in ranks) <= USABLE_FRACTION * gpu
+    return gpu_ok and (host is None or sum(r.host for r in ranks) <= host)
+
+
+def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainConfig]]:
+    """The levers a user has, each as the config it gives."""
+    alts = []
+    if not cfg.activation_checkpointing:
+        alts.append(("activation_checkpointing: true", dataclasses.replace(cfg, activation_checkpointing=True)))
+    if not cfg.use_offload:
+        alts.append(("use_offload: true", dataclasses.replace(cfg, use_offload=True)))
+    if cfg.batch_size % (cfg.num_chunks * 2) == 0:
+        alts.append((f"num_chunks: {cfg.num_chunks * 2} (smaller micro-batches)",
+                     dataclasses.replace(cfg, num_chunks=cfg.num_chunks * 2)))
+    if cfg.num_stages * 2 <= num_layers + 2:
+        alts.append((f"num_stages: {cfg.num_stages * 2}", dataclasses.replace(cfg, num_stages=cfg.num_stages * 2)))
+    if cfg.schedule == "gpipe":
+        alts.append(("schedule: 1f1b (fewer micro-batches in flight)", dataclasses.replace(cfg, schedule="1f1b")))
+    return alts
+
+
+def advice(cfg: TrainConfig, hf_config, world_size: int, device: str, gpu: int | None, host: int | None) -> list[str]:
+    """The single changes that make ``cfg`` fit, each with its estimated peak."""
+    out = []
+    for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
+        ranks, _ = memory_plan(alt, hf_config, sched.round_robin(alt.num_stages, world_size), device)
+        if _fits(ranks, gpu, host):
+            out.append(f"{label} -> {gib(max(r.device_peak for r in ranks))} per GPU")
+    return out
+
+
+def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> None:
+    """Raise ConfigError, with advice, when the estimate exceeds the GPU (or host) memory."""
+    device = device_type(cfg)
+    gpu = gpu_capacity(cfg) if device == "cuda" else None
+    host = host_available()
+    ranks, _ = memory_plan(cfg, hf_config, mapping, device)
+    if _fits(ranks, gpu, host):
+        return
+    worst = max(ranks, key=lambda r: r.device_peak)
+    if gpu is not None and worst.device_peak > USABLE_FRACTION * gpu:
+        need = f"needs about {gib(worst.device_peak)} on GPU rank {worst.rank} (peak during {worst.at}) " \
+               f"but {USABLE_FRACTION:.0%} of {gib(gpu)} is usable"
+    else:
+        need = f"needs about {gib(sum(r.host for r in ranks))} of host memory but {gib(host or 0)} is available"
+    tips = advice(cfg, hf_config, world_size, device, gpu, host)
+    hint = "; try one of: " + "; ".join(tips) if tips else \
+        "; no single change of checkpointing, offload, micro-batch size, stages or schedule is enough"
+    raise ConfigError(f"this configuration does not fit: it {need}{hint} (see main.py --plan)")
+
+
+def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> str:
+    """The text ``--plan`` prints."""
+    device = device_type(cfg)
+    ranks, program = memory_plan(cfg, hf_config, mapping, device)
+    gpu = gpu_capacity(cfg) if device == "cuda" else None
+    host = host_available()
+    tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
+    lines = [f"plan: {cfg.num_stages} stages of {hf_config.num_hidden_layers} layers on {world_size} processes "
+             f"({device}, {dtype_bytes(cfg, device) * 8}-bit compute), schedule {cfg.schedule}, "
+             f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
+             f"({tokens} tokens), offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
+             f"checkpointing={cfg.activation_checkpointing}",
+             f"stage -> rank: {mapping}"]
+    head = "rank  stages      peak device  (params / activations / in flight / transient)  at     host"
+    lines.append(head)
+    for r in ranks:
+        mine = [s for s, m in enumerate(mapping) if m == r.rank]
+        p = r.parts
+        dev = gib(r.device_peak) if device == "cuda" else "-"
+        split = " / ".join(gib(p.get(k, 0)) for k in ("parameters", "activations", "in_flight", "transient"))
+        lines.append(f"{r.rank:4d}  {str(mine):10s}  {dev:>11s}  ({split})  {r.at:5s}  {gib(r.host)}")
+    for r in sorted(program):
+        counts = Counter(a.op.name for a in program[r])
+        lines.append(f"rank {r} actions: {len(program[r])} (" +
+                     ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ")")
+    total_host = sum(r.host for r in ranks)
+    if gpu is not None:
+        worst = max(r.device_peak for r in ranks)
+        lines.append(f"GPU: {gib(worst)} of {gib(gpu)} ({USABLE_FRACTION:.0%} usable): "
+                     f"{'fits' if worst <= USABLE_FRACTION * gpu else 'DOES NOT FIT'}")
+    lines.append(f"host: {gib(total_host)} for all ranks" +
+                 (f" of {gib(host)} available: {'fits' if total_host <= host else 'DOES NOT FIT'}" if host else ""))
+    if not _fits(ranks, gpu, host):
+        tips = advice(cfg, hf_config, world_size, device, gpu, host)
+        lines.append("would fit with: " + ("; ".join(tips) if tips else "no single change"))
+    return "\n".join(lines)
+
+
+
+__all__ = ["advice", "check_fits", "memory_plan", "report"]
