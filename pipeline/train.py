@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import schedule as sched
+from offload.cpus import node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams
 from pipeline import checkpoint
 from pipeline.comm import P2P
@@ -183,15 +184,31 @@ class Trainer:
             self.stages[s] = stage
         threads = None
         if cfg.use_offload:
-            n = cfg.optimizer_threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
             # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
-            threads = ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=torch.set_num_threads,
-                                         initargs=(n,))
+            cpus = self.optimizer_cpus()
+            threads = ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
+                                         initargs=(cpus,))
+            self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
+                          f"{cpus[0]}-{cpus[-1]})")
         self.p2p = P2P(self.mapping)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
                                  optimizer_threads=threads)
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
+
+    def optimizer_cpus(self) -> list[int]:
+        """This rank's cores for the CPU optimizer: its GPU's NUMA node's share (offload/cpus.py)."""
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            list(range(os.cpu_count() or 1))
+        gpu_numa: list[int | None] = [None] * self.env.local_world_size
+        if self.device.type == "cuda":
+            from offload.topology import discover
+
+            topo = discover()
+            if topo is not None and len(topo.gpus) >= self.env.local_world_size:
+                gpu_numa = [g.numa for g in topo.gpus[:self.env.local_world_size]]
+        cpus = optimizer_cpus(self.env.local_rank, gpu_numa, node_cpus(), allowed)
+        return cpus[:self.cfg.optimizer_threads] if self.cfg.optimizer_threads else cpus
 
     def microbatches(self, batch) -> list[MicroBatch]:
         return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device))
