@@ -243,3 +243,49 @@ def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
     assert len(rows[-1]["peak_mem_bytes_per_rank"]) == 2  # gathered from both ranks
     assert _read_png(tmp_path / "metrics.png") == (800, 600)
     assert not [line for line in proc.stdout.splitlines() if line.startswith("[rank")]  # only the loss rank speaks
+
+
+@pytest.mark.slow
+def test_torchrun_stops_after_too_many_nan_steps(tiny_model_dir, tmp_path, monkeypatch):
+    from test_equivalence import _flags, run_torchrun
+
+    # Every loss is NaN in the workers: a sitecustomize patches cross_entropy before main runs.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if 'RANK' in os.environ:\n"
+        "    import torch.nn.functional as F\n"
+        "    _ce = F.cross_entropy\n"
+        "    F.cross_entropy = lambda *a, **k: _ce(*a, **k) * float('nan')\n")
+    monkeypatch.setenv("PYTHONPATH", str(hook))  # env_without_dist puts the repo root first
+    cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
+    proc = run_torchrun(2, _flags(cfg))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: stopping at step 2: 2 steps in a row (steps 1-2)")
+    warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
+    assert [w.split(":")[1] for w in warnings] == [" step 1", " step 2"]  # from the loss rank only
+    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from pipeline.dist import Log
+    from pipeline.metrics import Metrics
+
+    row = {"step": 1, "loss": 2.5, "grad_norm": 1.0, "lr": 1e-4, "tokens": 64, "tokens_per_s": 640.0,
+           "tflops_per_gpu": 0.001, "step_time_s": 0.1, "peak_mem_bytes": 2**30, "skipped": False}
+    assert Metrics(Log(0), speaks=True, num_steps=2, save_dir=None, progress_bar=True).bar is None  # not a TTY
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert Metrics(Log(0), speaks=True, num_steps=2, save_dir=None, progress_bar=False).bar is None
+    assert Metrics(Log(1), speaks=False, num_steps=2, save_dir=None, progress_bar=True).bar is None
+    m = Metrics(Log(0), speaks=True, num_steps=2, save_dir=tmp_path, progress_bar=True)
+    m.start()
+    m.log_step(row)
+    assert m.bar.n == 1 and "loss 2.5000" in m.bar.postfix
+    summary = m.finish(123)
+    assert summary["peak_mem_bytes_per_rank"] == [123] and m.bar is None
+    out = capsys.readouterr().out
+    assert "step    1/2 loss 2.5000" in out and "summary: 1 steps" in out
