@@ -31,6 +31,7 @@ def _fail(env: DistEnv, message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from data import DataError
+    from pipeline.metrics import TrainingError
     from pipeline.train import check_config, plan, train
 
     env = DistEnv.from_environ()
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(env, pick_device(cfg.device, env), timeout_s=600)
     try:
         train(cfg, env)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, TrainingError) as e:
         cleanup()
         return _fail(env, str(e))
     except BaseException:  # noqa: BLE001 - e.g. CUDA OOM on one rank

@@ -265,6 +265,17 @@ class StageStore:
         else:
             run()
 
+    def discard_grads(self) -> None:
+        """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients
+        are thrown away so the next iteration does not accumulate onto them."""
+        if self.offload:
+            # The device buffer went back to the pool at OFFLOAD and is zeroed by the next first
+            # backward; host_grad / master_grad are overwritten by the next OFFLOAD's copy.
+            return
+        self.grad.zero_()
+        if self.master_grad is not self.grad:
+            self.master_grad.zero_()
+
     def wait_step(self) -> None:
         if self._step_future is not None:
             self._step_future.result()  # host wait; re-raises an optimizer error here

@@ -70,6 +70,16 @@ class TrainConfig:
     seed: int = _f(0, "Seed for data order and random initialisation.")
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
                     choices=DTYPES)
+    max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
+                                "error after more than this many in a row (0 = stop at the first; -1 = no check, "
+                                "non-finite steps are applied).")
+    # --- evaluation and metrics ------------------------------------------------------
+    eval_every: int = _f(0, "Validation loss and perplexity every N steps and after the last (0 = off).")
+    eval_dataset: str = _f("", "Validation data, same forms as dataset; default: the training source's validation "
+                           "split (the bundled validation file for dataset: sample).")
+    eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).")
+    progress_bar: bool = _f(True, "tqdm progress bar on the rank that computes the loss (only when stdout is a terminal).")
+    save_metrics: bool = _f(True, "Write save_dir/metrics.jsonl (a row per step and evaluation) and save_dir/metrics.png.")
     # --- devices and launch ----------------------------------------------------------
     device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")

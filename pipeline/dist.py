@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,10 @@ class Log:
 
     def info(self, msg: str) -> None:
         if self.rank == self.speaker:
-            print(msg, flush=True)
+            # tqdm.write prints above a live progress bar instead of through it; with no bar it is print.
+            tqdm.write(msg, file=sys.stdout)
+            sys.stdout.flush()
 
     def warn(self, msg: str) -> None:
-        print(f"[rank {self.rank}] warning: {msg}", file=sys.stderr, flush=True)
+        tqdm.write(f"[rank {self.rank}] warning: {msg}", file=sys.stderr)
+        sys.stderr.flush()

@@ -30,6 +30,7 @@ class MicroBatch:
 class IterationResult:
     loss: float | None          # sum over micro-batches of the normalised loss (last-stage rank only)
     grad_norm: float | None     # global, before clipping (None without a NORM action)
+    skipped: bool = False       # NORM found a non-finite norm: every STEP discarded its gradients
 
 
 class Executor:
@@ -52,7 +53,10 @@ class Executor:
     def run(self, actions: list[Action], microbatches: list[MicroBatch], num_targets: int, lr: float,
             train: bool = True) -> IterationResult:
         """Interpret ``actions`` once. ``num_targets`` is the count of predicted tokens in the whole
-        global batch, so the summed micro-batch losses equal the batch's mean token loss."""
+        global batch, so the summed micro-batch losses equal the batch's mean token loss.
+
+        ``train=False`` runs a forward-only program (``schedule.build_forward``) with autograd
+        off: no graph is built and no activation is kept for a backward that never comes."""
         self.mbs, self.num_targets, self.lr = microbatches, num_targets, lr
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # stage input (needs its grad)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # stage output, or loss on the last stage
@@ -62,17 +66,18 @@ class Executor:
         self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
-        self.clip_coef, self.grad_norm = None, None
-        for action in actions:
-            if self.timeline is not None:
-                self.timeline.begin(action)
-            self._handlers[action.op](action)
-            if self.timeline is not None:
-                self.timeline.end(action)
+        self.clip_coef, self.grad_norm, self.skip_step = None, None, False
+        with torch.set_grad_enabled(train):
+            for action in actions:
+                if self.timeline is not None:
+                    self.timeline.begin(action)
+                self._handlers[action.op](action)
+                if self.timeline is not None:
+                    self.timeline.end(action)
         for work, _ in self.sends:  # keep each sent tensor alive until its send completed
             work.wait()
         loss = float(torch.stack(self.losses).sum()) if self.losses else None  # host sync: end of iteration
-        return IterationResult(loss, self.grad_norm)
+        return IterationResult(loss, self.grad_norm, self.skip_step)
 
     # --- compute ------------------------------------------------------------------------
     def _act_shape(self, m: int) -> tuple[int, int, int]:
@@ -158,13 +163,20 @@ class Executor:
         norm = sq.sqrt()
         self.grad_norm = float(norm)  # host sync: the norm is logged and gates the steps anyway
         if not math.isfinite(self.grad_norm):
-            self.clip_coef = None
+            # A NaN/inf anywhere makes the all-reduced norm non-finite on every rank alike, so
+            # every rank skips its steps of this iteration and the replicas stay consistent.
+            self.clip_coef, self.skip_step = None, True
             return
         if self.grad_clip > 0:
             self.clip_coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
 
     def _step(self, a: Action) -> None:
-        self.stores[a.stage].step(self.lr, self.clip_coef, self.optimizer_threads)
+        # Not a scheduling decision: the STEP runs where the schedule put it; NORM's value
+        # decides whether it updates the weights or throws the gradients away.
+        if self.skip_step:
+            self.stores[a.stage].discard_grads()
+        else:
+            self.stores[a.stage].step(self.lr, self.clip_coef, self.optimizer_threads)
 
     def finish(self) -> None:
         """Wait for optimizer work still running on worker threads."""

@@ -27,3 +27,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def optim_settings(cfg: TrainConfig, fused: bool | None = None) -> OptimSettings:
     return OptimSettings(weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                          eps=cfg.adam_eps, fused=fused)
+
+
+def needs_norm(cfg: TrainConfig) -> bool:
+    """Whether the schedule needs the global gradient norm (NORM): to clip, or to skip a step
+    whose gradients are not finite."""
+    return cfg.grad_clip > 0 or cfg.max_skipped_steps >= 0

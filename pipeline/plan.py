@@ -13,6 +13,7 @@ import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, gib
 from pipeline.model import partition_layers, stage_num_params
+from pipeline.optim import needs_norm
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
@@ -36,7 +37,7 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) ->
     stages = [StagePlan(stage_num_params(hf_config, parts[s], s == 0, s == S - 1), len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
     program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
-                          prefetch=cfg.use_prefetch, clip=cfg.grad_clip > 0)
+                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu")

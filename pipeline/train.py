@@ -18,9 +18,11 @@ from pipeline import checkpoint
 from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, barrier, broadcast_object, gather_objects, pick_device
+from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
+from pipeline.metrics import Metrics, SkipGuard
 from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
-from pipeline.optim import lr_at, optim_settings
+from pipeline.optim import lr_at, needs_norm, optim_settings
 
 GENERATED_MODEL = "tiny-llama"
 
@@ -111,6 +113,9 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
     if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
+    if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
+        raise ConfigError(f"eval_every ({cfg.eval_every}) and eval_batches ({cfg.eval_batches}) must be >= 0, "
+                          f"max_skipped_steps ({cfg.max_skipped_steps}) >= -1")
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -162,8 +167,12 @@ class Trainer:
         self.stream, skipped = build_stream(cfg, self.source)
         if skipped:
             self.log.info(f"data: skipped {skipped} unusable rows")
+        self.eval_batches = build_eval_batches(cfg, self.source) if cfg.eval_every else []
         self.schedule = sched.build(cfg.schedule, S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
-                                    prefetch=cfg.use_prefetch, clip=cfg.grad_clip > 0)
+                                    prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
+        # Validation runs the same stages with a forward-only program: no B, no optimizer.
+        self.eval_actions = sched.build_forward(S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
+                                                prefetch=cfg.use_prefetch)[env.rank] if cfg.eval_every else []
         if cfg.debug_schedule and env.rank == 0:
             print(sched.format_schedule(self.schedule), flush=True)
         self.actions = self.schedule[env.rank]
@@ -214,11 +223,32 @@ class Trainer:
         return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device))
                 for mb in batch.microbatches(self.cfg.num_chunks)]
 
+    def evaluate(self) -> dict:
+        """Validation loss over ``eval_batches`` (token-weighted mean; None off the loss rank)."""
+        def run(batch):
+            # num_targets=1: the executor's loss is then the plain sum of the batch's token losses.
+            return self.executor.run(self.eval_actions, self.microbatches(batch), 1, 0.0, train=False).loss
+
+        return evaluate(run, self.eval_batches)
+
     def train(self) -> list[dict]:
-        cfg, history = self.cfg, []
+        cfg = self.cfg
         self.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
                       f"{self.env.world_size} processes ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
                       f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
+        metrics = Metrics(self.log, speaks=self.env.rank == self.loss_rank, num_steps=cfg.num_iterations,
+                          save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar)
+        guard = SkipGuard(cfg.max_skipped_steps)
+        try:
+            metrics.start()
+            history = self._train_loop(metrics, guard)
+            metrics.finish(self.peak_memory())
+        finally:
+            metrics.close()
+        return history
+
+    def _train_loop(self, metrics: Metrics, guard: SkipGuard) -> list[dict]:
+        cfg, history = self.cfg, []
         for it in range(cfg.num_iterations):
             batch = self.stream.next_batch()
             t0 = time.perf_counter()
@@ -230,12 +260,15 @@ class Trainer:
             row = {"iteration": it, "time_s": dt, "tokens_per_s": tokens / dt, "loss": res.loss,
                    "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": self.peak_memory(),
                    "tflops_per_gpu": self.flops_per_token * tokens / dt / self.env.world_size / 1e12,
-                   **self.device_stats()}
+                   "skipped": res.skipped, **self.device_stats()}
             history.append(row)
-            if res.loss is not None:
-                gn = "n/a" if res.grad_norm is None else f"{res.grad_norm:.4f}"
-                self.log.info(f"step {it + 1:5d}/{cfg.num_iterations} loss {res.loss:.4f} grad_norm {gn} "
-                              f"lr {row['lr']:.3g} tok/s {row['tokens_per_s']:.0f} step_time {dt:.3f}s")
+            metrics.log_step({"step": it + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": row["lr"],
+                              "tokens": tokens, "tokens_per_s": row["tokens_per_s"],
+                              "tflops_per_gpu": row["tflops_per_gpu"], "step_time_s": dt,
+                              "peak_mem_bytes": row["peak_mem_bytes"], "skipped": res.skipped})
+            guard.update(it + 1, res.skipped)  # raises on every rank alike past max_skipped_steps
+            if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
+                metrics.log_eval({"step": it + 1, **self.evaluate()})
         self.executor.finish()
         return history
 

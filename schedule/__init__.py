@@ -2,9 +2,9 @@
 
 Pure Python: nothing here imports torch.
 """
-from schedule.generate import SCHEDULE_NAMES, generate, list_schedule
+from schedule.generate import SCHEDULE_NAMES, generate, generate_forward, list_schedule
 from schedule.ir import Action, Op, Schedule, channel, format_schedule, peer_recv, round_robin, stages_of
-from schedule.lower import add_load_offload, add_optimizer, add_send_recv, build, stage_intervals
+from schedule.lower import add_load_offload, add_optimizer, add_send_recv, build, build_forward, stage_intervals
 from schedule.validate import ScheduleError, SimResult, format_grid, simulate, validate
 
 __all__ = [
@@ -18,10 +18,12 @@ __all__ = [
     "add_optimizer",
     "add_send_recv",
     "build",
+    "build_forward",
     "channel",
     "format_grid",
     "format_schedule",
     "generate",
+    "generate_forward",
     "list_schedule",
     "peer_recv",
     "round_robin",

@@ -179,3 +179,22 @@ def list_schedule(
         if busy:
             now = min(busy)
     return out
+
+
+def generate_forward(num_stages: int, num_microbatches: int, mapping: list[int] | None = None) -> Schedule:
+    """Compute-only schedule with forwards only (evaluation): no B, so no gradients and no step.
+
+    Each rank runs its stages in ascending order, every micro-batch of a stage before the next
+    stage (stage-major). Nothing waits on a backward, so the pipeline simply fills; with
+    offload a stage is then resident for one interval per call (one LOAD, one DROP).
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches ({num_microbatches}) must be >= 1")
+    if mapping is None:
+        mapping = round_robin(num_stages, num_stages)
+    num_ranks = check_mapping(num_stages, mapping)
+    f_orders = {r: [Action(s, Op.FORWARD, m) for s in stages_of(r, mapping) for m in range(num_microbatches)]
+                for r in range(num_ranks)}
+    b_orders = {r: [] for r in range(num_ranks)}
+    warmups = {r: len(f_orders[r]) for r in range(num_ranks)}
+    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=False)

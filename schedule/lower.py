@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from schedule.generate import generate
+from schedule.generate import generate, generate_forward
 from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, channel, peer_recv, remote_producer, stages_of
 from schedule.validate import validate
 
@@ -109,7 +109,9 @@ def stage_intervals(actions: list[Action]) -> list[Interval]:
                 intervals.append(Interval(s, f[0], b[-1], True))
                 continue
         if f:
-            intervals.append(Interval(s, f[0], f[-1], b is None))
+            # A forward-only interval never holds gradients, not even in a forward-only
+            # (evaluation) schedule: it ends with DROP.
+            intervals.append(Interval(s, f[0], f[-1], False))
         if b:
             intervals.append(Interval(s, b[0], b[-1], True))
     return sorted(intervals, key=lambda iv: iv.first)
@@ -173,7 +175,10 @@ RECV of its first compute),
 
 
 def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: bool) -> Schedule:
-    """Insert optimizer STEP actions (and one NORM per rank when clipping).
+    """Insert optimizer STEP actions (and one NORM per rank when ``clip``).
+
+    ``clip`` asks for the global gradient norm: for clipping, and for skipping a step whose
+    gradients are not finite (the norm is then non-finite on every rank alike).
 
     Without clipping a stage steps as soon as its gradients are final: right after its last
     backward, that backward's SEND and (when offloading) its OFFLOAD. With clipping every rank
@@ -227,7 +232,8 @@ def build(
         mapping: ``mapping[s]`` is the rank of stage ``s``.
         offload: keep parameters on the host and load them per residency interval.
         prefetch: issue each LOAD one interval early (only meaningful with ``offload``).
-        clip: global gradient-norm clipping (adds one NORM per rank before the steps).
+        clip: the global gradient norm is needed (clipping, or skipping non-finite steps):
+            adds one NORM per rank before the steps.
     """
     schedule = generate(name, num_stages, num_microbatches, mapping)
     schedule = add_send_recv(schedule, mapping)
@@ -235,4 +241,25 @@ def build(
         schedule = add_load_offload(schedule, mapping, prefetch)
     schedule = add_optimizer(schedule, mapping, clip=clip, offload=offload)
     validate(schedule, mapping, num_stages, num_microbatches)
+    return schedule
+
+
+def build_forward(
+    num_stages: int,
+    num_microbatches: int,
+    mapping: list[int],
+    *,
+    offload: bool,
+    prefetch: bool,
+) -> Schedule:
+    """The forward-only program of every rank (evaluation): F, SEND_F / RECV_F and, with
+    offload, LOAD / DROP; no B, no OFFLOAD, no NORM, no STEP. Validated like ``build``.
+
+    Args: as for ``build``.
+    """
+    schedule = generate_forward(num_stages, num_microbatches, mapping)
+    schedule = add_send_recv(schedule, mapping)
+    if offload:
+        schedule = add_load_offload(schedule, mapping, prefetch)
+    validate(schedule, mapping, num_stages, num_microbatches, forward_only=True)
     return schedule

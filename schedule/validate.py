@@ -25,6 +25,8 @@ from typing import Callable, Iterable, NamedTuple, NoReturn
 from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, peer_recv,
                          producer, remote_producer)
 
+# What a forward-only (evaluation) program must not contain.
+_GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP})
 Cell = tuple[int, int]  # (rank, step index); step == len(list) means "the end of the list"
 _GRID_COLUMNS = 16  # steps per block of the grid, so long schedules stay readable
 
@@ -107,6 +109,7 @@ def validate(
     num_microbatches: int,
     *,
     compute_only: bool = False,
+    forward_only: bool = False,
 ) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` is a correct program for the executor.
 
@@ -117,6 +120,8 @@ def validate(
         num_microbatches: number of micro-batches.
         compute_only: check a generator's output (F and B only, communication implicit, no
             optimizer actions) instead of a fully lowered program.
+        forward_only: an evaluation program: every (stage, micro-batch) needs one F and
+            nothing may touch gradients or the optimizer (no B, SEND_B/RECV_B, O, NORM, S).
     """
     S, M = num_stages, num_microbatches
     if len(mapping) != S:
@@ -131,6 +136,9 @@ def validate(
         for i, a in enumerate(acts):
             if not isinstance(a, Action):
                 _fail(schedule, f"rank {r} step {i}: {a!r} is not an Action", [(r, i)])
+            if forward_only and a.op in _GRADIENT_OPS:
+                _fail(schedule, f"rank {r} step {i}: {a} in a forward-only schedule (no gradients, no "
+                                f"optimizer: only F, SEND_F, RECV_F, L, D allowed)", [(r, i)])
             if compute_only and a.op not in COMPUTE_OPS:
                 _fail(schedule, f"rank {r} step {i}: {a} in a compute-only schedule (only F and B allowed)", [(r, i)])
             if a.op is Op.NORM:
@@ -157,13 +165,15 @@ def validate(
                                 f"step {i})", [where[a], (r, i)])
             where[a] = (r, i)
 
-    # Every (stage, micro-batch) runs F then B, each exactly once, after its local inputs.
-    missing = [str(Action(s, op, m)) for s in range(S) for m in range(M)
-               for op in (Op.FORWARD, Op.BACKWARD) if Action(s, op, m) not in where]
+    # Every (stage, micro-batch) runs F then B (F only when forward-only), each exactly once,
+    # after its local inputs.
+    ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
+    missing = [str(Action(s, op, m)) for s in range(S) for m in range(M) for op in ops if Action(s, op, m) not in where]
     if missing:
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        _fail(schedule, f"missing compute actions: {', '.join(missing[:8])}{more}; every stage needs one F and "
-                        f"one B per micro-batch ({S} stages x {M} micro-batches)")
+        need = "one F" if forward_only else "one F and one B"
+        _fail(schedule, f"missing compute actions: {', '.join(missing[:8])}{more}; every stage needs {need} "
+                        f"per micro-batch ({S} stages x {M} micro-batches)")
     for a, (r, i) in sorted(where.items(), key=lambda x: x[1]):
         if a.op not in COMPUTE_OPS:
             continue
@@ -195,12 +205,14 @@ def validate(
                             f"{channel(a, mapping)[1]}", [cell])
 
     if not compute_only:
-        _check_residency(schedule, mapping, where)
-        _check_optimizer(schedule, mapping, where, norms)
+        _check_residency(schedule, mapping, where, forward_only)
+        if not forward_only:
+            _check_optimizer(schedule, mapping, where, norms)
     simulate(schedule, mapping)
 
 
-def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action, Cell]) -> None:
+def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action, Cell],
+                     forward_only: bool = False) -> None:
     """With parameter offload, a stage computes only between a LOAD and the next DROP / OFFLOAD."""
     offloads = any(a.op is Op.LOAD for acts in schedule.values() for a in acts)
     for r, acts in sorted(schedule.items()):
@@ -238,7 +250,7 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
             s = min(resident)
             _fail(schedule, f"rank {r}: stage {s} is still resident at the end (loaded at step {resident[s]}); "
                             f"its gradients must be offloaded with {s}O", [(r, resident[s]), (r, len(acts))])
-    if not offloads:
+    if not offloads or forward_only:
         return
     for s, r in enumerate(mapping):
         last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))

@@ -26,7 +26,8 @@ ITERS = 3
 def _cfg(model_dir, **kw):
     base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
                 num_iterations=ITERS, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
-                weight_decay=0.01, grad_clip=1.0, attn_implementation="eager", save_model=False)
+                weight_decay=0.01, grad_clip=1.0, attn_implementation="eager", save_model=False,
+                save_metrics=False)  # in-process runs would write metrics.jsonl to the default save_dir
     base.update(kw)
     return make_config(base)
 

@@ -1,0 +1,92 @@
+"""Validation through the same pipeline: fixed batches of the validation data, run by the
+executor with a forward-only program (``schedule.build_forward``), reduced to one token-weighted
+mean loss over every validation token."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline.config import ConfigError, TrainConfig
+
+VALIDATION_SPLIT = "validation"
+
+
+def eval_source(cfg: TrainConfig) -> tuple[str, str]:
+    """``(source, split)`` of the validation data; ``eval_dataset`` wins, else the training
+    source's validation split. ``'synthetic'`` means fresh random rows (another seed)."""
+    from data import SAMPLE_VALIDATION
+
+    source = cfg.eval_dataset or cfg.dataset
+    if source == "sample":
+        return str(SAMPLE_VALIDATION), VALIDATION_SPLIT
+    if source == "synthetic" or cfg.eval_dataset:
+        return source, VALIDATION_SPLIT
+    path = Path(source).expanduser()
+    # A DatasetDict directory or a cached dataset name has splits; a data file or a single saved
+    # Dataset does not (loading it as "validation" would silently evaluate on the training rows).
+    if path.exists() and not (path / "dataset_dict.json").is_file():
+        raise ConfigError(f"eval_every={cfg.eval_every} but dataset {cfg.dataset!r} has no validation split "
+                          f"(it is a file or a single saved Dataset); set eval_dataset to the validation data")
+    return source, VALIDATION_SPLIT
+
+
+def build_eval_batches(cfg: TrainConfig, source) -> list:
+    """Validation batches of ``batch_size`` rows, in the data's own order (no shuffling), at most
+    ``eval_batches`` of them (0 = all); a last group smaller than a batch is left out, since
+    the schedule is built for ``num_chunks`` equal micro-batches.
+
+    Args:
+        cfg: the run's config.
+        source: the run's ``ModelSource`` (its tokenizer, or its vocabulary for synthetic data).
+    """
+    from data import DataError, collate, load_records, tokenize_records
+    from data.synthetic import synthetic_examples
+
+    name, split = eval_source(cfg)
+    if name == "synthetic":
+        # Another seed than the training rows (seed), so the two sets differ.
+        examples = synthetic_examples(max(cfg.batch_size * 2, 16), cfg.seq_length, source.config.vocab_size,
+                                      cfg.seed + 1)
+        pad = 0
+    else:
+        if source.tokenizer_dir is None:
+            raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+        examples, _ = tokenize_records(load_records(name, split), tokenizer, cfg.seq_length)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    num = len(examples) // cfg.batch_size
+    if cfg.eval_batches:
+        num = min(num, cfg.eval_batches)
+    if num == 0:
+        raise DataError(f"validation data {name!r} has {len(examples)} usable examples, fewer than one batch "
+                        f"(batch_size={cfg.batch_size}); set eval_dataset to more data or lower batch_size")
+    rows = cfg.batch_size
+    return [collate(examples[i * rows:(i + 1) * rows], pad_id=pad, seq_length=cfg.seq_length) for i in range(num)]
+
+
+def evaluate(run: Callable, batches: list) -> dict:
+    """Mean validation loss over every target token of ``batches``.
+
+    Args:
+        run: ``run(batch) -> summed token loss`` of one batch (None on a rank without the loss);
+            the caller runs the forward-only program with ``num_targets=1``, so the executor's
+            sum is the plain sum of token losses.
+        batches: from ``build_eval_batches``.
+
+    Returns:
+        ``{loss, num_tokens, num_batches, time_s}``; ``loss`` is None on ranks without the loss.
+    """
+    t0 = time.perf_counter()
+    total, tokens, have_loss = 0.0, 0, False
+    for batch in batches:
+        loss_sum = run(batch)  # host sync on the loss rank (the float); others only wait for their sends
+        if loss_sum is not None:
+            total += loss_sum
+            have_loss = True
+        tokens += batch.num_targets
+    # Token-weighted: each token counts once, whatever batch (and padding) it came in.
+    return {"loss": total / max(tokens, 1) if have_loss else None, "num_tokens": tokens,
+            "num_batches": len(batches), "time_s": time.perf_counter() - t0}
