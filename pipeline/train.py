@@ -20,6 +20,8 @@ from pipeline.dist import DistEnv, Log, barrier, broadcast_object, gather_object
 from pipeline.executor import Executor, MicroBatch
 from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
 from pipeline.optim import lr_at, optim_settings
+from pipeline.placement import resolve_placement
+from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
 
@@ -156,9 +158,13 @@ class Trainer:
         if S > hf.num_hidden_layers + 2:
             raise ConfigError(f"num_stages ({S}) exceeds the model's decoder layers + 2 "
                               f"({hf.num_hidden_layers} + 2); use fewer stages")
-        self.mapping = sched.round_robin(S, env.world_size)
+        # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
+        self.placement = resolve_placement(cfg, env, hf, self.device, self.dtype)
+        self.mapping = self.placement.choice.stage_to_rank
+        self.start_delay_s = self.placement.choice.start_offset_s[env.rank]
         self.loss_rank = self.mapping[-1]
         self.log = Log(env.rank, speaker=self.loss_rank)
+        self.log.info(self.placement.choice.reason)
         self.stream, skipped = build_stream(cfg, self.source)
         if skipped:
             self.log.info(f"data: skipped {skipped} unusable rows")
@@ -172,7 +178,8 @@ class Trainer:
         self.parts = partition_layers(hf.num_hidden_layers, S)
         self.stage_ids = sched.stages_of(env.rank, self.mapping)
         torch.manual_seed(cfg.seed)
-        streams, pool = Streams(self.device), BufferPool(self.device)
+        self.streams = streams = Streams(self.device)
+        pool = BufferPool(self.device)
         self.stages, self.stores = {}, {}
         fused = self.device.type == "cuda" or cfg.use_offload
         for s in self.stage_ids:
@@ -203,10 +210,20 @@ class Trainer:
         self.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
                       f"{self.env.world_size} processes ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
                       f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
+        timeline_at = cfg.timeline_iteration % cfg.num_iterations if cfg.timeline else None
+        recorded = None
         for it in range(cfg.num_iterations):
             batch = self.stream.next_batch()
+            if it == timeline_at:
+                recorded = self.executor.timeline = self.new_timeline()
             t0 = time.perf_counter()
+            if self.start_delay_s > 0:
+                # Load stagger (schedule.mapping.plan_stagger): this rank's first LOAD would share its
+                # root complex's bandwidth with an earlier-needed one; the host is in step with the
+                # device here (the last iteration ended with a synchronize), so waiting delays the copy.
+                time.sleep(self.start_delay_s)
             res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg))
+            self.executor.timeline = None
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: end of iteration, for honest timing
             dt = time.perf_counter() - t0
@@ -221,7 +238,21 @@ class Trainer:
                 self.log.info(f"step {it + 1:5d}/{cfg.num_iterations} loss {res.loss:.4f} grad_norm {gn} "
                               f"lr {row['lr']:.3g} tok/s {row['tokens_per_s']:.0f} step_time {dt:.3f}s")
         self.executor.finish()
+        if timeline_at is not None:
+            self.write_timeline(recorded)
         return history
+
+    def new_timeline(self) -> Timeline:
+        lanes = {"load": self.streams.load, "offload": self.streams.offload} if self.streams.cuda else None
+        return Timeline(self.env.rank, self.device.type, streams=lanes)
+
+    def write_timeline(self, recorded: Timeline) -> None:
+        """Gather the recorded iteration to rank 0 and write the trace, Gantt and prediction (collective)."""
+        events = [e for rank_events in gather_objects(recorded.events()) for e in rank_events]
+        if self.env.rank == 0:
+            _, line = write_run_timeline(self.cfg.save_dir, events, self.schedule, self.mapping,
+                                         self.placement.stage_bytes, self.placement.rank_groups)
+            print(line, flush=True)
 
     def device_stats(self) -> dict:
         """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""

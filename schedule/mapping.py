@@ -321,12 +321,15 @@ def choose_mapping(
                                  prefetch=prefetch, clip=clip)
         st = plan_stagger(program, stage_to_rank, identity, rank_groups, compute, stage_bytes, links, max(links))
         offsets = st.offsets
-        note = (f"; load stagger: offsets {[round(o, 4) for o in offsets]} s, predicted step "
-                f"{st.base_step_time:.3f}s -> {st.step_time:.3f}s" if any(offsets) else
-                f"; load stagger: none helps (predicted {st.base_step_time:.3f}s)")
+        note = (f"; load stagger: rank start offsets {[float(f'{o:.3g}') for o in offsets]} s, predicted step "
+                f"{st.base_step_time:.4g}s -> {st.step_time:.4g}s" if any(offsets) else
+                "; load stagger: none predicted to help")
     source = f" from {topology_source}" if topology_source else ""
-    reason = (f"mapping {mode}: pipeline position p on rank {plan.gpu_of_rank}[p] (rank roots {rank_groups}"
-              f"{source}); {plan.describe()}{note}")
+    gain = 1.0 - plan.step_time / plan.sequential_step_time if plan.sequential_step_time > 0 else 0.0
+    reason = (f"mapping {mode}: stage -> rank {stage_to_rank} (position p on rank {plan.gpu_of_rank}[p]; roots of "
+              f"the ranks' GPUs {rank_groups}{source}); predicted step {plan.step_time:.4g}s, round_robin "
+              f"{plan.sequential_step_time:.4g}s ({gain:+.1%} saved), worst {plan.worst_step_time:.4g}s "
+              f"(position p on rank {plan.worst_gpu_of_rank}[p]){note}")
     return MappingChoice(mode, stage_to_rank, list(plan.gpu_of_rank), offsets, reason, plan)
 
 
