@@ -263,8 +263,9 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
                           stage_bytes: list[int], rank_groups: list[int] | None = None):
     """The cost model's timeline for ``schedule``, fed with the op durations measured in ``events``.
 
-    Compute per stage is the shortest measured F (B) of that stage: a measured F also holds
-    any wait for its input activation, which the cost model adds itself. A rank's host link is
+    Compute per stage is the median measured F (B) of that stage: a measured F may also hold a
+    wait for its input activation (the cost model adds waits itself), and on shared CPU cores
+    single durations vary several-fold; the median resists both. A rank's host link is
     its fastest measured LOAD (bytes / seconds); root groups are ``rank_groups`` (each rank its
     own when unknown), a root's uplink the fastest link under it. STEP takes the median
     measured STEP, NORM the shortest measured NORM (the last rank to arrive waits least). So the
@@ -282,7 +283,7 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     missing = [s for s in range(num_stages) if ("F", s) not in durations or ("B", s) not in durations]
     if missing:
         raise ValueError(f"timeline has no F or B events for stages {missing}: cannot calibrate the cost model")
-    compute = {s: (min(durations[("F", s)]), min(durations[("B", s)])) for s in range(num_stages)}
+    compute = {s: (_median(durations[("F", s)]), _median(durations[("B", s)])) for s in range(num_stages)}
     links = []
     for r in ranks:
         rates = [stage_bytes[e["stage"]] / (e["end"] - e["start"]) / 1e9 for e in events
@@ -290,10 +291,16 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
         links.append(max(rates, default=25.0))
     groups = list(rank_groups) if rank_groups is not None else list(ranks)
     roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
-    steps = sorted(d for (op, _), ds in durations.items() if op == "S" for d in ds)
+    steps = [d for (op, _), ds in durations.items() if op == "S" for d in ds]
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]
     return predict(dict(schedule), mapping, ranks, groups, compute, stage_bytes, links, roots,
-                   step_s=steps[len(steps) // 2] if steps else 0.0, norm_s=min(norms, default=0.0))
+                   step_s=_median(steps) if steps else 0.0, norm_s=min(norms, default=0.0))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def write_run_timeline(save_dir: str | Path, events: list[dict], schedule: Mapping[int, list[Action]],
