@@ -16,7 +16,7 @@ from offload.topology import Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.model import partition_layers, stage_num_params
-from schedule.mapping import MappingChoice, choose_mapping
+from schedule.mapping import MappingChoice, choose_mapping, describe_plan
 
 
 @dataclass(frozen=True)
@@ -108,4 +108,16 @@ def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.d
     return result
 
 
-__all__ = ["Placement", "rank_topology", "resolve_placement", "visible_gpus"]
+def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
+    """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
+    assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
+    S = cfg.num_stages
+    parts = partition_layers(hf_config.num_hidden_layers, S)
+    params = [stage_num_params(hf_config, parts[s], s == 0, s == S - 1) for s in range(S)]
+    return describe_plan(topology.groups(), params, cfg.schedule, cfg.num_chunks, cfg.seq_length,
+                         cfg.batch_size // cfg.num_chunks, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
+                         clip=cfg.grad_clip > 0, gpu_ids=topology.indices(), link_gbps=topology.link_gbps(),
+                         tflops=cfg.plan_tflops)
+
+
+__all__ = ["Placement", "plan_text", "rank_topology", "resolve_placement", "visible_gpus"]

@@ -111,6 +111,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
     if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
+    if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
+        raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
+                          f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:

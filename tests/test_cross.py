@@ -164,3 +164,36 @@ def test_torchrun_writes_timeline(cross_run):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
         assert struct.unpack(">II", data[16:24]) == gantt_size(2)
+
+
+# --- L1: which GPU each rank is on; the --plan helper -------------------------------------------------
+def test_rank_topology_follows_visible_devices(monkeypatch):
+    from offload.topology import GpuLink, Topology
+    from pipeline.dist import DistEnv
+    from pipeline.placement import rank_topology
+
+    topo = Topology([GpuLink(i, root, 0, bw) for i, root, bw in [(0, 0, 25.0), (1, 0, 25.0), (2, 1, 12.0),
+                                                                  (3, 1, 25.0)]], source="test")
+    env = DistEnv(0, 4, 0, 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert rank_topology(topo, env)[:2] == ([0, 0, 1, 1], [25.0, 25.0, 12.0, 25.0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,3,1")
+    assert rank_topology(topo, env)[:2] == ([1, 0, 1, 0], [12.0, 25.0, 25.0, 25.0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,5")
+    groups, _, why = rank_topology(topo, DistEnv(0, 2, 0, 2))
+    assert groups is None and "has GPUs [0, 1, 2, 3], ranks need 2 of visible GPUs [0, 5]" in why
+    assert rank_topology(topo, DistEnv(0, 8, 0, 4))[2] == "8 ranks over several hosts: topology is per host"
+
+
+def test_plan_text_for_a_config():
+    from offload.topology import GpuLink, Topology
+    from pipeline.config import make_config
+    from pipeline.model import preset_config
+    from pipeline.placement import plan_text
+
+    topo = Topology([GpuLink(i, i % 2, 0, 25.0) for i in range(4)], source="test")
+    cfg = make_config({"num_stages": 8, "schedule": "interleaved", "num_chunks": 8, "batch_size": 8,
+                       "seq_length": 512, "use_offload": True})
+    text = plan_text(cfg, preset_config("llama-2-7b"), topo)
+    assert "8 stages on 4 GPUs" in text and "8 micro-batches of 1x512 tokens" in text
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in text
