@@ -58,7 +58,9 @@ def _choose(mode, groups, **kw):
 
 
 def test_modes():
-    assert MAPPING_MODES == ("auto", "cross", "round_robin", "sequential", "manual")
+    from pipeline.config import MAPPINGS
+
+    assert MAPPING_MODES == MAPPINGS == ("auto", "cross", "round_robin", "sequential", "manual")
     rr = sched.round_robin(8, 4)
     for mode in ("round_robin", "sequential"):
         c = _choose(mode, [0, 0, 1, 1])
