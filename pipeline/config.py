@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("sdpa", "eager")
+MAPPINGS = ("auto", "cross", "round_robin", "sequential", "manual")  # = schedule.mapping.MAPPING_MODES
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,19 @@ class TrainConfig:
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
     optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = cores / processes).")
     debug_schedule: bool = _f(False, "Print every rank's action list before training.")
+    # --- stage placement and timeline ------------------------------------------------
+    mapping: str = _f("auto", "Stage -> rank placement: auto (planner when there are GPUs, offload and a known "
+                      "topology, else round_robin), cross (planner; error without a topology), round_robin = "
+                      "sequential (stage s on rank s % N), manual (round_robin over CUDA_VISIBLE_DEVICES as given).",
+                      choices=MAPPINGS)
+    topology: str = _f("", "YAML/JSON file of GPU root groups overriding discovery ({gpus: [{index, root, numa, "
+                       "bandwidth_gbps}]}); ranks use its GPUs in CUDA_VISIBLE_DEVICES order.")
+    plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.")
+    stagger_loads: bool = _f(True, "With the planner: hold back a rank's first load when the cost model predicts "
+                             "it would slow an earlier stage's load under the same root complex.")
+    timeline: bool = _f(False, "Record one iteration per rank; write save_dir/timeline.json (Chrome trace), "
+                        "timeline.png (Gantt) and timeline_predicted.json (cost model).")
+    timeline_iteration: int = _f(-1, "Iteration the timeline records (-1 = the last).")
     # --- optimisation ----------------------------------------------------------------
     num_iterations: int = _f(20, "Optimizer steps to run.")
     lr: float = _f(1e-4, "Peak learning rate (AdamW).")

@@ -57,18 +57,23 @@ class Timeline:
         self._pending: list[tuple[Action, object, object]] = []  # CUDA event pairs not yet resolved
         self._events: list[dict] = []
 
-    def _mark(self, action: Action):
+    def _mark(self, action: Action, begin: bool = False):
         if not self.cuda:
             return time.perf_counter()
         import torch
 
         ev = torch.cuda.Event(enable_timing=True)
         stream = self.streams.get(LANE_OF_OP[action.op])
+        if stream is not None and begin and action.op is Op.OFFLOAD:
+            # The offload copy starts once the backward before it is done: the store makes the
+            # offload stream wait on the compute stream at this same point, so this wait adds no
+            # dependency, and the start is the copy's start, not when the stream went idle.
+            stream.wait_stream(torch.cuda.current_stream())
         ev.record(stream) if stream is not None else ev.record()
         return ev
 
     def begin(self, action: Action) -> None:
-        self._open[action] = self._mark(action)
+        self._open[action] = self._mark(action, begin=True)
 
     def end(self, action: Action) -> None:
         start = self._open.pop(action, None)
@@ -243,3 +248,80 @@ def _gantt_matplotlib(path: Path, events, ranks, size, row_height, Figure, Figur
     ax.set_yticks([i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
     ax.set_xlabel("seconds")
     fig.savefig(path, dpi=100)  # no bbox_inches="tight": the image keeps exactly ``size``
+
+
+# --- one recorded iteration: measured vs predicted -------------------------------------------------
+def measured_step_time(events: Iterable[dict]) -> float:
+    """Span of one recorded iteration: first start to last end over every rank."""
+    events = list(events)
+    if not events:
+        return 0.0
+    return max(e["end"] for e in events) - min(e["start"] for e in events)
+
+
+def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Action]], mapping: list[int],
+                          stage_bytes: list[int], rank_groups: list[int] | None = None):
+    """The cost model's timeline for ``schedule``, fed with the op durations measured in ``events``.
+
+    Compute per stage is the median measured F (B) of that stage: a measured F may also hold a
+    wait for its input activation (the cost model adds waits itself), and on shared CPU cores
+    single durations vary several-fold; the median resists both. A rank's host link is
+    its fastest measured LOAD (bytes / seconds); root groups are ``rank_groups`` (each rank its
+    own when unknown), a root's uplink the fastest link under it. STEP takes the median
+    measured STEP, NORM the shortest measured NORM (the last rank to arrive waits least). So the
+    prediction error measures how the cost model composes durations (overlap, waiting,
+    contention), not how well it guesses them.
+    """
+    from schedule.costmodel import predict
+
+    events = list(events)
+    ranks = sorted(schedule)
+    num_stages = len(mapping)
+    durations: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        durations.setdefault((e["op"], e["stage"]), []).append(max(0.0, e["end"] - e["start"]))
+    missing = [s for s in range(num_stages) if ("F", s) not in durations or ("B", s) not in durations]
+    if missing:
+        raise ValueError(f"timeline has no F or B events for stages {missing}: cannot calibrate the cost model")
+    compute = {s: (_median(durations[("F", s)]), _median(durations[("B", s)])) for s in range(num_stages)}
+    links = []
+    for r in ranks:
+        rates = [stage_bytes[e["stage"]] / (e["end"] - e["start"]) / 1e9 for e in events
+                 if e["rank"] == r and e["op"] == "L" and e["end"] > e["start"]]
+        links.append(max(rates, default=25.0))
+    groups = list(rank_groups) if rank_groups is not None else list(ranks)
+    roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
+    steps = [d for (op, _), ds in durations.items() if op == "S" for d in ds]
+    norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]
+    return predict(dict(schedule), mapping, ranks, groups, compute, stage_bytes, links, roots,
+                   step_s=_median(steps) if steps else 0.0, norm_s=min(norms, default=0.0))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def write_run_timeline(save_dir: str | Path, events: list[dict], schedule: Mapping[int, list[Action]],
+                       mapping: list[int], stage_bytes: list[int], rank_groups: list[int] | None = None
+                       ) -> tuple[dict[str, Path], str]:
+    """Write ``timeline.json`` / ``timeline.png`` (measured) and ``timeline_predicted.json`` /
+    ``timeline_predicted.png`` (``calibrated_prediction``) into ``save_dir``.
+
+    Returns the paths and one log line with both step times and the prediction error.
+    """
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"timeline": write_chrome_trace(out / "timeline.json", events)}
+    write_gantt_png(out / "timeline.png", events)
+    paths["gantt"] = out / "timeline.png"
+    measured = measured_step_time(events)
+    pred = calibrated_prediction(events, schedule, mapping, stage_bytes, rank_groups)
+    paths["predicted"] = write_chrome_trace(out / "timeline_predicted.json", pred.events())
+    write_gantt_png(out / "timeline_predicted.png", pred.events())
+    paths["predicted_gantt"] = out / "timeline_predicted.png"
+    err = (pred.step_time - measured) / measured if measured > 0 else 0.0
+    line = (f"timeline: measured step {measured:.4f}s, cost model (measured op durations) {pred.step_time:.4f}s, "
+            f"prediction error {err:+.1%}; wrote {paths['timeline']}, {paths['gantt']}, {paths['predicted']}")
+    return paths, line

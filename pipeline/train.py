@@ -23,6 +23,8 @@ from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
 from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
 from pipeline.optim import lr_at, needs_norm, optim_settings
+from pipeline.placement import resolve_placement
+from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
 
@@ -116,6 +118,9 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
         raise ConfigError(f"eval_every ({cfg.eval_every}) and eval_batches ({cfg.eval_batches}) must be >= 0, "
                           f"max_skipped_steps ({cfg.max_skipped_steps}) >= -1")
+    if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
+        raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
+                          f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -161,9 +166,13 @@ class Trainer:
         hf = self.source.config
         S = cfg.num_stages
         check_stage_count(cfg, hf)
-        self.mapping = sched.round_robin(S, env.world_size)
+        # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
+        self.placement = resolve_placement(cfg, env, hf, self.device, self.dtype)
+        self.mapping = self.placement.choice.stage_to_rank
+        self.start_delay_s = self.placement.choice.start_offset_s[env.rank]
         self.loss_rank = self.mapping[-1]
         self.log = Log(env.rank, speaker=self.loss_rank)
+        self.log.info(self.placement.choice.reason)
         self.stream, skipped = build_stream(cfg, self.source)
         if skipped:
             self.log.info(f"data: skipped {skipped} unusable rows")
@@ -181,7 +190,8 @@ class Trainer:
         self.parts = partition_layers(hf.num_hidden_layers, S)
         self.stage_ids = sched.stages_of(env.rank, self.mapping)
         torch.manual_seed(cfg.seed)
-        streams, pool = Streams(self.device), BufferPool(self.device)
+        self.streams = streams = Streams(self.device)
+        pool = BufferPool(self.device)
         self.stages, self.stores = {}, {}
         fused = self.device.type == "cuda" or cfg.use_offload
         for s in self.stage_ids:
@@ -249,10 +259,20 @@ class Trainer:
 
     def _train_loop(self, metrics: Metrics, guard: SkipGuard) -> list[dict]:
         cfg, history = self.cfg, []
+        timeline_at = cfg.timeline_iteration % cfg.num_iterations if cfg.timeline else None
+        recorded = None
         for it in range(cfg.num_iterations):
             batch = self.stream.next_batch()
+            if it == timeline_at:
+                recorded = self.executor.timeline = self.new_timeline()
             t0 = time.perf_counter()
+            if self.start_delay_s > 0:
+                # Load stagger (schedule.mapping.plan_stagger): this rank's first LOAD would share its
+                # root complex's bandwidth with an earlier-needed one; the host is in step with the
+                # device here (the last iteration ended with a synchronize), so waiting delays the copy.
+                time.sleep(self.start_delay_s)
             res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg))
+            self.executor.timeline = None
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: end of iteration, for honest timing
             dt = time.perf_counter() - t0
@@ -270,7 +290,21 @@ class Trainer:
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
                 metrics.log_eval({"step": it + 1, **self.evaluate()})
         self.executor.finish()
+        if timeline_at is not None:
+            self.write_timeline(recorded)
         return history
+
+    def new_timeline(self) -> Timeline:
+        lanes = {"load": self.streams.load, "offload": self.streams.offload} if self.streams.cuda else None
+        return Timeline(self.env.rank, self.device.type, streams=lanes)
+
+    def write_timeline(self, recorded: Timeline) -> None:
+        """Gather the recorded iteration to rank 0 and write the trace, Gantt and prediction (collective)."""
+        events = [e for rank_events in gather_objects(recorded.events()) for e in rank_events]
+        if self.env.rank == 0:
+            _, line = write_run_timeline(self.cfg.save_dir, events, self.schedule, self.mapping,
+                                         self.placement.stage_bytes, self.placement.rank_groups)
+            print(line, flush=True)
 
     def device_stats(self) -> dict:
         """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""
@@ -327,7 +361,24 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
     check_stage_count(cfg, source.config)
-    return plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size)
+    text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size)
+    topo = None
+    if cfg.topology:
+        from offload.topology import load_topology_file
+
+        try:
+            topo = load_topology_file(cfg.topology)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"topology: {e}") from None
+    elif torch.cuda.is_available():
+        from offload.topology import discover
+
+        topo = discover()
+    if topo is not None:
+        from pipeline.placement import plan_text
+
+        text += "\n" + plan_text(cfg, source.config, topo)
+    return text
 
 
 def check_stage_count(cfg: TrainConfig, hf_config) -> None:
@@ -343,7 +394,9 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
     check_stage_count(cfg, source.config)
-    # Before any weight is read: a run that cannot fit stops here, with advice.
+    # Before any weight is read: a run that cannot fit stops here, with advice. Any mapping the
+    # placement picks gives each rank the stages of some rank under round-robin, so the per-rank
+    # estimates are the same.
     check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size)
     trainer = Trainer(cfg, env)
     history = trainer.train()

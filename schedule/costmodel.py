@@ -17,6 +17,8 @@ An event-driven simulation of the executor (``pipeline/executor.py`` with ``offl
   OFFLOAD completed; a later LOAD of that stage blocks the rank until the step is done.
 * NORM is a barrier across ranks that also waits for each rank's offloads (the host reads
   the gradients), then takes ``norm_s``.
+* ``start_offset_s[r]``: rank ``r`` issues nothing before that time (load staggering: the
+  trainer holds the rank's host back that long at the start of the iteration).
 
 Issuing a transfer when the compute lane reaches it is conservative: the real host thread
 runs ahead of the GPU, so a copy can start up to one compute earlier.
@@ -85,6 +87,7 @@ def predict(
     step_s: float = 0.0,
     norm_s: float = 0.0,
     p2p_latency_s: float = 0.0,
+    start_offset_s: Sequence[float] | None = None,
 ) -> Prediction:
     """Simulate one iteration of ``schedule``; see the module docstring for the semantics.
 
@@ -98,6 +101,7 @@ def predict(
             (default the same: gradients in the compute dtype).
         link_gbps: GB/s of each GPU's own link (one value, or one per physical GPU).
         root_gbps: GB/s of a root group per direction (one value, or ``{group: GB/s}``).
+        start_offset_s: per rank, seconds before it issues its first action (default none).
     """
     num_stages = len(mapping)
     if len(stage_bytes) != num_stages:
@@ -108,7 +112,11 @@ def predict(
         raise ValueError(f"stage_compute_s has no (forward, backward) seconds for stages {missing}")
     ranks = sorted(schedule)
     pc = {r: 0 for r in ranks}
-    ready = {r: 0.0 for r in ranks}        # when the rank reached (or reaches) its next action
+    if start_offset_s is not None and len(start_offset_s) < len(ranks):
+        raise ValueError(f"start_offset_s has {len(start_offset_s)} values ({list(start_offset_s)}) "
+                         f"for ranks {ranks}")
+    # when the rank reached (or reaches) its next action
+    ready = {r: 0.0 if start_offset_s is None else float(start_offset_s[r]) for r in ranks}
     cpu_free = {r: 0.0 for r in ranks}
     exposed = {r: 0.0 for r in ranks}
     timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from schedule.costmodel import predict
-from schedule.ir import Schedule, round_robin
+from schedule.ir import COMPUTE_OPS, Op, Schedule, round_robin
 from schedule.lower import build as build_schedule
 
 EXHAUSTIVE_MAX = 8   # 8! = 40320 permutations: still well under a second of bookkeeping
@@ -203,3 +203,308 @@ def _greedy_candidates(groups: list[int], cost: Callable[[tuple[int, ...]], floa
         if not improved:
             break
     return seen
+
+
+# --- from a plan to the trainer's stage -> rank mapping -----------------------------------------
+MAPPING_MODES = ("auto", "cross", "round_robin", "sequential", "manual")
+DEFAULT_TFLOPS = 60.0  # achieved bf16 TFLOP/s per GPU assumed for compute when nothing was measured
+
+
+def position_mapping(position_rank: Sequence[int], num_stages: int) -> list[int]:
+    """Stage -> rank mapping that is round-robin over pipeline *positions*, position ``p``
+    being played by rank ``position_rank[p]``: stage ``s`` runs on ``position_rank[s % N]``.
+
+    This is how a rank -> GPU permutation is applied once the processes exist: instead of
+    moving rank ``p`` onto GPU ``gpu_of_rank[p]`` (which needs ``CUDA_VISIBLE_DEVICES`` before
+    launch), the rank already sitting on that GPU takes position ``p``'s stages.
+    """
+    n = len(position_rank)
+    if sorted(position_rank) != list(range(n)):
+        raise ValueError(f"position_rank {list(position_rank)} must be a permutation of ranks 0..{n - 1}")
+    if num_stages < n or num_stages % n:
+        raise ValueError(f"num_stages ({num_stages}) must be a positive multiple of the {n} ranks")
+    return [position_rank[s % n] for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class MappingChoice:
+    """What the trainer runs with, and why.
+
+    Attributes:
+        mode: the ``mapping`` setting that was asked for.
+        stage_to_rank: ``stage_to_rank[s]`` is the rank of stage ``s``.
+        position_rank: rank playing pipeline position ``p`` (identity = round-robin).
+        start_offset_s: per rank, seconds its host waits at the start of an iteration
+            (load staggering, ``plan_stagger``); all zero when not staggered.
+        reason: one line for the log: which mapping, why, predicted step times.
+        plan: the planner's result when it ran.
+    """
+
+    mode: str
+    stage_to_rank: list[int]
+    position_rank: list[int]
+    start_offset_s: list[float]
+    reason: str
+    plan: MappingPlan | None = None
+
+
+def choose_mapping(
+    mode: str,
+    num_ranks: int,
+    num_stages: int,
+    *,
+    rank_groups: list[int] | None,
+    rank_link_gbps: list[float] | None = None,
+    stage_bytes: list[int] | None = None,
+    schedule_name: str = "interleaved",
+    num_microbatches: int = 1,
+    offload: bool = True,
+    prefetch: bool = True,
+    clip: bool = False,
+    stage_compute_s: dict[int, tuple[float, float]] | None = None,
+    tokens_per_microbatch: int = 4096,
+    tflops: float = DEFAULT_TFLOPS,
+    has_gpus: bool = True,
+    stagger: bool = True,
+    visible_devices: str = "",
+    topology_source: str = "",
+) -> MappingChoice:
+    """Decide the stage -> rank mapping for ``mode`` (one of ``MAPPING_MODES``). Pure: every
+    rank given the same inputs gets the same answer.
+
+    Args:
+        rank_groups: root group of the GPU each rank runs on (rank order), None if unknown.
+        rank_link_gbps: host link GB/s of each rank's GPU (default 25 each).
+        stage_bytes: bytes a LOAD of each stage moves.
+        has_gpus: the ranks run on GPUs ("auto" plans only then).
+        stagger: let ``plan_stagger`` hold back ranks whose first load would slow an
+            earlier stage's load under the same root.
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` as given (for the "manual" log line).
+    """
+    if mode not in MAPPING_MODES:
+        raise ValueError(f"mapping {mode!r}: choose one of {', '.join(MAPPING_MODES)}")
+    identity = list(range(num_ranks))
+    zeros = [0.0] * num_ranks
+
+    def fixed(reason: str) -> MappingChoice:
+        return MappingChoice(mode, position_mapping(identity, num_stages), identity, zeros, reason)
+
+    if mode in ("round_robin", "sequential"):
+        return fixed(f"mapping {mode}: stage s on rank s % {num_ranks} (asked for; planner not run)")
+    if mode == "manual":
+        gpus = visible_devices or "<unset: all GPUs in CUDA order>"
+        return fixed(f"mapping manual: rank r on the r-th GPU of CUDA_VISIBLE_DEVICES={gpus}, stage s on "
+                     f"rank s % {num_ranks}; planner not run")
+    why_not = None
+    if rank_groups is None:
+        why_not = "GPU topology unknown (nvidia-smi and sysfs gave nothing; set topology: <file>)"
+    elif len(rank_groups) != num_ranks:
+        why_not = f"topology describes {len(rank_groups)} GPUs for {num_ranks} ranks"
+    elif stage_bytes is None:
+        why_not = "stage sizes unknown"
+    if mode == "auto" and why_not is None and not (has_gpus and offload):
+        why_not = "no GPUs" if not has_gpus else "use_offload is off (no parameter loads to spread)"
+    if why_not is not None:
+        if mode == "cross":
+            raise ValueError(f"mapping cross needs the planner, but {why_not}; "
+                             f"give topology: <file> or use mapping: auto / round_robin")
+        return fixed(f"mapping auto -> round_robin: {why_not}")
+    links = rank_link_gbps or [25.0] * num_ranks
+    plan = plan_mapping(rank_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
+                        stage_compute_s=stage_compute_s, link_gbps=links, gpu_ids=identity, offload=offload,
+                        prefetch=prefetch, clip=clip, tokens_per_microbatch=tokens_per_microbatch, tflops=tflops)
+    stage_to_rank = position_mapping(plan.gpu_of_rank, num_stages)
+    offsets, note = zeros, ""
+    if stagger and offload and prefetch:
+        compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
+        program = build_schedule(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
+                                 prefetch=prefetch, clip=clip)
+        st = plan_stagger(program, stage_to_rank, identity, rank_groups, compute, stage_bytes, links, max(links))
+        offsets = st.offsets
+        note = (f"; load stagger: rank start offsets {[float(f'{o:.3g}') for o in offsets]} s, predicted step "
+                f"{st.base_step_time:.4g}s -> {st.step_time:.4g}s" if any(offsets) else
+                "; load stagger: none predicted to help")
+    source = f" from {topology_source}" if topology_source else ""
+    gain = 1.0 - plan.step_time / plan.sequential_step_time if plan.sequential_step_time > 0 else 0.0
+    reason = (f"mapping {mode}: stage -> rank {stage_to_rank} (position p on rank {plan.gpu_of_rank}[p]; roots of "
+              f"the ranks' GPUs {rank_groups}{source}); predicted step {plan.step_time:.4g}s, round_robin "
+              f"{plan.sequential_step_time:.4g}s ({gain:+.1%} saved), worst {plan.worst_step_time:.4g}s "
+              f"(position p on rank {plan.worst_gpu_of_rank}[p]){note}")
+    return MappingChoice(mode, stage_to_rank, list(plan.gpu_of_rank), offsets, reason, plan)
+
+
+# --- load staggering ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stagger:
+    """Per-rank start offsets and their predicted effect (``offsets`` all zero: not worth it)."""
+
+    offsets: list[float]
+    step_time: float
+    base_step_time: float
+
+
+def plan_stagger(
+    program: Schedule,
+    stage_to_rank: list[int],
+    gpu_of_rank: list[int],
+    groups: list[int],
+    stage_compute_s: dict[int, tuple[float, float]],
+    stage_bytes: Sequence[int],
+    link_gbps: float | Sequence[float],
+    root_gbps: float | dict[int, float],
+    *,
+    step_s: float = 0.0,
+) -> Stagger:
+    """Hold back ranks whose first LOAD would share a root with an earlier-needed one.
+
+    At the start of an iteration every rank issues its first LOAD at once; under a shared
+    root they split its bandwidth, so the load of the stage that computes first (on the
+    critical path) takes longer than it needs to. Per root group, ranks are taken in the
+    order their first compute starts (predicted without offsets); each later rank waits
+    until the earlier ranks' first loads would be done alone, but never so long that its own
+    first load (alone) could not end before its first compute would have started. The
+    offsets are kept only if the cost model predicts a shorter step with them; the trainer
+    applies them as a host wait before the rank's first action (the host is in step with the
+    device then: the previous iteration ended with a synchronize).
+    """
+    ranks = sorted(program)
+    base = predict(program, stage_to_rank, gpu_of_rank, groups, stage_compute_s, stage_bytes, link_gbps,
+                   root_gbps, step_s=step_s)
+    alone, first_need = {}, {}
+    for r in ranks:
+        first_load = next((a for a in program[r] if a.op is Op.LOAD), None)
+        first_comp = next((s for s, _, a in base.timeline[r] if a.op in COMPUTE_OPS), None)
+        if first_load is None or first_comp is None:
+            continue
+        g = gpu_of_rank[r]
+        root = root_gbps if isinstance(root_gbps, (int, float)) else root_gbps[groups[g]]
+        link = link_gbps if isinstance(link_gbps, (int, float)) else link_gbps[g]
+        alone[r] = stage_bytes[first_load.stage] / (min(float(link), float(root)) * 1e9)
+        first_need[r] = first_comp
+    offsets = [0.0] * len(ranks)
+    for root in sorted({groups[gpu_of_rank[r]] for r in alone}):
+        t = 0.0
+        for r in sorted((r for r in alone if groups[gpu_of_rank[r]] == root), key=lambda r: (first_need[r], r)):
+            offsets[r] = max(0.0, min(t, first_need[r] - alone[r]))
+            t = offsets[r] + alone[r]
+    if not any(offsets):
+        return Stagger(offsets, base.step_time, base.step_time)
+    staggered = predict(program, stage_to_rank, gpu_of_rank, groups, stage_compute_s, stage_bytes, link_gbps,
+                        root_gbps, step_s=step_s, start_offset_s=offsets)
+    if staggered.step_time < base.step_time * (1 - _REL_TIE):
+        return Stagger(offsets, staggered.step_time, base.step_time)
+    return Stagger([0.0] * len(ranks), base.step_time, base.step_time)
+
+
+# --- comparing mappings (for --plan and the simulated table) ---------------------------------------
+@dataclass(frozen=True)
+class MappingRow:
+    """One mapping's prediction. ``exposed_transfer_s`` is the largest over ranks."""
+
+    name: str
+    gpu_of_rank: list[int]
+    step_time: float
+    bubble_fraction: float
+    exposed_transfer_s: float
+    staggered_step_time: float
+    offsets: list[float]
+
+
+def compare_mappings(
+    topology_groups: list[int],
+    stage_bytes: list[int],
+    schedule_name: str,
+    num_microbatches: int,
+    *,
+    stage_compute_s: dict[int, tuple[float, float]] | None = None,
+    tokens_per_microbatch: int = 4096,
+    tflops: float = DEFAULT_TFLOPS,
+    link_gbps: float | list[float] = 25.0,
+    root_gbps: float | dict[int, float] | None = None,
+    gpu_ids: list[int] | None = None,
+    offload: bool = True,
+    prefetch: bool = True,
+    clip: bool = True,
+) -> tuple[MappingPlan, list[MappingRow]]:
+    """Plan the mapping, then predict the cross (chosen), sequential (identity) and worst
+    mappings in detail, each without and with load staggering. Arguments as ``plan_mapping``."""
+    n, num_stages = len(topology_groups), len(stage_bytes)
+    ids = list(range(n)) if gpu_ids is None else list(gpu_ids)
+    links = [float(link_gbps)] * n if isinstance(link_gbps, (int, float)) else [float(x) for x in link_gbps]
+    roots = root_gbps if root_gbps is not None else max(links)
+    compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
+    plan = plan_mapping(topology_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
+                        stage_compute_s=compute, link_gbps=links, root_gbps=roots, gpu_ids=ids, offload=offload,
+                        prefetch=prefetch, clip=clip)
+    stage_to_rank = plan.stage_to_rank
+    program = build_schedule(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
+                             prefetch=prefetch, clip=clip)
+    rows = []
+    for name, gpus in (("cross", plan.gpu_of_rank), ("sequential", ids), ("worst", plan.worst_gpu_of_rank)):
+        perm = [ids.index(g) for g in gpus]
+        p = predict(program, stage_to_rank, perm, topology_groups, compute, stage_bytes, links, roots)
+        st = (plan_stagger(program, stage_to_rank, perm, topology_groups, compute, stage_bytes, links, roots)
+              if offload and prefetch else Stagger([0.0] * n, p.step_time, p.step_time))
+        rows.append(MappingRow(name, list(gpus), p.step_time, p.bubble_fraction,
+                               max(p.exposed_transfer_s.values(), default=0.0), st.step_time, st.offsets))
+    return plan, rows
+
+
+def describe_plan(
+    topology_groups: list[int],
+    stage_params: Sequence[int],
+    schedule_name: str,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    *,
+    offload: bool = True,
+    prefetch: bool = True,
+    clip: bool = True,
+    gpu_ids: list[int] | None = None,
+    link_gbps: float | list[float] = 25.0,
+    root_gbps: float | dict[int, float] | None = None,
+    bytes_per_param: int = 2,
+    tflops: float = DEFAULT_TFLOPS,
+) -> str:
+    """Text block for ``--plan``: the chosen rank -> GPU mapping, the ``CUDA_VISIBLE_DEVICES``
+    order that realises it, and predicted step time / bubble / exposed transfer time of the
+    cross, sequential and worst mappings (without and with load staggering).
+
+    Args:
+        topology_groups: root group of each GPU (``Topology.groups()``), one rank per GPU.
+        stage_params: parameter count of each stage (``len`` = number of stages).
+        schedule_name, num_microbatches: the pipeline schedule and micro-batches per iteration.
+        seq_length, micro_batch_size: tokens of a micro-batch = their product.
+        offload, prefetch, clip: as the run's ``use_offload``, ``use_prefetch``, ``grad_clip > 0``.
+        gpu_ids: physical GPU ids in ``topology_groups`` order (``Topology.indices()``).
+        link_gbps, root_gbps: host link / root uplink GB/s (``Topology.link_gbps()``).
+        bytes_per_param: bytes per parameter of the compute copy (2 for bf16).
+        tflops: achieved TFLOP/s per GPU assumed for forward (2 FLOPs / param / token) and
+            backward (twice that).
+    """
+    stage_bytes = [int(p) * bytes_per_param for p in stage_params]
+    tokens = seq_length * micro_batch_size
+    plan, rows = compare_mappings(topology_groups, stage_bytes, schedule_name, num_microbatches,
+                                  tokens_per_microbatch=tokens, tflops=tflops, link_gbps=link_gbps,
+                                  root_gbps=root_gbps, gpu_ids=gpu_ids, offload=offload, prefetch=prefetch, clip=clip)
+    ids = list(range(len(topology_groups))) if gpu_ids is None else list(gpu_ids)
+    roots = " ".join(f"GPU{g}:{chr(65 + r) if r < 26 else r}" for g, r in zip(ids, topology_groups))
+    links = link_gbps if isinstance(link_gbps, (int, float)) else "/".join(f"{x:g}" for x in link_gbps)
+    lines = [
+        f"mapping plan: {len(stage_bytes)} stages on {len(ids)} GPUs, schedule {schedule_name}, "
+        f"{num_microbatches} micro-batches of {micro_batch_size}x{seq_length} tokens, offload={offload} "
+        f"prefetch={prefetch}",
+        f"  root complexes: {roots}; host links {links} GB/s, shared per root",
+        f"  chosen: rank -> GPU {plan.gpu_of_rank} ({plan.method}, {plan.evaluated} simulations); launch with "
+        f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={plan.cuda_visible_devices} "
+        f"(or mapping: cross, which permutes stages instead)",
+        f"  {'mapping':<10} {'rank -> GPU':<24} {'step s':>8} {'bubble':>7} {'exposed xfer s':>15} "
+        f"{'staggered step s':>17}",
+    ]
+    for row in rows:
+        lines.append(f"  {row.name:<10} {str(row.gpu_of_rank):<24} {row.step_time:>8.3f} "
+                     f"{row.bubble_fraction:>7.1%} {row.exposed_transfer_s:>15.3f} {row.staggered_step_time:>17.3f}")
+    lines.append(f"  assumed: {tflops:g} TFLOP/s per GPU, {bytes_per_param} bytes/param loaded and offloaded, "
+                 f"optimizer step time not modelled (the same for every mapping)")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Which rank runs which stage: the ``mapping`` setting, resolved once on rank 0 and broadcast.
+
+The decision itself is pure (``schedule.mapping.choose_mapping``); this module only gathers
+its inputs (the GPU topology, the stage sizes) and makes sure every rank uses the same answer.
+Rank 0 decides and broadcasts, because discovery runs ``nvidia-smi`` and reads sysfs, and two
+ranks reading a flaky tool could disagree (a mismatched stage -> rank mapping would deadlock).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from offload.topology import Topology, discover, load_topology_file
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.dist import DistEnv, broadcast_object
+from pipeline.model import partition_layers, stage_num_params
+from pipeline.optim import needs_norm
+from schedule.mapping import MappingChoice, choose_mapping, describe_plan
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chosen mapping and the facts it was chosen from.
+
+    Attributes:
+        choice: stage -> rank mapping, start offsets and the reason line.
+        rank_groups: root group of each rank's GPU, None if unknown.
+        rank_link_gbps: host link GB/s of each rank's GPU, None if unknown.
+        stage_bytes: bytes one LOAD of each stage moves (compute dtype).
+    """
+
+    choice: MappingChoice
+    rank_groups: list[int] | None
+    rank_link_gbps: list[float] | None
+    stage_bytes: list[int]
+
+
+def visible_gpus() -> list[int] | None:
+    """``CUDA_VISIBLE_DEVICES`` as GPU indices; None when unset or not plain indices (UUIDs, MIG)."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None or not text.strip():
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    return [int(p) for p in parts] if all(p.isdigit() for p in parts) else None
+
+
+def rank_topology(topo: Topology | None, env: DistEnv) -> tuple[list[int] | None, list[float] | None, str]:
+    """Root group and link speed of the GPU each rank runs on, or (None, None, why not).
+
+    Rank r runs on the ``local_rank``-th visible GPU (``pick_device``); visible GPUs are
+    ``CUDA_VISIBLE_DEVICES`` in its order, else every GPU of the topology in index order.
+    """
+    if topo is None:
+        return None, None, "topology unknown"
+    if env.world_size != env.local_world_size:
+        return None, None, f"{env.world_size} ranks over several hosts: topology is per host"
+    by_index = {g.index: g for g in topo.gpus}
+    order = visible_gpus() or topo.indices()
+    missing = [i for i in order if i not in by_index]
+    if missing or len(order) < env.world_size:
+        return None, None, (f"topology ({topo.source}) has GPUs {topo.indices()}, ranks need "
+                            f"{env.world_size} of visible GPUs {order}")
+    gpus = [by_index[i] for i in order[:env.world_size]]
+    return [g.root for g in gpus], [g.bandwidth_gbps for g in gpus], ""
+
+
+def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
+    S = cfg.num_stages
+    parts = partition_layers(hf_config.num_hidden_layers, S)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    stage_bytes = [stage_num_params(hf_config, parts[s], s == 0, s == S - 1) * elem for s in range(S)]
+    topo = None
+    if cfg.topology:
+        try:
+            topo = load_topology_file(cfg.topology)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"topology: {e}") from None
+    elif device.type == "cuda" and cfg.mapping in ("auto", "cross"):
+        topo = discover()
+    groups, links, why = rank_topology(topo, env)
+    try:
+        choice = choose_mapping(
+            cfg.mapping, env.world_size, S, rank_groups=groups, rank_link_gbps=links, stage_bytes=stage_bytes,
+            schedule_name=cfg.schedule, num_microbatches=cfg.num_chunks, offload=cfg.use_offload,
+            prefetch=cfg.use_prefetch, clip=needs_norm(cfg),
+            tokens_per_microbatch=cfg.batch_size // cfg.num_chunks * cfg.seq_length, tflops=cfg.plan_tflops,
+            has_gpus=device.type == "cuda", stagger=cfg.stagger_loads,
+            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            topology_source=topo.source if topo is not None else "")
+    except ValueError as e:
+        raise ConfigError(f"{e}{f' ({why})' if why else ''}") from None
+    return Placement(choice, groups, links, stage_bytes)
+
+
+def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device,
+                      dtype: torch.dtype) -> Placement:
+    """Rank 0 decides the mapping, every rank gets the same ``Placement`` (collective)."""
+    result: Placement | str | None = None
+    if env.rank == 0:
+        try:
+            result = _decide(cfg, env, hf_config, device, dtype)
+        except ConfigError as e:
+            result = str(e)
+    result = broadcast_object(result)
+    if isinstance(result, str):
+        raise ConfigError(result)
+    return result
+
+
+def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
+    """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
+    assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
+    S = cfg.num_stages
+    parts = partition_layers(hf_config.num_hidden_layers, S)
+    params = [stage_num_params(hf_config, parts[s], s == 0, s == S - 1) for s in range(S)]
+    return describe_plan(topology.groups(), params, cfg.schedule, cfg.num_chunks, cfg.seq_length,
+                         cfg.batch_size // cfg.num_chunks, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
+                         clip=needs_norm(cfg), gpu_ids=topology.indices(), link_gbps=topology.link_gbps(),
+                         tflops=cfg.plan_tflops)
+
+
+__all__ = ["Placement", "plan_text", "rank_topology", "resolve_placement", "visible_gpus"]

@@ -1,0 +1,201 @@
+"""Cross mapping wired into training: mapping choice (L0), load stagger (L0), --plan text (L0),
+and a 2-process run whose planner picks a permuted stage -> rank mapping: it must still train
+exactly like one process, and write a well-formed measured and predicted timeline (L2)."""
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+
+import pytest
+
+import schedule as sched
+from schedule.costmodel import predict
+from schedule.ir import Action, Op
+from schedule.mapping import (MAPPING_MODES, choose_mapping, compare_mappings, describe_plan, plan_stagger,
+                              position_mapping)
+
+GB = 10**9
+
+
+# --- L0: arbitrary stage -> rank mappings ---------------------------------------------------------
+ARBITRARY = [[1, 0, 1, 0], [2, 0, 1, 2, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0], [1, 0, 2, 2, 0, 1], [3, 1, 0, 2] * 2]
+
+
+@pytest.mark.parametrize("mapping", ARBITRARY, ids=str)
+@pytest.mark.parametrize("name", sched.SCHEDULE_NAMES)
+def test_builders_accept_arbitrary_mappings(mapping, name):
+    for num_mbs, (offload, prefetch), clip in itertools.product((1, 3, 8), ((False, False), (True, True)),
+                                                                 (False, True)):
+        program = sched.build(name, len(mapping), num_mbs, mapping, offload=offload, prefetch=prefetch, clip=clip)
+        assert sorted(program) == sorted(set(mapping))  # build() validated it
+
+
+@pytest.mark.parametrize("name", sched.SCHEDULE_NAMES)
+def test_permuted_positions_relabel_round_robin(name):
+    # A rank taking over position p runs exactly what rank p runs under round-robin.
+    perm = [2, 0, 3, 1]
+    mapping = position_mapping(perm, 8)
+    assert mapping == [2, 0, 3, 1, 2, 0, 3, 1]
+    permuted = sched.build(name, 8, 8, mapping, offload=True, prefetch=True, clip=True)
+    plain = sched.build(name, 8, 8, sched.round_robin(8, 4), offload=True, prefetch=True, clip=True)
+    assert all(permuted[perm[p]] == plain[p] for p in range(4))
+
+
+def test_position_mapping_errors():
+    with pytest.raises(ValueError, match=r"position_rank \[0, 0\] must be a permutation of ranks 0..1"):
+        position_mapping([0, 0], 4)
+    with pytest.raises(ValueError, match=r"num_stages \(3\) must be a positive multiple of the 2 ranks"):
+        position_mapping([1, 0], 3)
+
+
+# --- L0: choosing the mapping -----------------------------------------------------------------------
+def _choose(mode, groups, **kw):
+    n = 4 if groups is None else len(groups)
+    base = dict(rank_groups=groups, stage_bytes=[GB] * 2 * n, schedule_name="interleaved", num_microbatches=8,
+                stage_compute_s={s: (0.01, 0.02) for s in range(2 * n)})
+    return choose_mapping(mode, n, 2 * n, **{**base, **kw})
+
+
+def test_modes():
+    from pipeline.config import MAPPINGS
+
+    assert MAPPING_MODES == MAPPINGS == ("auto", "cross", "round_robin", "sequential", "manual")
+    rr = sched.round_robin(8, 4)
+    for mode in ("round_robin", "sequential"):
+        c = _choose(mode, [0, 0, 1, 1])
+        assert c.stage_to_rank == rr and c.plan is None and "planner not run" in c.reason
+    c = _choose("manual", [0, 0, 1, 1], visible_devices="3,1,2,0")
+    assert c.stage_to_rank == rr and "CUDA_VISIBLE_DEVICES=3,1,2,0" in c.reason
+    # Two GPUs per root in PCI order: ranks 0, 1 share a root, so positions go 0, 2, 1, 3.
+    c = _choose("cross", [0, 0, 1, 1], stagger=False)
+    assert c.position_rank == [0, 2, 1, 3] and c.stage_to_rank == [0, 2, 1, 3, 0, 2, 1, 3]
+    assert c.plan.step_time < c.plan.sequential_step_time and "saved" in c.reason
+    assert _choose("auto", [0, 0, 1, 1], stagger=False).stage_to_rank == c.stage_to_rank
+    # auto falls back to round-robin without GPUs, offload or a topology; cross refuses.
+    assert "no GPUs" in _choose("auto", [0, 0, 1, 1], has_gpus=False).reason
+    assert "use_offload is off" in _choose("auto", [0, 0, 1, 1], offload=False).reason
+    c = _choose("auto", None)
+    assert c.stage_to_rank == rr and "topology unknown" in c.reason
+    with pytest.raises(ValueError, match="mapping cross needs the planner, but GPU topology unknown"):
+        _choose("cross", None)
+    with pytest.raises(ValueError, match=r"mapping 'zigzag': choose one of auto, cross"):
+        _choose("zigzag", [0, 1])
+
+
+# --- L0: load stagger -------------------------------------------------------------------------------
+def test_cost_model_start_offset():
+    program = {0: [Action.parse(t) for t in "0L 0F0 0SEND_F0".split()],
+               1: [Action.parse(t) for t in "1L 1RECV_F0 1F0".split()]}
+    compute = {0: (0.1, 0.2), 1: (0.1, 0.2)}
+    # One 20 GB/s root, two 2 GB loads: shared, both end at 0.2 s; rank 1 held back 0.1 s:
+    # rank 0's load ends at 0.1 s, rank 1's at 0.2 s, still before its forward can start.
+    shared = predict(program, [0, 1], [0, 1], [0, 0], compute, [2 * GB] * 2, 20.0, 20.0)
+    held = predict(program, [0, 1], [0, 1], [0, 0], compute, [2 * GB] * 2, 20.0, 20.0, start_offset_s=[0.0, 0.1])
+    assert shared.step_time == pytest.approx(0.4) and held.step_time == pytest.approx(0.3)
+    load = {str(a): (s, e) for s, e, a in held.timeline[1]}["1L"]
+    assert load == pytest.approx((0.1, 0.2))
+    st = plan_stagger(program, [0, 1], [0, 1], [0, 0], compute, [2 * GB] * 2, 20.0, 20.0)
+    assert st.offsets == pytest.approx([0.0, 0.1]) and st.step_time == pytest.approx(0.3)
+    # Under different roots nothing is shared: no offsets.
+    st = plan_stagger(program, [0, 1], [0, 1], [0, 1], compute, [2 * GB] * 2, 20.0, 20.0)
+    assert st.offsets == [0.0, 0.0] and st.step_time == st.base_step_time
+
+
+def test_compare_and_describe_plan():
+    plan, rows = compare_mappings([0, 0, 1, 1], [GB] * 8, "interleaved", 8,
+                                  stage_compute_s={s: (0.01, 0.02) for s in range(8)})
+    by = {r.name: r for r in rows}
+    assert by["cross"].gpu_of_rank == [0, 2, 1, 3] and by["sequential"].gpu_of_rank == [0, 1, 2, 3]
+    assert by["cross"].step_time < by["sequential"].step_time <= by["worst"].step_time
+    assert all(r.staggered_step_time <= r.step_time for r in rows)
+    text = describe_plan([0, 1, 0, 1], [840_000_000] * 8, "interleaved", 16, 1024, 1, gpu_ids=[4, 5, 6, 7])
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in text and "GPU4:A GPU5:B GPU6:A GPU7:B" in text
+    for name in ("cross", "sequential", "worst"):
+        assert f"\n  {name} " in text
+    assert "bubble" in text and "exposed xfer s" in text and "60 TFLOP/s" in text
+
+
+# --- L2: two processes, permuted mapping, timeline -----------------------------------------------------
+@pytest.fixture(scope="module")
+def cross_run(tiny_model_dir, tmp_path_factory):
+    from test_equivalence import _cfg, _flags, run_torchrun
+
+    out = tmp_path_factory.mktemp("cross")
+    topo = out / "topo.yaml"
+    # GPU 0's host link is slow: the planner gives position 0 (first load exposed) to rank 1.
+    topo.write_text("gpus:\n  - {index: 0, root: 0, bandwidth_gbps: 1}\n  - {index: 1, root: 1, bandwidth_gbps: 25}\n")
+    cfg = _cfg(tiny_model_dir, schedule="interleaved", num_stages=4, use_offload=True, save_dir=str(out),
+               save_params=True, save_results=str(out / "results.json"), mapping="cross", topology=str(topo),
+               timeline=True)
+    proc = run_torchrun(2, _flags(cfg))
+    return cfg, out, proc
+
+
+@pytest.mark.slow
+def test_torchrun_permuted_mapping_matches_reference(tiny_model_dir, cross_run):
+    import torch
+
+    from reference import assert_same_training
+    from test_equivalence import _reference
+
+    cfg, out, proc = cross_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mapping cross: stage -> rank [1, 0, 1, 0]" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    losses = [row["loss"] for row in results["iterations"]]
+    params = torch.load(out / "params.pt", weights_only=True)
+    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+def test_torchrun_writes_timeline(cross_run):
+    from pipeline.timeline import PNG_SIGNATURE, gantt_size
+
+    cfg, out, proc = cross_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prediction error" in proc.stdout
+    program = sched.build("interleaved", 4, cfg.num_chunks, [1, 0, 1, 0], offload=True, prefetch=True, clip=True)
+    for name in ("timeline.json", "timeline_predicted.json"):
+        trace = json.loads((out / name).read_text())["traceEvents"]
+        boxes = {(e["pid"], e["name"]) for e in trace if e["ph"] == "X"}
+        want = {(r, str(a)) for r, acts in program.items() for a in acts if a.op in (Op.FORWARD, Op.BACKWARD)}
+        assert want <= boxes, sorted(want - boxes)[:5]
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in trace if e["ph"] == "X")
+    for name in ("timeline.png", "timeline_predicted.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+        assert struct.unpack(">II", data[16:24]) == gantt_size(2)
+
+
+# --- L1: which GPU each rank is on; the --plan helper -------------------------------------------------
+def test_rank_topology_follows_visible_devices(monkeypatch):
+    from offload.topology import GpuLink, Topology
+    from pipeline.dist import DistEnv
+    from pipeline.placement import rank_topology
+
+    topo = Topology([GpuLink(i, root, 0, bw) for i, root, bw in [(0, 0, 25.0), (1, 0, 25.0), (2, 1, 12.0),
+                                                                  (3, 1, 25.0)]], source="test")
+    env = DistEnv(0, 4, 0, 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert rank_topology(topo, env)[:2] == ([0, 0, 1, 1], [25.0, 25.0, 12.0, 25.0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,3,1")
+    assert rank_topology(topo, env)[:2] == ([1, 0, 1, 0], [12.0, 25.0, 25.0, 25.0])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,5")
+    groups, _, why = rank_topology(topo, DistEnv(0, 2, 0, 2))
+    assert groups is None and "has GPUs [0, 1, 2, 3], ranks need 2 of visible GPUs [0, 5]" in why
+    assert rank_topology(topo, DistEnv(0, 8, 0, 4))[2] == "8 ranks over several hosts: topology is per host"
+
+
+def test_plan_text_for_a_config():
+    from offload.topology import GpuLink, Topology
+    from pipeline.config import make_config
+    from pipeline.model import preset_config
+    from pipeline.placement import plan_text
+
+    topo = Topology([GpuLink(i, i % 2, 0, 25.0) for i in range(4)], source="test")
+    cfg = make_config({"num_stages": 8, "schedule": "interleaved", "num_chunks": 8, "batch_size": 8,
+                       "seq_length": 512, "use_offload": True})
+    text = plan_text(cfg, preset_config("llama-2-7b"), topo)
+    assert "8 stages on 4 GPUs" in text and "8 micro-batches of 1x512 tokens" in text
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in text
