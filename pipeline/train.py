@@ -285,6 +285,9 @@ class Trainer:
                 checkpoint.load_stage_state(point.path, store, s)
             if st["world_size"] == env.world_size:
                 checkpoint.set_rng_state(checkpoint.load_rank_state(point.path, env.rank), self.device)
+            else:  # training draws no random numbers after the initialisation, so nothing is lost
+                self.log.info(f"resume: {st['world_size']} processes then, {env.world_size} now: AdamW state "
+                              "restored per stage, RNG states not restored")
         elif env.rank == 0:
             self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
                           f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")

@@ -202,6 +202,10 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     assert sorted(p.name for p in (ckpt / "train_state").iterdir()) == \
         ["rank00000.pt", "rank00001.pt"] + [f"stage0000{s}.pt" for s in range(4)]
     assert not (tmp_path / "run" / "model").exists()  # the checkpoint is the stopped run's model
+    if target == "torchrun":
+        # The optimizer state is saved per stage: one process holding all 4 stages restores it too.
+        one = _trainer(_cfg(tiny_model_dir, num_iterations=step + 2, resume=str(ckpt), **common))
+        one_losses = _losses(one.train())
 
     total = step + 2
     resumed = _cfg(tiny_model_dir, num_iterations=total, save_dir=str(tmp_path / "run"), resume="latest",
@@ -216,3 +220,5 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     ref_rows = json.loads((tmp_path / "ref.json").read_text())["iterations"]
     assert [r["iteration"] for r in rows] == [step, step + 1]
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows[step:]]
+    if target == "torchrun":
+        torch.testing.assert_close(one_losses, [r["loss"] for r in ref_rows[step:]], rtol=1e-5, atol=0)
