@@ -244,8 +244,10 @@ def _saved_at(path: Path) -> float:
 
 
 def _candidates(save_dir: Path) -> list[Path]:
+    """step_N and step_N.partial directories; a step_N.old (the previous save of the same step,
+    left only if a replacement was cut short) is neither offered nor counted."""
     root = Path(save_dir) / CHECKPOINTS
-    return sorted(root.glob("step_*")) if root.is_dir() else []
+    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".old")) if root.is_dir() else []
 
 
 def find_latest(save_dir: Path, warn) -> Path | None:
@@ -267,7 +269,8 @@ def prune_checkpoints(save_dir: Path, keep: int) -> list[Path]:
     Runs on rank 0 right after a save completed, so no ``.partial`` is still being written."""
     complete = [p for p in _candidates(save_dir) if not p.name.endswith(".partial") and (p / MARKER).is_file()]
     complete.sort(key=_saved_at, reverse=True)
-    doomed = complete[keep:] + [p for p in _candidates(save_dir) if p.name.endswith((".partial", ".old"))]
+    root = Path(save_dir) / CHECKPOINTS
+    doomed = complete[keep:] + sorted(root.glob("step_*.partial")) + sorted(root.glob("step_*.old"))
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
