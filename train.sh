@@ -2,7 +2,7 @@
 # Launch MMoC-Pipe with the settings of fine_tune.yaml (or $CONFIG).
 #   bash train.sh                       # the run fine_tune.yaml describes
 #   bash train.sh --num_iterations 5    # extra arguments go to main.py and override the YAML
-# Environment overrides: CONFIG, CUDA_VISIBLE_DEVICES, NPROC, MASTER_PORT.
+# Environment overrides: CONFIG, CUDA_VISIBLE_DEVICES, NPROC, MASTER_PORT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG=${CONFIG:-fine_tune.yaml}
@@ -29,5 +29,8 @@ if ! "$PY" -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sy
   echo "error: master_port $MASTER_PORT is in use; set master_port in $CONFIG or MASTER_PORT=<free port>" >&2
   exit 2
 fi
+# On SIGTERM/SIGINT torchrun forwards the signal and gives the workers this long to finish the
+# step and write a checkpoint before it kills them (torch's default, 30 s, is short for 7B+).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 exec "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" \
   main.py --config "$CONFIG" "$@"

@@ -310,3 +310,14 @@ class StageStore:
         """fp32 weights under their Hugging Face names (views into the master buffer)."""
         self.wait_step()
         return {n: v for n, v in zip(self.names, self._views(self.master.detach()))}
+
+    def optimizer_state_dict(self) -> dict:
+        """AdamW state (exp_avg, exp_avg_sq, step per leaf view) and hyper-parameters; references,
+        not copies, so save it before the next step."""
+        self.wait_step()  # host wait: a step on the optimizer thread may still be writing the state
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Restore what ``optimizer_state_dict`` returned for the same stage (same leaf views)."""
+        self.wait_step()
+        self.optimizer.load_state_dict(state)

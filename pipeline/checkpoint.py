@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.dist import DistEnv, barrier, gather_objects
+from pipeline.config import ConfigError
+from pipeline.dist import DistEnv, barrier, broadcast_object, gather_objects
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -32,6 +35,16 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _fsync(path: Path) -> None:
+    """Force a written file to disk: a marker must never reach the disk before the data it vouches
+    for (a power loss could otherwise leave a "complete" checkpoint with empty files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _cpu_copy(store) -> dict[str, torch.Tensor]:
     """A stage's fp32 weights as separate CPU tensors: safetensors refuses tensors that share one
     storage (ours are views of a flat buffer), and resident masters live on the GPU."""
@@ -42,20 +55,17 @@ def _shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int) -> None:
-    """A Hugging Face directory (config, one safetensors shard per stage, index, tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained`` loads. Each rank writes only its own stages."""
+def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int) -> None:
+    """Every rank writes its stages' shards into the existing ``out_dir``; rank 0 then writes the
+    index, config and tokenizer. Ends with a collective (the gather), no barrier."""
     from safetensors.torch import save_file
 
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    if env.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
     mine = {}
     for s, store in stores.items():
         tensors = _cpu_copy(store)
-        save_file(tensors, str(tmp / _shard_name(s, num_stages)), metadata={"format": "pt"})
+        path = out_dir / _shard_name(s, num_stages)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        _fsync(path)
         mine[s] = {k: v.numel() * v.element_size() for k, v in tensors.items()}
         del tensors
     everything = gather_objects(mine)
@@ -67,14 +77,26 @@ def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages:
                     weight_map[k] = _shard_name(s, num_stages)
                     total += nbytes
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config = source.config
         config.dtype = torch.float32  # the masters are saved in float32
-        config.save_pretrained(tmp)
+        config.save_pretrained(out_dir)
         if source.tokenizer_dir is not None:
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(source.tokenizer_dir).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(source.tokenizer_dir).save_pretrained(out_dir)
+
+
+def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int) -> None:
+    """A Hugging Face directory (config, one safetensors shard per stage, index, tokenizer) that
+    ``AutoModelForCausalLM.from_pretrained`` loads. Each rank writes only its own stages."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    if env.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    _write_hf_files(tmp, stores, source, env, num_stages)
+    if env.rank == 0:
         _replace_dir(tmp, out_dir)
     barrier()
 
@@ -100,3 +122,211 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
         del merged
         shutil.rmtree(parts_dir, ignore_errors=True)
     barrier()
+
+
+# --- training checkpoints: save_dir/checkpoints/step_N/ ------------------------------------------
+# A checkpoint is a Hugging Face model directory (the stage shards are the fp32 master weights)
+# plus what exact continuation needs:
+#   train_state/stage{s}.pt   AdamW state of stage s (written by the rank that owns s)
+#   train_state/rank{r}.pt    RNG states of rank r
+#   trainer_state.json        iteration, lr-scheduler state, data position, config, stage->rank map
+#   COMPLETE                  written last, by rank 0: {"files": {relative path: bytes}, ...}
+# It is written as step_N.partial/ and renamed once COMPLETE is in it, so a directory without the
+# .partial suffix is complete unless a file was damaged later; validate_checkpoint checks that too.
+CHECKPOINTS = "checkpoints"
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+STATE_DIR = "train_state"
+
+
+def checkpoint_dir(save_dir: Path, step: int) -> Path:
+    return Path(save_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def _stage_file(stage: int) -> str:
+    return f"{STATE_DIR}/stage{stage:05d}.pt"
+
+
+def _rank_file(rank: int) -> str:
+    return f"{STATE_DIR}/rank{rank:05d}.pt"
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG states, as plain types (``torch.load(weights_only=True)`` reads them)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "numpy": {"kind": kind, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "gauss": gauss}}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, env: DistEnv, *, num_stages: int,
+                             trainer_state: dict, device: torch.device, keep: int) -> Path:
+    """Write ``save_dir/checkpoints/step_{step}`` (see above); collective: every rank calls it.
+
+    Every rank writes its own stages' shards and optimizer states and its RNG state; after a
+    barrier rank 0 writes the trainer state and the COMPLETE marker last, renames the
+    directory into place and only then deletes checkpoints beyond the newest ``keep``."""
+    final = checkpoint_dir(save_dir, step)
+    tmp = final.with_name(final.name + ".partial")
+    if env.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / STATE_DIR).mkdir(parents=True)
+    barrier()
+    _write_hf_files(tmp, stores, source, env, num_stages)
+    for s, store in stores.items():
+        path = tmp / _stage_file(s)
+        torch.save({"numel": store.numel, "optimizer": store.optimizer_state_dict()}, path)
+        _fsync(path)
+    path = tmp / _rank_file(env.rank)
+    torch.save(rng_state(device), path)
+    _fsync(path)
+    barrier()  # every rank's files are on disk before the marker vouches for them
+    if env.rank == 0:
+        write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
+        _fsync(tmp / TRAINER_STATE)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        write_json_atomic(tmp / MARKER, {"step": step, "saved_at": time.time(), "files": files})
+        _fsync(tmp / MARKER)
+        _replace_dir(tmp, final)
+        prune_checkpoints(Path(save_dir), keep)
+    barrier()
+    return final
+
+
+def validate_checkpoint(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint, else why not (one line)."""
+    path = Path(path)
+    if path.name.endswith(".partial"):
+        return "an interrupted save (still named .partial)"
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} marker (the save did not finish)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MARKER} marker ({e})"
+    if TRAINER_STATE not in files:
+        return f"{MARKER} does not list {TRAINER_STATE}"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {MARKER} says {size} (truncated or changed)"
+    return None
+
+
+def _saved_at(path: Path) -> float:
+    try:
+        return float(json.loads((path / MARKER).read_text())["saved_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1.0
+
+
+def _candidates(save_dir: Path) -> list[Path]:
+    """step_N and step_N.partial directories; a step_N.old (the previous save of the same step,
+    left only if a replacement was cut short) is neither offered nor counted."""
+    root = Path(save_dir) / CHECKPOINTS
+    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".old")) if root.is_dir() else []
+
+
+def find_latest(save_dir: Path, warn) -> Path | None:
+    """The most recently completed valid checkpoint in ``save_dir/checkpoints`` (by save time, so
+    a run resumed from an older checkpoint supersedes the newer steps of the run it abandoned).
+    Every directory skipped is reported through ``warn``."""
+    valid = []
+    for path in _candidates(save_dir):
+        reason = validate_checkpoint(path)
+        if reason:
+            warn(f"resume: skipping {path}: {reason}")
+        else:
+            valid.append(path)
+    return max(valid, key=_saved_at, default=None)
+
+
+def prune_checkpoints(save_dir: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep`` and leftovers of interrupted saves.
+    Runs on rank 0 right after a save completed, so no ``.partial`` is still being written."""
+    complete = [p for p in _candidates(save_dir) if not p.name.endswith(".partial") and (p / MARKER).is_file()]
+    complete.sort(key=_saved_at, reverse=True)
+    root = Path(save_dir) / CHECKPOINTS
+    doomed = complete[keep:] + sorted(root.glob("step_*.partial")) + sorted(root.glob("step_*.old"))
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def read_trainer_state(path: Path) -> dict:
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def load_stage_state(path: Path, store, stage: int) -> None:
+    """Restore stage ``stage``'s AdamW state from the checkpoint into ``store``."""
+    state = torch.load(Path(path) / _stage_file(stage), map_location="cpu", weights_only=True)
+    if state["numel"] != store.numel:
+        raise ValueError(f"{path}: stage {stage} has {state['numel']} parameters in the checkpoint, "
+                         f"{store.numel} in this run")
+    store.load_optimizer_state_dict(state["optimizer"])
+
+
+def load_rank_state(path: Path, rank: int) -> dict:
+    return torch.load(Path(path) / _rank_file(rank), map_location="cpu", weights_only=True)
+
+
+# --- resume -----------------------------------------------------------------------------------
+@dataclass
+class ResumePoint:
+    path: Path
+    state: dict  # trainer_state.json
+
+    @property
+    def iteration(self) -> int:
+        return int(self.state["iteration"])
+
+
+def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | None:
+    """The checkpoint ``resume`` names ('latest' or a path), found and validated by rank 0 and
+    shared with every rank. 'latest' with no complete checkpoint means a fresh start."""
+    if not resume:
+        return None
+    answer: tuple[str, object] = ("none", None)
+    if env.rank == 0:
+        if resume == "latest":
+            path = find_latest(Path(save_dir), log.warn)
+            if path is not None:
+                answer = ("ok", (str(path), read_trainer_state(path)))
+        else:
+            reason = validate_checkpoint(Path(resume))
+            if reason:
+                answer = ("error", f"resume {resume!r} is not a complete checkpoint: {reason}; give a "
+                                   f"{CHECKPOINTS}/step_N directory or 'latest'")
+            else:
+                answer = ("ok", (resume, read_trainer_state(Path(resume))))
+    kind, value = broadcast_object(answer)
+    if kind == "error":
+        raise ConfigError(value)
+    if kind == "none":
+        log.info(f"resume: no complete checkpoint in {Path(save_dir) / CHECKPOINTS}; starting from the beginning")
+        return None
+    path, state = value
+    return ResumePoint(Path(path), state)

@@ -104,6 +104,14 @@ class TrainConfig:
     save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model.")
     save_params: bool = _f(False, "Also write the whole state dict to save_dir/params.pt.")
     save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank.")
+    # --- checkpoints and resume --------------------------------------------------------
+    checkpoint_every: int = _f(0, "Save a training checkpoint (weights, AdamW state, data position) to "
+                               "save_dir/checkpoints/step_N every N steps and at the end (0 = only when "
+                               "stopped by SIGINT/SIGTERM).")
+    keep_checkpoints: int = _f(3, "Keep the newest K complete checkpoints; older ones are deleted once a newer "
+                               "one is complete.")
+    resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
+                     "start fresh) or a checkpoint directory; empty = start from the model.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -128,12 +128,30 @@ class Metrics:
             self.bar = tqdm(total=num_steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
         self.t0 = time.perf_counter()
 
-    def start(self) -> None:
-        """Start the clock of the summary's total time and open (truncate) the metrics file."""
+    def start(self, first_step: int = 0) -> None:
+        """Start the clock of the summary's total time and open the metrics file: truncated for a
+        new run; for a run resumed after ``first_step`` steps, the rows of steps up to it are
+        kept (later ones belong to the abandoned continuation) and new rows are appended."""
         self.t0 = time.perf_counter()
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("w")
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if first_step and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a crash
+                if row.get("kind") in ("train", "eval") and row.get("step", first_step + 1) <= first_step:
+                    kept.append(row)
+        self.rows = [r for r in kept if r["kind"] == "train"]
+        self.evals = [r for r in kept if r["kind"] == "eval"]
+        self._file = self.path.open("w")
+        for row in kept:
+            self._write(row)
+        if self.bar is not None:
+            self.bar.update(first_step)
 
     def _write(self, row: dict) -> None:
         if self._file is not None:

@@ -14,7 +14,7 @@ import torch
 import schedule as sched
 from offload.cpus import node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams
-from pipeline import checkpoint
+from pipeline import checkpoint, faults
 from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, barrier, broadcast_object, gather_objects, pick_device
@@ -121,6 +121,9 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
         raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
                           f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
+    if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1:
+        raise ConfigError(f"checkpoint_every ({cfg.checkpoint_every}) must be >= 0 and keep_checkpoints "
+                          f"({cfg.keep_checkpoints}) >= 1")
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -173,6 +176,11 @@ class Trainer:
         self.loss_rank = self.mapping[-1]
         self.log = Log(env.rank, speaker=self.loss_rank)
         self.log.info(self.placement.choice.reason)
+        # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
+        self.resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, self.log)
+        self.start_iteration = self.resume_point.iteration if self.resume_point else 0
+        self.stopped_by = 0  # the signal that ended the run early, if one did
+        weights_dir = self.resume_point.path if self.resume_point else self.source.weights_dir
         self.stream, skipped = build_stream(cfg, self.source)
         if skipped:
             self.log.info(f"data: skipped {skipped} unusable rows")
@@ -195,7 +203,7 @@ class Trainer:
         self.stages, self.stores = {}, {}
         fused = self.device.type == "cuda" or cfg.use_offload
         for s in self.stage_ids:
-            stage = build_stage(hf, s, S, self.parts[s], model_dir=self.source.weights_dir, seed=cfg.seed,
+            stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing, init_device=self.device)
             stage.rotary_emb.to(self.device)
             self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
@@ -214,6 +222,8 @@ class Trainer:
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
                                  optimizer_threads=threads)
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
+        if self.resume_point:
+            self.restore(self.resume_point)
 
     def optimizer_cpus(self) -> list[int]:
         """This rank's cores for the CPU optimizer: its GPU's NUMA node's share (offload/cpus.py)."""
@@ -243,6 +253,11 @@ class Trainer:
 
     def train(self) -> list[dict]:
         cfg = self.cfg
+        if self.start_iteration >= cfg.num_iterations:
+            self.log.info(f"resume: {self.resume_point.path} is at iteration {self.start_iteration}, "
+                          f"num_iterations is {cfg.num_iterations}: nothing left to train "
+                          "(raise num_iterations to go on)")
+            return []
         self.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
                       f"{self.env.world_size} processes ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
                       f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
@@ -250,9 +265,11 @@ class Trainer:
                           save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar)
         guard = SkipGuard(cfg.max_skipped_steps)
         try:
-            metrics.start()
-            history = self._train_loop(metrics, guard)
-            metrics.finish(self.peak_memory())
+            # While training, SIGINT/SIGTERM only set a flag; the loop stops after a step all ranks agree on.
+            with faults.StopRequest() as self.stop:
+                metrics.start(self.start_iteration)
+                history = self._train_loop(metrics, guard)
+                metrics.finish(self.peak_memory())
         finally:
             metrics.close()
         return history
@@ -261,7 +278,7 @@ class Trainer:
         cfg, history = self.cfg, []
         timeline_at = cfg.timeline_iteration % cfg.num_iterations if cfg.timeline else None
         recorded = None
-        for it in range(cfg.num_iterations):
+        for it in range(self.start_iteration, cfg.num_iterations):
             batch = self.stream.next_batch()
             if it == timeline_at:
                 recorded = self.executor.timeline = self.new_timeline()
@@ -289,8 +306,16 @@ class Trainer:
             guard.update(it + 1, res.skipped)  # raises on every rank alike past max_skipped_steps
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
                 metrics.log_eval({"step": it + 1, **self.evaluate()})
+            self.stopped_by = self.stop.agreed(self.device)
+            every = cfg.checkpoint_every
+            if self.stopped_by or (every and ((it + 1) % every == 0 or it + 1 == cfg.num_iterations)):
+                self.save_checkpoint(it + 1)
+            if self.stopped_by:
+                self.log.info(f"stopped by {faults.signal_name(self.stopped_by)} after step {it + 1}, checkpoint "
+                              f"saved; continue with --resume latest")
+                break
         self.executor.finish()
-        if timeline_at is not None:
+        if recorded is not None:  # every rank alike: the stop step is agreed
             self.write_timeline(recorded)
         return history
 
@@ -305,6 +330,54 @@ class Trainer:
             _, line = write_run_timeline(self.cfg.save_dir, events, self.schedule, self.mapping,
                                          self.placement.stage_bytes, self.placement.rank_groups)
             print(line, flush=True)
+
+    # --- checkpoints and resume ------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        """Everything exact continuation needs after ``step`` completed steps (collective)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        trainer_state = {
+            "iteration": step,
+            # lr_at is a pure function of the iteration: the iteration is the scheduler's state.
+            "lr_scheduler": {"schedule": cfg.lr_schedule, "iteration": step, "last_lr": lr_at(step - 1, cfg)},
+            "data": self.stream.state_dict(),
+            "num_stages": cfg.num_stages, "world_size": self.env.world_size, "mapping": list(self.mapping),
+            "parts": [[r.start, r.stop] for r in self.parts], "config": cfg.to_dict(),
+        }
+        path = checkpoint.save_training_checkpoint(Path(cfg.save_dir), step, self.stores, self.source, self.env,
+                                                   num_stages=cfg.num_stages, trainer_state=trainer_state,
+                                                   device=self.device, keep=cfg.keep_checkpoints)
+        self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
+        return path
+
+    def restore(self, point: checkpoint.ResumePoint) -> None:
+        """Continue from ``point``: data position and iteration always; AdamW state when the stages
+        are the same as the checkpoint's (it is saved per stage, so the process count may differ);
+        RNG states when the processes are the same too. The weights were loaded by build_stage."""
+        st, cfg, env = point.state, self.cfg, self.env
+        try:
+            self.stream.load_state_dict(st["data"])
+        except ValueError as e:
+            raise ConfigError(f"resume from {point.path}: {e}") from None
+        same_stages = st["num_stages"] == cfg.num_stages and st["parts"] == [[r.start, r.stop] for r in self.parts]
+        if same_stages:
+            for s, store in self.stores.items():
+                checkpoint.load_stage_state(point.path, store, s)
+            if st["world_size"] == env.world_size:
+                checkpoint.set_rng_state(checkpoint.load_rank_state(point.path, env.rank), self.device)
+            else:  # training draws no random numbers after the initialisation, so nothing is lost
+                self.log.info(f"resume: {st['world_size']} processes then, {env.world_size} now: AdamW state "
+                              "restored per stage, RNG states not restored")
+        elif env.rank == 0:
+            self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
+                          f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")
+        ignore = {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints", "save_dir", "save_model",
+                  "save_params", "save_results", "nproc", "master_port", "cuda_visible_devices", "debug_schedule"}
+        now = cfg.to_dict()
+        changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in st["config"].items()
+                   if k in now and k not in ignore and now[k] != v]
+        self.log.info(f"resumed from {point.path} at iteration {point.iteration}"
+                      + (f"; changed since: {', '.join(changed)}" if changed else ""))
 
     def device_stats(self) -> dict:
         """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""
@@ -328,10 +401,10 @@ class Trainer:
     def save(self, history: list[dict]) -> None:
         cfg = self.cfg
         out = Path(cfg.save_dir)
-        if cfg.save_model:
+        if cfg.save_model and not self.stopped_by:  # a stopped run's model is its last checkpoint
             checkpoint.save_hf_model(out / "model", self.stores, self.source, self.env, cfg.num_stages)
             self.log.info(f"saved Hugging Face model to {out / 'model'}")
-        if cfg.save_params:
+        if cfg.save_params and not self.stopped_by:
             checkpoint.save_params(out / "params.pt", self.stores, self.env)
             self.log.info(f"saved parameters to {out / 'params.pt'}")
         if cfg.save_results:
@@ -400,6 +473,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size)
     trainer = Trainer(cfg, env)
     history = trainer.train()
+    if trainer.start_iteration >= cfg.num_iterations:
+        return history  # a finished run resumed: its outputs are there already
     trainer.save(history)
     return history
 
