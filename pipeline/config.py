@@ -84,6 +84,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed for data order and random initialisation.")
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
                     choices=DTYPES)
+    loss_scale: float = _f(65536.0, "float16 only: the initial loss scale (dynamic: halves on an overflow, doubles "
+                           "after loss_scale_window finite steps).")
+    loss_scale_window: int = _f(1000, "float16 only: finite steps before the loss scale doubles (0 = a fixed scale).")
     max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
                                 "error after more than this many in a row (0 = stop at the first; -1 = no check, "
                                 "non-finite steps are applied).")

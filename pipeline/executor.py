@@ -51,13 +51,13 @@ class Executor:
 
     # --- one iteration ------------------------------------------------------------------
     def run(self, actions: list[Action], microbatches: list[MicroBatch], num_targets: int, lr: float,
-            train: bool = True) -> IterationResult:
+            train: bool = True, loss_scale: float = 1.0) -> IterationResult:
         """Interpret ``actions`` once. ``num_targets`` is the count of predicted tokens in the whole
         global batch, so the summed micro-batch losses equal the batch's mean token loss.
 
         ``train=False`` runs a forward-only program (``schedule.build_forward``) with autograd
         off: no graph is built and no activation is kept for a backward that never comes."""
-        self.mbs, self.num_targets, self.lr = microbatches, num_targets, lr
+        self.mbs, self.num_targets, self.lr, self.loss_scale = microbatches, num_targets, lr, loss_scale
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # stage input (needs its grad)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # stage output, or loss on the last stage
         self.local_in: dict[tuple[int, int], torch.Tensor] = {}  # activation from a same-rank stage
@@ -105,7 +105,8 @@ class Executor:
             loss = F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                    reduction="sum") / self.num_targets
             self.losses.append(loss.detach())
-            out = loss
+            # float16: backward starts from the scaled loss, so every gradient is scaled (see LossScaler)
+            out = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif self.mapping[s + 1] == self.rank:
             self.local_in[(s + 1, m)] = out.detach()
         self.outputs[(s, m)] = out
@@ -160,7 +161,7 @@ class Executor:
         sq = sum(self.stores[s].grad_sq_norm().to(self.device) for s in sorted(self.stores))
         if dist.is_initialized():
             dist.all_reduce(sq)
-        norm = sq.sqrt()
+        norm = sq.sqrt() / self.loss_scale  # the gradients carry the loss scale
         self.grad_norm = float(norm)  # host sync: the norm is logged and gates the steps anyway
         if not math.isfinite(self.grad_norm):
             # A NaN/inf anywhere makes the all-reduced norm non-finite on every rank alike, so
@@ -169,6 +170,9 @@ class Executor:
             return
         if self.grad_clip > 0:
             self.clip_coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+        if self.loss_scale != 1.0:  # one multiply unscales and clips
+            unscale = torch.tensor(1.0 / self.loss_scale, device=norm.device)
+            self.clip_coef = unscale if self.clip_coef is None else self.clip_coef * unscale
 
     def _step(self, a: Action) -> None:
         # Not a scheduling decision: the STEP runs where the schedule put it; NORM's value

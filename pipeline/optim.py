@@ -30,6 +30,36 @@ def optim_settings(cfg: TrainConfig, fused: bool | None = None) -> OptimSettings
 
 
 def needs_norm(cfg: TrainConfig) -> bool:
-    """Whether the schedule needs the global gradient norm (NORM): to clip, or to skip a step
-    whose gradients are not finite."""
-    return cfg.grad_clip > 0 or cfg.max_skipped_steps >= 0
+    """Whether the schedule needs the global gradient norm (NORM): to clip, to skip a step
+    whose gradients are not finite, or (float16) to find loss-scale overflows."""
+    return cfg.grad_clip > 0 or cfg.max_skipped_steps >= 0 or cfg.dtype == "float16"
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 compute (the policy of ``torch.amp.GradScaler``).
+
+    The last stage multiplies its loss by ``scale``; every gradient in the pipeline is then
+    scaled too, which keeps small gradients out of float16's subnormal range. The pipeline's
+    NORM already all-reduces the squared gradient norm, so an overflow anywhere is seen by every
+    rank alike: the step is skipped everywhere and the scale halves. After ``window`` finite
+    steps in a row it doubles. ``window == 0`` keeps the scale fixed.
+    """
+
+    def __init__(self, scale: float, window: int):
+        self.scale, self.window, self.good_steps = float(scale), window, 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.window:
+            return
+        if overflow:
+            self.scale, self.good_steps = max(self.scale / 2, 2.0 ** -24), 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

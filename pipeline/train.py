@@ -22,7 +22,7 @@ from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
 from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
-from pipeline.optim import lr_at, needs_norm, optim_settings
+from pipeline.optim import LossScaler, lr_at, needs_norm, optim_settings
 from pipeline.placement import resolve_placement
 from pipeline.timeline import Timeline, write_run_timeline
 
@@ -222,6 +222,7 @@ class Trainer:
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
                                  optimizer_threads=threads)
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
+        self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if self.dtype == torch.float16 else None
         if self.resume_point:
             self.restore(self.resume_point)
 
@@ -288,7 +289,8 @@ class Trainer:
                 # root complex's bandwidth with an earlier-needed one; the host is in step with the
                 # device here (the last iteration ended with a synchronize), so waiting delays the copy.
                 time.sleep(self.start_delay_s)
-            res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg))
+            res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
+                                    loss_scale=self.scaler.scale if self.scaler else 1.0)
             self.executor.timeline = None
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: end of iteration, for honest timing
@@ -303,7 +305,14 @@ class Trainer:
                               "tokens": tokens, "tokens_per_s": row["tokens_per_s"],
                               "tflops_per_gpu": row["tflops_per_gpu"], "step_time_s": dt,
                               "peak_mem_bytes": row["peak_mem_bytes"], "skipped": res.skipped})
-            guard.update(it + 1, res.skipped)  # raises on every rank alike past max_skipped_steps
+            overflow = res.skipped and self.scaler is not None and self.scaler.window > 0 \
+                and self.scaler.scale > 1.0
+            if self.scaler is not None:
+                self.scaler.update(res.skipped)
+            if overflow:  # float16: an overflow of the loss scale, which has just halved; not a fault
+                self.log.info(f"step {it + 1}: gradients overflowed float16, loss scale now {self.scaler.scale:g}")
+            # raises on every rank alike past max_skipped_steps
+            guard.update(it + 1, res.skipped and not overflow)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
                 metrics.log_eval({"step": it + 1, **self.evaluate()})
             self.stopped_by = self.stop.agreed(self.device)
@@ -343,6 +352,7 @@ class Trainer:
             "data": self.stream.state_dict(),
             "num_stages": cfg.num_stages, "world_size": self.env.world_size, "mapping": list(self.mapping),
             "parts": [[r.start, r.stop] for r in self.parts], "config": cfg.to_dict(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
         path = checkpoint.save_training_checkpoint(Path(cfg.save_dir), step, self.stores, self.source, self.env,
                                                    num_stages=cfg.num_stages, trainer_state=trainer_state,
@@ -355,6 +365,8 @@ class Trainer:
         are the same as the checkpoint's (it is saved per stage, so the process count may differ);
         RNG states when the processes are the same too. The weights were loaded by build_stage."""
         st, cfg, env = point.state, self.cfg, self.env
+        if self.scaler is not None and st.get("loss_scaler"):
+            self.scaler.load_state_dict(st["loss_scaler"])
         try:
             self.stream.load_state_dict(st["data"])
         except ValueError as e:
