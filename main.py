@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, env)
     except (ConfigError, DataError, TrainingError) as e:
-        cleanup()
+        # The line goes out before any teardown: a process-group shutdown that aborts (gloo, with
+        # this rank's channels still referenced by the traceback) must not swallow it.
         return _fail(env, str(e))
     except BaseException:  # noqa: BLE001 - e.g. CUDA OOM on one rank
         # Peers may be blocked in a send/recv with this rank; a clean NCCL teardown would wait
