@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0:
         print(f"config ({path or 'defaults'} + flags): " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),
               flush=True)
-    init_distributed(env, pick_device(cfg.device, env), timeout_s=600)
+    init_distributed(env, pick_device(cfg.device, env), timeout_s=cfg.comm_timeout_s)
     try:
         train(cfg, env)
     except (ConfigError, DataError, TrainingError) as e:

@@ -7,6 +7,8 @@ NCCL this also keeps a send on one channel from queueing behind a receive on ano
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -27,12 +29,15 @@ def channels_for(mapping: list[int]) -> list[Channel]:
 class P2P:
     """Async send/recv on per-channel groups. Returned works are waited on by the executor."""
 
-    def __init__(self, mapping: list[int]):
+    def __init__(self, mapping: list[int], timeout_s: float | None = None):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.groups = {}
+        # new_group's own default is 30 min whatever the default group's: pass the run's timeout on
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         for key in channels_for(mapping):
             _, src, dst = key
-            group = dist.new_group([src, dst] if src < dst else [dst, src])  # collective: every rank calls
+            members = [src, dst] if src < dst else [dst, src]
+            group = dist.new_group(members, timeout=timeout)  # collective: every rank calls
             if self.rank in (src, dst):
                 self.groups[key] = group
 

@@ -102,6 +102,8 @@ class TrainConfig:
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
     nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU).")
     master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun.")
+    comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
+                               "an error naming the stalled action.")
     # --- outputs ---------------------------------------------------------------------
     save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics.")
     save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model.")

@@ -18,6 +18,33 @@ from offload.store import StageStore
 from schedule.ir import Action, Op
 
 
+class ActionError(RuntimeError):
+    """An action failed (a peer that died or hangs shows up as a timeout in the action that
+    waits for it); the message names the rank, the action and the peer."""
+
+
+_OP_WORDS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_F: "send activation",
+             Op.RECV_F: "receive activation", Op.SEND_B: "send gradient", Op.RECV_B: "receive gradient",
+             Op.LOAD: "load", Op.DROP: "drop", Op.OFFLOAD: "offload gradients", Op.NORM: "gradient-norm all-reduce",
+             Op.STEP: "optimizer step"}
+
+
+def describe(a: Action, mapping: list[int]) -> str:
+    """``2F3`` -> "forward of stage 2, micro-batch 3, input from rank 1"."""
+    if a.op is Op.NORM:
+        return "gradient-norm all-reduce over every rank"
+    text = f"{_OP_WORDS[a.op]} of stage {a.stage}" + (f", micro-batch {a.mb}" if a.mb is not None else "")
+    if a.op in (Op.FORWARD, Op.RECV_F) and a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]:
+        text += f", input from rank {mapping[a.stage - 1]}"
+    elif a.op in (Op.BACKWARD, Op.RECV_B) and a.stage < len(mapping) - 1 and mapping[a.stage + 1] != mapping[a.stage]:
+        text += f", gradient from rank {mapping[a.stage + 1]}"
+    elif a.op is Op.SEND_F:
+        text += f", to rank {mapping[a.stage + 1]}"
+    elif a.op is Op.SEND_B:
+        text += f", to rank {mapping[a.stage - 1]}"
+    return text
+
+
 @dataclass
 class MicroBatch:
     """What the first and last stage need of one micro-batch (on the rank's device)."""
@@ -71,7 +98,11 @@ class Executor:
             for action in actions:
                 if self.timeline is not None:
                     self.timeline.begin(action)
-                self._handlers[action.op](action)
+                try:
+                    self._handlers[action.op](action)
+                except RuntimeError as e:  # a gloo/NCCL timeout or a dead peer surfaces in some wait
+                    raise ActionError(f"rank {self.rank}: action {action} ({describe(action, self.mapping)}) "
+                                      f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
                 if self.timeline is not None:
                     self.timeline.end(action)
         for work, _ in self.sends:  # keep each sent tensor alive until its send completed

@@ -217,7 +217,7 @@ class Trainer:
                                          initargs=(cpus,))
             self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
                           f"{cpus[0]}-{cpus[-1]})")
-        self.p2p = P2P(self.mapping)
+        self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
                                  optimizer_threads=threads)

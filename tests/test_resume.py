@@ -151,11 +151,11 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
 
 
 # --- torchrun: SIGTERM, agreement across ranks, resume -------------------------------------------
-def _launch(args: list[str]) -> subprocess.Popen:
+def _launch(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "main.py"), "--config", "", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env_without_dist(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env_without_dist(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float) -> list[str]:
@@ -226,3 +226,27 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows[step:]]
     if target == "torchrun":
         torch.testing.assert_close(one_losses, [r["loss"] for r in ref_rows[step:]], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_a_hung_peer_stops_the_run_with_the_stalled_action(tiny_model_dir, tmp_path):
+    """A rank that stops responding (SIGSTOP) makes its peer's wait time out after
+    comm_timeout_s, with a message naming the rank and the action; nobody waits forever."""
+    cfg = _cfg(tiny_model_dir, num_iterations=10_000, num_stages=4, schedule="1f1b", save_dir=str(tmp_path / "run"),
+               comm_timeout_s=10.0)
+    proc = _launch(_flags(cfg), extra_env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
+    _wait_for_line(proc, r"^step +2/", timeout=240)
+    t0 = time.monotonic()
+    workers = _worker_pids(proc.pid)
+    os.kill(workers[-1], signal.SIGSTOP)  # the highest local rank: rank 1
+    try:
+        out, err = proc.communicate(timeout=150)
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 150
+    assert re.search(r"rank 0: action \S+ \(.*\) failed", err), err[-3000:]
