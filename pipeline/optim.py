@@ -3,8 +3,17 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from offload.store import OptimSettings
 from pipeline.config import TrainConfig
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype stages compute in (master weights are always float32)."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -48,15 +57,19 @@ class LossScaler:
     def __init__(self, scale: float, window: int):
         self.scale, self.window, self.good_steps = float(scale), window, 0
 
-    def update(self, overflow: bool) -> None:
+    def update(self, overflow: bool) -> bool:
+        """Adjust the scale after a step; True when ``overflow`` was a scale overflow (the scale
+        was above 1 and has halved), a normal event and not a fault."""
         if not self.window:
-            return
+            return False
         if overflow:
+            expected = self.scale > 1.0
             self.scale, self.good_steps = max(self.scale / 2, 2.0 ** -24), 0
-            return
+            return expected
         self.good_steps += 1
         if self.good_steps >= self.window:
             self.scale, self.good_steps = self.scale * 2, 0
+        return False
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps}

@@ -66,19 +66,22 @@ def rank_topology(topo: Topology | None, env: DistEnv) -> tuple[list[int] | None
     return [g.root for g in gpus], [g.bandwidth_gbps for g in gpus], ""
 
 
+def load_topology(cfg: TrainConfig, discover_ok: bool) -> Topology | None:
+    """The ``topology`` file when one is given, else this machine's (when ``discover_ok``)."""
+    if cfg.topology:
+        try:
+            return load_topology_file(cfg.topology)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"topology: {e}") from None
+    return discover() if discover_ok else None
+
+
 def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
     S = cfg.num_stages
     parts = partition_layers(hf_config.num_hidden_layers, S)
     elem = torch.empty(0, dtype=dtype).element_size()
     stage_bytes = [stage_num_params(hf_config, parts[s], s == 0, s == S - 1) * elem for s in range(S)]
-    topo = None
-    if cfg.topology:
-        try:
-            topo = load_topology_file(cfg.topology)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"topology: {e}") from None
-    elif device.type == "cuda" and cfg.mapping in ("auto", "cross"):
-        topo = discover()
+    topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping in ("auto", "cross"))
     groups, links, why = rank_topology(topo, env)
     try:
         choice = choose_mapping(
@@ -121,4 +124,4 @@ def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
                          tflops=cfg.plan_tflops)
 
 
-__all__ = ["Placement", "plan_text", "rank_topology", "resolve_placement", "visible_gpus"]
+__all__ = ["Placement", "load_topology", "plan_text", "rank_topology", "resolve_placement", "visible_gpus"]

@@ -4,8 +4,8 @@ fit stops with advice instead of an out-of-memory error after minutes of loading
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +13,7 @@ import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, gib
 from pipeline.model import partition_layers, stage_num_params
-from pipeline.optim import needs_norm
+from pipeline.optim import compute_dtype, needs_norm
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
@@ -25,9 +25,7 @@ def device_type(cfg: TrainConfig) -> str:
 
 
 def dtype_bytes(cfg: TrainConfig, device: str) -> int:
-    if cfg.dtype == "auto":
-        return 2 if device == "cuda" else 4
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
+    return compute_dtype(cfg, torch.device(device)).itemsize
 
 
 def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) -> tuple[list[RankMemory], dict]:
@@ -64,11 +62,6 @@ def host_available() -> int | None:
     return None
 
 
-def _fits(ranks: list[RankMemory], gpu: int | None, host: int | None) -> bool:
-    gpu_ok = gpu is None or max(r.device_peak for r in ranks) <= USABLE_FRACTION * gpu
-    return gpu_ok and (host is None or sum(r.host for r in ranks) <= host)
-
-
 def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainConfig]]:
     """The levers a user has, each as the config it gives."""
     alts = []
@@ -86,31 +79,64 @@ def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainCon
     return alts
 
 
-def advice(cfg: TrainConfig, hf_config, world_size: int, device: str, gpu: int | None, host: int | None) -> list[str]:
+@dataclass
+class Assessment:
+    """The estimate of one configuration against the memory this machine offers."""
+
+    ranks: list[RankMemory]
+    program: dict
+    device: str
+    gpu: int | None   # usable GPU bytes are USABLE_FRACTION of it; None: no GPU to check
+    host: int | None  # available host bytes; None: unknown
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.device_peak)
+
+    @property
+    def total_host(self) -> int:
+        return sum(r.host for r in self.ranks)
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.gpu is None or self.worst.device_peak <= USABLE_FRACTION * self.gpu
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host is None or self.total_host <= self.host
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and self.host_fits
+
+
+def assess(cfg: TrainConfig, hf_config, mapping: list[int]) -> Assessment:
+    device = device_type(cfg)
+    ranks, program = memory_plan(cfg, hf_config, mapping, device)
+    return Assessment(ranks, program, device, gpu_capacity(cfg) if device == "cuda" else None, host_available())
+
+
+def advice(cfg: TrainConfig, hf_config, world_size: int) -> list[str]:
     """The single changes that make ``cfg`` fit, each with its estimated peak."""
     out = []
     for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
-        ranks, _ = memory_plan(alt, hf_config, sched.round_robin(alt.num_stages, world_size), device)
-        if _fits(ranks, gpu, host):
-            out.append(f"{label} -> {gib(max(r.device_peak for r in ranks))} per GPU")
+        a = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size))
+        if a.fits:
+            out.append(f"{label} -> {gib(a.worst.device_peak)} per GPU")
     return out
 
 
 def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> None:
     """Raise ConfigError, with advice, when the estimate exceeds the GPU (or host) memory."""
-    device = device_type(cfg)
-    gpu = gpu_capacity(cfg) if device == "cuda" else None
-    host = host_available()
-    ranks, _ = memory_plan(cfg, hf_config, mapping, device)
-    if _fits(ranks, gpu, host):
+    a = assess(cfg, hf_config, mapping)
+    if a.fits:
         return
-    worst = max(ranks, key=lambda r: r.device_peak)
-    if gpu is not None and worst.device_peak > USABLE_FRACTION * gpu:
-        need = f"needs about {gib(worst.device_peak)} on GPU rank {worst.rank} (peak during {worst.at}) " \
-               f"but {USABLE_FRACTION:.0%} of {gib(gpu)} is usable"
+    if not a.gpu_fits:
+        need = f"needs about {gib(a.worst.device_peak)} on GPU rank {a.worst.rank} (peak during {a.worst.at}) " \
+               f"but {USABLE_FRACTION:.0%} of {gib(a.gpu)} is usable"
     else:
-        need = f"needs about {gib(sum(r.host for r in ranks))} of host memory but {gib(host or 0)} is available"
-    tips = advice(cfg, hf_config, world_size, device, gpu, host)
+        need = f"needs about {gib(a.total_host)} of host memory but {gib(a.host or 0)} is available"
+    tips = advice(cfg, hf_config, world_size)
     hint = "; try one of: " + "; ".join(tips) if tips else \
         "; no single change of checkpointing, offload, micro-batch size, stages or schedule is enough"
     raise ConfigError(f"this configuration does not fit: it {need}{hint} (see main.py --plan)")
@@ -118,41 +144,33 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int)
 
 def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> str:
     """The text ``--plan`` prints."""
-    device = device_type(cfg)
-    ranks, program = memory_plan(cfg, hf_config, mapping, device)
-    gpu = gpu_capacity(cfg) if device == "cuda" else None
-    host = host_available()
+    a = assess(cfg, hf_config, mapping)
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
     lines = [f"plan: {cfg.num_stages} stages of {hf_config.num_hidden_layers} layers on {world_size} processes "
-             f"({device}, {dtype_bytes(cfg, device) * 8}-bit compute), schedule {cfg.schedule}, "
+             f"({a.device}, {dtype_bytes(cfg, a.device) * 8}-bit compute), schedule {cfg.schedule}, "
              f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
              f"({tokens} tokens), offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
              f"checkpointing={cfg.activation_checkpointing}",
-             f"stage -> rank: {mapping}"]
-    head = "rank  stages      peak device  (params / activations / in flight / transient)  at     host"
-    lines.append(head)
-    for r in ranks:
+             f"stage -> rank: {mapping}",
+             "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
+    for r in a.ranks:
         mine = [s for s, m in enumerate(mapping) if m == r.rank]
-        p = r.parts
-        dev = gib(r.device_peak) if device == "cuda" else "-"
-        split = " / ".join(gib(p.get(k, 0)) for k in ("parameters", "activations", "in_flight", "transient"))
+        dev = gib(r.device_peak) if a.device == "cuda" else "-"
+        split = " / ".join(gib(r.parts.get(k, 0)) for k in ("parameters", "activations", "in_flight", "transient"))
         lines.append(f"{r.rank:4d}  {str(mine):10s}  {dev:>11s}  ({split})  {r.at:5s}  {gib(r.host)}")
-    for r in sorted(program):
-        counts = Counter(a.op.name for a in program[r])
-        lines.append(f"rank {r} actions: {len(program[r])} (" +
+    for r in sorted(a.program):
+        counts = Counter(act.op.name for act in a.program[r])
+        lines.append(f"rank {r} actions: {len(a.program[r])} (" +
                      ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ")")
-    total_host = sum(r.host for r in ranks)
-    if gpu is not None:
-        worst = max(r.device_peak for r in ranks)
-        lines.append(f"GPU: {gib(worst)} of {gib(gpu)} ({USABLE_FRACTION:.0%} usable): "
-                     f"{'fits' if worst <= USABLE_FRACTION * gpu else 'DOES NOT FIT'}")
-    lines.append(f"host: {gib(total_host)} for all ranks" +
-                 (f" of {gib(host)} available: {'fits' if total_host <= host else 'DOES NOT FIT'}" if host else ""))
-    if not _fits(ranks, gpu, host):
-        tips = advice(cfg, hf_config, world_size, device, gpu, host)
+    if a.gpu is not None:
+        lines.append(f"GPU: {gib(a.worst.device_peak)} of {gib(a.gpu)} ({USABLE_FRACTION:.0%} usable): "
+                     f"{'fits' if a.gpu_fits else 'DOES NOT FIT'}")
+    lines.append(f"host: {gib(a.total_host)} for all ranks" +
+                 (f" of {gib(a.host)} available: {'fits' if a.host_fits else 'DOES NOT FIT'}" if a.host else ""))
+    if not a.fits:
+        tips = advice(cfg, hf_config, world_size)
         lines.append("would fit with: " + ("; ".join(tips) if tips else "no single change"))
     return "\n".join(lines)
 
 
-
-__all__ = ["advice", "check_fits", "memory_plan", "report"]
+__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report"]

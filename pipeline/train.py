@@ -22,8 +22,8 @@ from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
 from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
-from pipeline.optim import LossScaler, lr_at, needs_norm, optim_settings
-from pipeline.placement import resolve_placement
+from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
+from pipeline.placement import load_topology, plan_text, resolve_placement
 from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
@@ -90,6 +90,9 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         if cfg.num_layers > total:
             raise ConfigError(f"num_layers ({cfg.num_layers}) exceeds the model's {total} decoder layers")
         hf_config.num_hidden_layers = cfg.num_layers
+    if cfg.num_stages > hf_config.num_hidden_layers + 2:
+        raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
+                          f"({hf_config.num_hidden_layers} + 2); use fewer stages")
     if getattr(hf_config, "tie_word_embeddings", False) and cfg.num_stages > 1:
         raise ConfigError(f"model {cfg.model!r} ties lm_head to the embedding; pipelining it over "
                           f"{cfg.num_stages} stages is not supported yet (use an untied model)")
@@ -126,12 +129,6 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"({cfg.keep_checkpoints}) >= 1")
 
 
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.dtype)
-
-
 # --- data -------------------------------------------------------------------------------------
 def build_stream(cfg: TrainConfig, source: ModelSource):
     from data import SAMPLE_TRAIN, BatchStream, load_records, tokenize_records
@@ -158,17 +155,16 @@ def build_stream(cfg: TrainConfig, source: ModelSource):
 class Trainer:
     """Everything one rank owns: its stages and stores, its action list, the executor."""
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv):
+    def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None):
         self.cfg, self.env = cfg, env
         self.device = pick_device(cfg.device, env)
         self.dtype = compute_dtype(cfg, self.device)
         if self.device.type == "cuda" and cfg.gpu_memory_gb:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_gb * 2**30 / total), self.device)
-        self.source = resolve_model(cfg)
+        self.source = source or resolve_model(cfg)
         hf = self.source.config
         S = cfg.num_stages
-        check_stage_count(cfg, hf)
         # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
         self.placement = resolve_placement(cfg, env, hf, self.device, self.dtype)
         self.mapping = self.placement.choice.stage_to_rank
@@ -305,10 +301,7 @@ class Trainer:
                               "tokens": tokens, "tokens_per_s": row["tokens_per_s"],
                               "tflops_per_gpu": row["tflops_per_gpu"], "step_time_s": dt,
                               "peak_mem_bytes": row["peak_mem_bytes"], "skipped": res.skipped})
-            overflow = res.skipped and self.scaler is not None and self.scaler.window > 0 \
-                and self.scaler.scale > 1.0
-            if self.scaler is not None:
-                self.scaler.update(res.skipped)
+            overflow = self.scaler.update(res.skipped) if self.scaler is not None else False
             if overflow:  # float16: an overflow of the loss scale, which has just halved; not a fault
                 self.log.info(f"step {it + 1}: gradients overflowed float16, loss scale now {self.scaler.scale:g}")
             # raises on every rank alike past max_skipped_steps
@@ -445,31 +438,11 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
-    check_stage_count(cfg, source.config)
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size)
-    topo = None
-    if cfg.topology:
-        from offload.topology import load_topology_file
-
-        try:
-            topo = load_topology_file(cfg.topology)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"topology: {e}") from None
-    elif torch.cuda.is_available():
-        from offload.topology import discover
-
-        topo = discover()
+    topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
-        from pipeline.placement import plan_text
-
         text += "\n" + plan_text(cfg, source.config, topo)
     return text
-
-
-def check_stage_count(cfg: TrainConfig, hf_config) -> None:
-    if cfg.num_stages > hf_config.num_hidden_layers + 2:
-        raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
-                          f"({hf_config.num_hidden_layers} + 2); use fewer stages")
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
@@ -478,12 +451,11 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
-    check_stage_count(cfg, source.config)
     # Before any weight is read: a run that cannot fit stops here, with advice. Any mapping the
     # placement picks gives each rank the stages of some rank under round-robin, so the per-rank
     # estimates are the same.
     check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size)
-    trainer = Trainer(cfg, env)
+    trainer = Trainer(cfg, env, source)
     history = trainer.train()
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already

@@ -43,6 +43,22 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def in_process_trainer(cfg: TrainConfig):
+    """A Trainer that holds every stage in this one process (world size 1)."""
+    from pipeline.dist import DistEnv
+    from pipeline.train import Trainer
+
+    return Trainer(cfg, DistEnv(0, 1, 0, 1))
+
+
+def trainer_masters(trainer) -> dict[str, torch.Tensor]:
+    """Copies of the fp32 master weights of every stage the trainer holds, by Hugging Face name."""
+    out = {}
+    for store in trainer.stores.values():
+        out.update({k: v.clone() for k, v in store.master_state_dict().items()})
+    return out
+
+
 def assert_same_training(losses, params, ref_losses, ref_params, rtol: float = 1e-5) -> None:
     """Per-step losses and every final tensor agree to ``rtol`` (relative, per tensor norm)."""
     assert len(losses) == len(ref_losses), (len(losses), len(ref_losses))

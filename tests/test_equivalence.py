@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from pipeline.config import make_config
-from pipeline.dist import DistEnv
-from reference import assert_same_training, reference_train
+from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from conftest import ROOT, env_without_dist
 
 ITERS = 3
@@ -38,14 +37,9 @@ def _reference(model_dir: str, num_layers: int = 0):
 
 
 def _run_in_process(cfg):
-    from pipeline.train import Trainer
-
-    trainer = Trainer(cfg, DistEnv(0, 1, 0, 1))
+    trainer = in_process_trainer(cfg)
     history = trainer.train()
-    params = {}
-    for store in trainer.stores.values():
-        params.update({k: v.clone() for k, v in store.master_state_dict().items()})
-    return [h["loss"] for h in history], params
+    return [h["loss"] for h in history], trainer_masters(trainer)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])

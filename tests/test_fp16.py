@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from pipeline.config import make_config
-from pipeline.dist import DistEnv
 from pipeline.metrics import TrainingError
 from pipeline.optim import LossScaler
+from reference import in_process_trainer, trainer_masters
 
 
 def test_loss_scaler_policy():
     s = LossScaler(1024.0, window=2)
-    s.update(overflow=True)
+    assert s.update(overflow=True) is True  # a scale overflow: expected, not a fault
     assert s.scale == 512.0
     s.update(False)
     assert s.scale == 512.0
@@ -23,7 +23,7 @@ def test_loss_scaler_policy():
     s.update(True)  # an overflow also resets the run of good steps
     assert s.scale == 512.0 and s.good_steps == 0
     fixed = LossScaler(8.0, window=0)
-    fixed.update(True)
+    assert fixed.update(True) is False
     assert fixed.scale == 8.0
     restored = LossScaler(1.0, 2)
     restored.load_state_dict(s.state_dict())
@@ -39,14 +39,9 @@ def _cfg(model_dir, tmp_path, **kw):
 
 
 def _train(cfg):
-    from pipeline.train import Trainer
-
-    trainer = Trainer(cfg, DistEnv(0, 1, 0, 1))
+    trainer = in_process_trainer(cfg)
     history = trainer.train()
-    params = {}
-    for store in trainer.stores.values():
-        params.update({k: v.clone() for k, v in store.master_state_dict().items()})
-    return trainer, history, params
+    return trainer, history, trainer_masters(trainer)
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -62,15 +57,13 @@ def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
 
 
 def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
-    from pipeline.train import Trainer
-
     cfg = _cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
                num_iterations=1)
-    trainer = Trainer(cfg, DistEnv(0, 1, 0, 1))
-    before = {k: v.clone() for st in trainer.stores.values() for k, v in st.master_state_dict().items()}
+    trainer = in_process_trainer(cfg)
+    before = trainer_masters(trainer)
     history = trainer.train()
     assert history[0]["skipped"] and trainer.scaler.scale == 2.0 ** 39
-    after = {k: v for st in trainer.stores.values() for k, v in st.master_state_dict().items()}
+    after = trainer_masters(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pipeline.config import make_config
-from pipeline.dist import DistEnv
 from pipeline.metrics import SkipGuard, TrainingError, write_plot_png
 from pipeline.timeline import PNG_SIGNATURE
+from reference import in_process_trainer, trainer_masters
 
 EVAL_BATCHES = 3
 
@@ -31,19 +31,6 @@ def _cfg(model_dir, tmp_path, **kw):
                 progress_bar=False)
     base.update(kw)
     return make_config(base)
-
-
-def _trainer(cfg):
-    from pipeline.train import Trainer
-
-    return Trainer(cfg, DistEnv(0, 1, 0, 1))
-
-
-def _masters(trainer) -> dict[str, torch.Tensor]:
-    out = {}
-    for store in trainer.stores.values():
-        out.update({k: v.clone() for k, v in store.master_state_dict().items()})
-    return out
 
 
 def _read_png(path) -> tuple[int, int]:
@@ -94,14 +81,14 @@ def _rows(path):
 def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offload):
     cfg = _cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
                eval_batches=EVAL_BATCHES)
-    trainer = _trainer(cfg)
+    trainer = in_process_trainer(cfg)
     assert {a.op.value for a in trainer.eval_actions} <= {"F", "SEND_F", "RECV_F", "L", "D"}
     trainer.train()
     rows = _rows(tmp_path / "metrics.jsonl")
     assert [r["kind"] for r in rows] == ["train", "train", "eval", "summary"]
     ev = rows[2]
     assert ev["split"] == "validation" and ev["step"] == 2 and ev["num_batches"] == EVAL_BATCHES
-    ref = hf_eval_loss(tiny_model_dir, _masters(trainer), cfg)  # the weights after step 2
+    ref = hf_eval_loss(tiny_model_dir, trainer_masters(trainer), cfg)  # the weights after step 2
     assert ev["loss"] == pytest.approx(ref, rel=1e-5)
     assert ev["perplexity"] == pytest.approx(math.exp(ref), rel=1e-5)
     # Evaluation builds no graph and leaves no gradients behind.
@@ -123,7 +110,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
 def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
     cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
                save_metrics=True)
-    _trainer(cfg).train()
+    in_process_trainer(cfg).train()
     assert [(r["kind"], r.get("step")) for r in _rows(tmp_path / "metrics.jsonl")] == [
         ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("eval", 3), ("summary", None)]
 
@@ -134,7 +121,7 @@ def test_eval_needs_a_validation_split(tiny_model_dir, tmp_path):
 
     cfg = _cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
     with pytest.raises(ConfigError, match="has no validation split .* set eval_dataset"):
-        _trainer(cfg)
+        in_process_trainer(cfg)
 
 
 # --- non-finite steps ---------------------------------------------------------------------------
@@ -157,14 +144,14 @@ def _poison(monkeypatch, bad_iterations: set[int], num_chunks: int = 4) -> None:
 @pytest.mark.parametrize("offload", [False, True])
 def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offload):
     cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
-    trainer = _trainer(cfg)
+    trainer = in_process_trainer(cfg)
     _poison(monkeypatch, {1})
     snaps, steps = [], []
     real_run = trainer.executor.run
 
     def run(*args, **kw):  # the weights and AdamW step counts after every iteration
         res = real_run(*args, **kw)
-        snaps.append(_masters(trainer))
+        snaps.append(trainer_masters(trainer))
         steps.append([int(st["step"]) for store in trainer.stores.values()
                       for st in store.optimizer.state.values()])
         return res
@@ -188,7 +175,7 @@ def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offl
 
 def test_too_many_nan_steps_stop(tiny_model_dir, tmp_path, monkeypatch):
     cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
-    trainer = _trainer(cfg)
+    trainer = in_process_trainer(cfg)
     assert any(a.op.value == "NORM" for a in trainer.actions)  # skipping needs the norm even without clipping
     _poison(monkeypatch, {1, 2, 3, 4, 5})
     with pytest.raises(TrainingError, match=r"^stopping at step 4: 3 steps in a row \(steps 2-4\) .* "

@@ -17,18 +17,11 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.config import ConfigError
-from pipeline.dist import DistEnv
 from test_equivalence import _cfg, _flags
 from conftest import ROOT, env_without_dist
+from reference import in_process_trainer
 
 ITERS = 6
-ENV1 = DistEnv(0, 1, 0, 1)
-
-
-def _trainer(cfg):
-    from pipeline.train import Trainer
-
-    return Trainer(cfg, ENV1)
 
 
 def _losses(history):
@@ -50,12 +43,12 @@ def _signal_during(trainer, call: int, signum=signal.SIGTERM) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir):
-    return _losses(_trainer(_cfg(tiny_model_dir, num_iterations=ITERS)).train())
+    return _losses(in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS)).train())
 
 
 def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterrupted, capsys):
     cfg = _cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), use_offload=True)
-    first = _trainer(cfg)
+    first = in_process_trainer(cfg)
     _signal_during(first, 3)
     before = _losses(first.train())
     assert first.stopped_by == signal.SIGTERM and len(before) == 3
@@ -69,7 +62,7 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
     assert state["num_stages"] == 4 and state["world_size"] == 1 and state["mapping"] == [0, 0, 0, 0]
     assert state["data"]["position"] == 3 * cfg.batch_size
 
-    resumed = _trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
+    resumed = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
     assert resumed.start_iteration == 3
     after = _losses(resumed.train())
     assert before + after == uninterrupted  # exact: same weights, AdamW state, data and lr
@@ -78,17 +71,17 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
 def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninterrupted, capsys):
     cfg = _cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), checkpoint_every=2, keep_checkpoints=2,
                schedule="1f1b")
-    assert _losses(_trainer(cfg).train()) == uninterrupted
+    assert _losses(in_process_trainer(cfg).train()) == uninterrupted
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["step_00000004", "step_00000006"]
 
     # Resuming from an explicit path (not the newest) continues exactly too.
-    from_4 = _trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path),
+    from_4 = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path),
                            resume=str(checkpoint.checkpoint_dir(tmp_path, 4))))
     assert _losses(from_4.train()) == uninterrupted[4:]
 
     capsys.readouterr()
-    done = _trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
+    done = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
     assert done.train() == []
     assert "nothing left to train" in capsys.readouterr().out
 
@@ -100,11 +93,11 @@ def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninte
 
 
 def test_resume_with_other_stage_count_restarts_adam(tiny_model_dir, tmp_path, uninterrupted, capsys):
-    first = _trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path)))
+    first = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path)))
     _signal_during(first, 3, signal.SIGINT)
     first.train()
     capsys.readouterr()
-    two = _trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest",
+    two = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest",
                         num_stages=2, schedule="interleaved"))
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "fresh AdamW state" in err and "4 stages" in err
@@ -116,7 +109,7 @@ def test_resume_with_other_stage_count_restarts_adam(tiny_model_dir, tmp_path, u
 
 def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     cfg = _cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path), checkpoint_every=1)
-    _trainer(cfg).train()
+    in_process_trainer(cfg).train()
     root = tmp_path / "checkpoints"
     assert checkpoint.find_latest(tmp_path, print) == checkpoint.checkpoint_dir(tmp_path, 3)
 
@@ -137,7 +130,7 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     assert "model-00002-of-00002.safetensors has" in text and "truncated" in text
     assert "step_00000002: no COMPLETE marker" in text
 
-    resumed = _trainer(_cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path),
+    resumed = in_process_trainer(_cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path),
                             resume="latest", checkpoint_every=1, keep_checkpoints=1))
     assert resumed.start_iteration == 1
     assert "skipping" in capsys.readouterr().err
@@ -147,7 +140,7 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     assert checkpoint.validate_checkpoint(root / "step_00000003") is None
 
     with pytest.raises(ConfigError, match="not a complete checkpoint: no COMPLETE marker"):
-        _trainer(_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
+        in_process_trainer(_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
 
 
 # --- torchrun: SIGTERM, agreement across ranks, resume -------------------------------------------
@@ -208,7 +201,7 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     assert not (tmp_path / "run" / "model").exists()  # the checkpoint is the stopped run's model
     if target == "torchrun":
         # The optimizer state is saved per stage: one process holding all 4 stages restores it too.
-        one = _trainer(_cfg(tiny_model_dir, num_iterations=step + 2, resume=str(ckpt), **common))
+        one = in_process_trainer(_cfg(tiny_model_dir, num_iterations=step + 2, resume=str(ckpt), **common))
         one_losses = _losses(one.train())
 
     total = step + 2
