@@ -25,7 +25,8 @@ def _fail(env: DistEnv, message: str) -> int:
     if env.rank != 0:
         time.sleep(REPORT_GRACE_S)
     prefix = "" if env.rank == 0 else f"[rank {env.rank}] "
-    print(f"error: {prefix}{message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: {prefix}{message}\n")  # one write: see Log.info
+    sys.stderr.flush()
     return 2
 
 

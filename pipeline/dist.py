@@ -77,9 +77,11 @@ class Log:
     def info(self, msg: str) -> None:
         if self.rank == self.speaker:
             # tqdm.write prints above a live progress bar instead of through it; with no bar it is print.
-            tqdm.write(msg, file=sys.stdout)
+            # The whole line in one write: torchrun runs workers unbuffered (-u), and a text and its
+            # newline written apart interleave with other ranks' lines on a shared pipe.
+            tqdm.write(f"{msg}\n", file=sys.stdout, end="")
             sys.stdout.flush()
 
     def warn(self, msg: str) -> None:
-        tqdm.write(f"[rank {self.rank}] warning: {msg}", file=sys.stderr)
+        tqdm.write(f"[rank {self.rank}] warning: {msg}\n", file=sys.stderr, end="")
         sys.stderr.flush()
