@@ -4,47 +4,92 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
     python bench/offload_bench.py --out bench_results            # every row, in priority order
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
 
-Rows are named ``<net><cap>-<mode>[@<model>]``: net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk
-directly: inter-GPU traffic goes through host memory, as on a commodity PCIe server) and
-``nvlink`` leaves the machine as it is; cap is the per-GPU memory cap in GiB; mode is
-``prefetch`` (offload + prefetch), ``noprefetch`` (offload, loads not overlapped), ``resident``
-(no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation checkpointing).
-Rows run until ``--budget_s`` is spent; the table (step time = mean after the warm-up
-iterations) is printed at the end and written to ``<out>/table.md`` and ``<out>/rows.json``.
+Rows are named ``<net><cap>-<mode>[/s<stages>][+<mapping>][@<model>]``, the optional suffixes in
+exactly that order (``pcie48-prefetch/s16+cross@llama-2-13b``):
+
+- net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk directly: inter-GPU traffic goes through
+  host memory, as on a commodity PCIe server); ``nvlink`` leaves the machine as it is;
+- cap is the per-GPU memory cap in GiB;
+- mode is ``prefetch`` (offload + prefetch), ``noprefetch`` (offload, loads not overlapped),
+  ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation checkpointing);
+- ``/s<stages>`` overrides ``--num_stages`` for the row;
+- ``+cross`` / ``+sequential`` passes ``--mapping cross|sequential --timeline``: the row also reports
+  main.py's mapping line and the timeline's measured step, cost-model step and prediction error
+  (``timeline.png`` / ``timeline.json`` stay in ``<out>/<row>/``);
+- ``@<model>`` overrides ``--model`` (a preset name: letters, digits, ``.``, ``-``, ``_``).
+
+``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
+the table (step time = mean after the warm-up iterations, with its compute / exposed-wait / other
+breakdown) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
+``<out>/table.md`` and ``<out>/rows.json``. Files of a row are named by ``slug(row)`` (``/`` -> ``_``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("prefetch", "noprefetch", "resident", "fsdp2")
+MAPPINGS = ("cross", "sequential")
 DEFAULT_ROWS = ("pcie48-prefetch,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,pcie24-fsdp2,"
                 "pcie24-resident,nvlink48-prefetch,nvlink48-fsdp2,nvlink48-resident")
+ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
+                    r"(?:@([\w.-]+))?")
+TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^)]*\))? ([\d.]+)s, "
+                         r"prediction error ([+-]?[\d.]+)%")
+MAPPING_RE = re.compile(r"(mapping (?:auto|cross|round_robin|sequential|manual)\b[^:]*:.*)$", re.M)
+BREAKDOWN = ("compute", "load_wait", "offload_wait", "optimizer_wait")
 
 
-def parse_row(name: str) -> tuple[str, int, str, str | None]:
-    name, _, model = name.partition("@")
-    net_cap, mode = name.split("-", 1)
-    net = "pcie" if net_cap.startswith("pcie") else "nvlink"
-    if mode not in MODES or not net_cap.startswith(("pcie", "nvlink")):
-        raise SystemExit(f"error: bad row name {name!r}; expected e.g. pcie48-prefetch (modes: {', '.join(MODES)})")
-    return net, int(net_cap[len(net):]), mode, model or None
+class Row(NamedTuple):
+    net: str
+    cap: int
+    mode: str
+    stages: int | None
+    mapping: str | None
+    model: str | None
+
+
+def parse_row(name: str) -> Row:
+    """``<net><cap>-<mode>[/s<stages>][+<mapping>][@<model>]`` -> ``Row``; a bad name exits with one error line."""
+    m = ROW_RE.fullmatch(name)
+    if m is None or (m[3] == "fsdp2" and (m[4] or m[5])):
+        raise SystemExit(f"error: bad row name {name!r}; expected <net><cap>-<mode>[/s<stages>][+<mapping>][@<model>], "
+                         f"e.g. pcie48-prefetch/s16+cross@llama-2-13b (net: pcie, nvlink; modes: {', '.join(MODES)}; "
+                         f"mappings: {', '.join(MAPPINGS)}; /s and + not with fsdp2)")
+    net, cap, mode, stages, mapping, model = m.groups()
+    return Row(net, int(cap), mode, int(stages) if stages else None, mapping, model)
+
+
+def slug(name: str) -> str:
+    """A row name usable as a file name."""
+    return name.replace("/", "_")
+
+
+def parse_log(log: str) -> dict:
+    """The mapping line and the timeline's step times / prediction error from a main.py log (None if absent)."""
+    mapping = MAPPING_RE.search(log)
+    tl = TIMELINE_RE.search(log)
+    measured, predicted, err = (float(v) for v in tl.groups()) if tl else (None, None, None)
+    return {"mapping_line": mapping[1].strip() if mapping else None, "measured_timeline_step_s": measured,
+            "predicted_step_s": predicted, "prediction_error_pct": err}
 
 
 def run_row(name: str, args, out: Path, timeout: float) -> dict:
-    net, cap, mode, model = parse_row(name)
+    net, cap, mode, stages, mapping, model = parse_row(name)
     model = model or args.model
     env = dict(os.environ)
     if net == "pcie":
         env["NCCL_P2P_DISABLE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    result = out / f"{name}.json"
+    result = out / f"{slug(name)}.json"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"]
     if mode == "fsdp2":
         cmd = launch + [str(ROOT / "bench/fsdp2_baseline.py"), "--model", model, "--batch_size",
@@ -56,13 +101,14 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
     else:
         cmd = launch + [str(ROOT / "main.py"), "--config", "", "--model", model, "--dataset", "synthetic",
                         "--seq_length", str(args.seq_length), "--batch_size", str(args.batch_size),
-                        "--num_chunks", str(args.num_chunks), "--num_stages", str(args.num_stages),
+                        "--num_chunks", str(args.num_chunks), "--num_stages", str(stages or args.num_stages),
                         "--schedule", args.schedule, "--num_iterations", str(args.iterations),
                         "--gpu_memory_gb", str(cap), "--device", "cuda", "--no_save_model",
-                        "--save_dir", str(out / name), "--save_results", str(result), "--grad_clip", "1.0",
+                        "--save_dir", str(out / slug(name)), "--save_results", str(result), "--grad_clip", "1.0",
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
                         "--use_prefetch" if mode == "prefetch" else "--no_prefetch"]
+        cmd += ["--mapping", mapping, "--timeline"] if mapping else []
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -71,9 +117,9 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
     except subprocess.TimeoutExpired as e:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
         log, rc = text(e.stdout) + text(e.stderr) + "\n[timed out]", -9
-    (out / f"{name}.log").write_text(log)
-    row = {"row": name, "model": model, "net": net, "cap_gb": cap, "mode": mode, "rc": rc,
-           "wall_s": round(time.time() - t0, 1)}
+    (out / f"{slug(name)}.log").write_text(log)
+    row = {"row": name, "model": model, "net": net, "cap_gb": cap, "mode": mode, "stages": stages, "mapping": mapping,
+           "rc": rc, "wall_s": round(time.time() - t0, 1), **(parse_log(log) if mode != "fsdp2" else {})}
     if rc == 0 and result.exists():
         row.update(summarise(json.loads(result.read_text()), mode, args))
     else:
@@ -94,9 +140,13 @@ def summarise(res: dict, mode: str, args) -> dict:
     gb = 2**30
     h2d_b, h2d_s, d2h_b, d2h_s = (total(k) for k in ("h2d_bytes", "h2d_seconds", "d2h_bytes", "d2h_seconds"))
     last = res["iterations"][-1]
+    step = mean([r["time_s"] for r in its])
+    parts = {f"{k}_s": mean([rank.get(f"{k}_seconds", 0) for rank in per_rank]) for k in BREAKDOWN}
     return {
         "status": "ok",
-        "step_time_s": mean([r["time_s"] for r in its]),
+        "step_time_s": step,
+        **parts,
+        "other_s": step - sum(parts.values()),  # bubbles and p2p communication
         "tokens_per_s": mean([r["tokens_per_s"] for r in its]),
         "tflops_per_gpu": mean([r["tflops_per_gpu"] for r in its]),
         "peak_allocated_gb": max(last["peak_mem_bytes"]) / gb,
@@ -109,19 +159,48 @@ def summarise(res: dict, mode: str, args) -> dict:
     }
 
 
+def fmt(v: float | None, p: int = 2) -> str:
+    return "-" if v is None else f"{v:.{p}f}"
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| row | status | step s | tokens/s | TFLOP/s/GPU | peak alloc GiB (max rank) | peak reserved GiB | "
-            "host RSS GiB (all ranks) | H2D GB/s | D2H GB/s |\n|---|---|---|---|---|---|---|---|---|---|")
-    fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    """The main markdown table, one line a row; rows that did not finish show only their status."""
+    head = ("| row | status | step s | compute s | load wait s | offload wait s | optim wait s | other s | tokens/s | "
+            "TFLOP/s/GPU | peak alloc GiB (max rank) | peak reserved GiB | host RSS GiB (all ranks) | H2D GB/s | "
+            "D2H GB/s |\n|" + "---|" * 15)
     lines = [head]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['row']} | {r.get('status')} | | | | | | | | |")
+            lines.append(f"| {r['row']} | {r.get('status')} |" + " |" * 13)
             continue
-        lines.append(f"| {r['row']} | ok | {fmt(r['step_time_s'])} | {fmt(r['tokens_per_s'], 0)} | "
+        parts = " | ".join(fmt(r.get(k)) for k in (*(f"{k}_s" for k in BREAKDOWN), "other_s"))
+        lines.append(f"| {r['row']} | ok | {fmt(r['step_time_s'])} | {parts} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['tflops_per_gpu'], 1)} | {fmt(r['peak_allocated_gb'], 1)} | "
                      f"{fmt(r['peak_reserved_gb'], 1)} | {fmt(r['host_rss_gb'], 1)} | {fmt(r.get('h2d_gbps'), 1)} | "
                      f"{fmt(r.get('d2h_gbps'), 1)} |")
+    return "\n".join(lines)
+
+
+def short_mapping(line: str | None) -> str:
+    """``mapping <mode>: stage -> rank [...]`` plus the planner's predicted step, without the topology detail."""
+    if not line:
+        return "-"
+    head = re.split(r" \((?:position|asked)", line)[0]
+    pred = re.search(r"predicted step \S+, round_robin \S+ \([^)]*\)", line)
+    return head + (f"; {pred[0]}" if pred else "")
+
+
+def mapping_table(rows: list[dict]) -> str:
+    """The markdown table of the ``+<mapping>`` rows ('' when there are none)."""
+    picked = [r for r in rows if "+" in r["row"]]
+    if not picked:
+        return ""
+    lines = ["| row | step s | mapping | timeline measured step s | cost model step s | prediction error % |",
+             "|---|---|---|---|---|---|"]
+    for r in picked:
+        lines.append(f"| {r['row']} | {fmt(r.get('step_time_s'))} | {short_mapping(r.get('mapping_line'))} | "
+                     f"{fmt(r.get('measured_timeline_step_s'), 3)} | {fmt(r.get('predicted_step_s'), 3)} | "
+                     f"{fmt(r.get('prediction_error_pct'), 1)} |")
     return "\n".join(lines)
 
 
@@ -143,10 +222,13 @@ def main() -> None:
     p.add_argument("--row_timeout_s", type=float, default=240)
     p.add_argument("--out", default="bench_results")
     args = p.parse_args()
+    names = args.rows.split(",")
+    for name in names:  # every name checked before the first (long) run
+        parse_row(name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, rows = time.time(), []
-    for name in args.rows.split(","):
+    for name in names:
         left = args.budget_s - (time.time() - start)
         if left < 30:
             rows.append({"row": name, "status": "not run (budget)"})
@@ -155,7 +237,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / "rows.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    text = table(rows)
+    text = "\n\n".join(t for t in (table(rows), mapping_table(rows)) if t)
     (out / "table.md").write_text(text + "\n")
     print(text)
 

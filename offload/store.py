@@ -12,14 +12,26 @@ Per stage, everything is kept in flat buffers so that a transfer is one large co
   accumulates micro-batches in place); with offload it is copied to host memory.
 
 Transfers run on their own CUDA streams and are ordered by events, never by host syncs,
-except where marked. On the CPU the streams are no-ops and the same code runs synchronously,
-so the CPU tests exercise the offload logic too.
+except where marked. On the CPU the streams are no-ops and the copies run synchronously
+(on the thread that issues them), so the CPU tests exercise the offload logic too.
+
+With ``Workers`` (offload), the host side runs off the main thread:
+
+* OFFLOAD queues, behind the D2H copy, the fp32 conversion of the gradients and their
+  squared norm on the optimizer thread, so NORM finds them ready instead of computing them.
+* STEP queues AdamW on the optimizer thread (FIFO: after that stage's gradient work).
+* A LOAD whose stage still has a step running does not block: the loader thread waits for
+  the step and then issues the copy. The main thread blocks only at the stage's first
+  compute (``before_compute``), where the weights are needed, so the optimizer step of one
+  stage overlaps the next iteration's compute of the stages whose steps are done.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -63,6 +75,47 @@ class Streams:
         if event is not None:
             getattr(self, which).wait_event(event)
 
+    def mark(self, which: str = "compute"):
+        """A point in time on ``which``: a timing event on CUDA, the wall clock on the CPU."""
+        return self.event(which, timing=True) if self.cuda else time.perf_counter()
+
+
+class Clock(Protocol):
+    """Where the store reports what a compute waited for (``pipeline.executor.StepClock``)."""
+
+    def span(self, key: str, start, end) -> None: ...
+
+    def add(self, key: str, seconds: float) -> None: ...
+
+
+class Workers:
+    """The host threads of an offloading rank: one runs the optimizer (its torch ops use the
+    cores it was pinned to), one issues loads that must wait for a step."""
+
+    def __init__(self, optimizer: ThreadPoolExecutor, device: torch.device):
+        self.optimizer = optimizer
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="param-loader", initializer=init)
+
+    def shutdown(self) -> None:
+        self.loader.shutdown(wait=True)
+        self.optimizer.shutdown(wait=True)
+
+
+class LoadSpan(NamedTuple):
+    """When a LOAD's copy ran (``Streams.mark`` values) and, if it had to wait for the
+    stage's optimizer step, the wall-clock time that step was done."""
+
+    start: object
+    end: object
+    step_done: float | None = None
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
 
 class BufferPool:
     """Reuses device buffers across stages and iterations instead of re-allocating them.
@@ -91,9 +144,10 @@ class StageStore:
     """Parameters, gradients and AdamW state of one stage; see the module docstring."""
 
     def __init__(self, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype, offload: bool,
-                 optim: OptimSettings, streams: Streams, pool: BufferPool):
+                 optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None):
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
         self.streams, self.pool = streams, pool
+        self.workers = workers if offload else None
         named = list(module.named_parameters())
         decay = [(n, p) for n, p in named if p.ndim >= 2]
         no_decay = [(n, p) for n, p in named if p.ndim < 2]
@@ -130,8 +184,9 @@ class StageStore:
             self.dev = self.master if same_dtype else self.master.to(compute_dtype)
             self.grad = self.master_grad if same_dtype else torch.zeros(self.numel, dtype=compute_dtype, device=device)
             self._bind(self.dev, self.grad)
-        self._loaded_event = None   # load stream -> compute stream
+        self._load_future: Future | None = None   # -> LoadSpan; its end is what compute waits for
         self._grads_event = None    # offload stream: gradients are in host memory
+        self._prep_future: Future | None = None    # optimizer thread: fp32 grads (and squared norm) ready
         self._step_future: Future | None = None
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
@@ -153,31 +208,60 @@ class StageStore:
             p.grad = g
 
     # --- actions ------------------------------------------------------------------------
-    def load(self) -> None:
-        """LOAD: host -> device copy of the weights on the load stream."""
+    def load(self) -> Future:
+        """LOAD: host -> device copy of the weights on the load stream. Returns a future of its
+        ``LoadSpan``; the host never blocks here (see the module docstring)."""
         if not self.offload:
-            return
-        self.wait_step()  # host wait: the optimizer thread must have written the new weights
+            return _done(None)
         dev, ready = self.pool.take(self.numel, self.dtype)
-        with self.streams.on("load"):
-            self.streams.wait("load", ready)  # the buffer's previous user is done with it
-            start = self.streams.event("load", timing=True)
-            dev.copy_(self.work, non_blocking=True)
-        self._loaded_event = self.streams.event("load", timing=True)
-        self._note_transfer("h2d", start, self._loaded_event)
         self.dev = dev
         self._bind(self.dev, self.grad)
         self.resident = True
+        step = self._step_future
+        if step is None or step.done() or self.workers is None:
+            self.wait_step()
+            self._load_future = _done(self._copy_in(dev, ready))
+        else:  # the optimizer is still writing ``work``: the loader thread copies once it is done
+            self._load_future = self.workers.loader.submit(self._copy_after, step, dev, ready)
+        return self._load_future
 
-    def before_compute(self, backward: bool) -> None:
-        """Called before every F/B of this stage: the compute stream waits for the load, and the
-        first backward of the iteration binds a zeroed gradient buffer (autograd then
-        accumulates every micro-batch into it in place)."""
+    def _copy_in(self, dev: torch.Tensor, ready) -> LoadSpan:
+        with self.streams.on("load"):
+            self.streams.wait("load", ready)  # the buffer's previous user is done with it
+            start = self.streams.mark("load")
+            dev.copy_(self.work, non_blocking=True)
+            end = self.streams.mark("load")
+        self._note_transfer("h2d", start, end)
+        return LoadSpan(start, end)
+
+    def _copy_after(self, step: Future, dev: torch.Tensor, ready) -> LoadSpan:
+        step.result()  # loader thread waits: re-raises an optimizer error at the compute that needs it
+        done = time.perf_counter()
+        return self._copy_in(dev, ready)._replace(step_done=done)
+
+    def before_compute(self, backward: bool, clock: Clock | None = None) -> None:
+        """Called before every F/B of this stage: waits for its load (the host for the copy to be
+        issued, the compute stream for the copy), and the first backward of the iteration binds a
+        zeroed gradient buffer (autograd then accumulates every micro-batch into it in place).
+        ``clock`` gets the waits: ``optimizer_wait`` (host, for the stage's step) and
+        ``load_wait`` (the compute stream, or on the CPU the host, for the copy)."""
         if not self.resident:
             raise RuntimeError(f"stage with {self.names[0]} computed while its parameters are not loaded")
-        if self._loaded_event is not None:
-            self.streams.wait("compute", self._loaded_event)
-            self._loaded_event = None
+        if self._load_future is not None:
+            t0 = time.perf_counter()
+            span = self._load_future.result()  # host wait: only when the copy is not issued yet
+            t1 = time.perf_counter()
+            self._load_future = None
+            stepped = min(t1, span.step_done) - t0 if span.step_done is not None else 0.0
+            if clock is not None:
+                clock.add("optimizer_wait", max(0.0, stepped))
+            if self.streams.cuda:
+                before = self.streams.mark()
+                self.streams.wait("compute", span.end)
+                if clock is not None:
+                    clock.span("load_wait", before, self.streams.mark())
+            elif clock is not None:
+                clock.add("load_wait", max(0.0, (t1 - t0) - max(0.0, stepped)))
         if backward and self.grad is None:
             grad, ready = self.pool.take(self.numel, self.dtype)
             self.streams.wait("compute", ready)
@@ -194,8 +278,10 @@ class StageStore:
         self._bind(None, self.grad)
         self.resident = False
 
-    def offload_grads(self) -> None:
-        """OFFLOAD: gradients device -> host on the offload stream, then free device memory."""
+    def offload_grads(self, norm: bool = False) -> None:
+        """OFFLOAD: gradients device -> host on the offload stream, then free device memory.
+        With workers, the optimizer thread then makes them fp32 (and, with ``norm``, takes their
+        squared norm) while the GPU goes on."""
         if not self.offload:
             return
         done = self.streams.event("compute")
@@ -210,9 +296,15 @@ class StageStore:
         self.dev = self.grad = None
         self._bind(None, None)
         self.resident = False
+        if self.workers is not None:
+            self._prep_future = self.workers.optimizer.submit(self._prepare_grads, norm)
+
+    def _prepare_grads(self, norm: bool) -> torch.Tensor | None:
+        g = self._grads_ready()
+        return torch.dot(g, g) if norm else None
 
     def _note_transfer(self, kind: str, start, end) -> None:
-        if start is not None:
+        if self.streams.cuda:
             self.transfers.append((kind, self.numel * self.work.element_size(), start, end))
 
     def pop_transfer_stats(self) -> dict[str, tuple[int, float]]:
@@ -236,17 +328,31 @@ class StageStore:
         return self.master_grad
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Squared L2 norm of this stage's gradient, fp32, on the master device."""
-        g = self._grads_ready()
-        return torch.dot(g, g)
+        """Squared L2 norm of this stage's gradient, fp32, on the master device (host wait for
+        the optimizer thread where it computes it)."""
+        prep = self._prep_future
+        sq = prep.result() if prep is not None else None
+        if sq is None:
+            g = self.master_grad if prep is not None else self._grads_ready()
+            sq = torch.dot(g, g)
+        return sq
 
-    def step(self, lr: float, clip_coef: torch.Tensor | None, pool: ThreadPoolExecutor | None = None) -> None:
-        """STEP: AdamW on the masters, then refresh the compute copy. With offload and a thread
-        pool it runs on a CPU worker while the GPU goes on; the next LOAD waits for it."""
+    def step(self, lr: float, clip_coef: float | None) -> None:
+        """STEP: AdamW on the masters, then refresh the compute copy. With workers it runs on
+        the optimizer thread while the GPU goes on; the stage's next LOAD waits for it.
+        ``clip_coef`` multiplies the gradients; with a fused AdamW the kernel applies it
+        (as its ``grad_scale``, the inverse) instead of a separate pass over them."""
+        prep, self._prep_future = self._prep_future, None
+
         def run() -> None:
-            g = self._grads_ready()
-            if clip_coef is not None:
-                g.mul_(clip_coef.to(g.device))
+            if prep is not None:
+                prep.result()  # done: it ran before this on the same (FIFO) thread
+            g = self.master_grad if prep is not None else self._grads_ready()
+            fold = clip_coef is not None and self.optimizer.defaults.get("fused")
+            if clip_coef is not None and not fold:
+                g.mul_(clip_coef)
+            # a fill kernel, not a copy: no host sync even where the masters are on the GPU
+            self.optimizer.grad_scale = torch.full((), 1.0 / clip_coef, device=g.device) if fold else None
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -260,8 +366,8 @@ class StageStore:
                 if self.master_grad is not self.grad:
                     self.master_grad.zero_()
 
-        if pool is not None and self.offload:
-            self._step_future = pool.submit(run)
+        if self.workers is not None:
+            self._step_future = self.workers.optimizer.submit(run)
         else:
             run()
 
@@ -271,15 +377,19 @@ class StageStore:
         if self.offload:
             # The device buffer went back to the pool at OFFLOAD and is zeroed by the next first
             # backward; host_grad / master_grad are overwritten by the next OFFLOAD's copy.
+            self.wait_step()  # NORM already waited for the gradient work; this only forgets it
             return
         self.grad.zero_()
         if self.master_grad is not self.grad:
             self.master_grad.zero_()
 
     def wait_step(self) -> None:
-        if self._step_future is not None:
-            self._step_future.result()  # host wait; re-raises an optimizer error here
-            self._step_future = None
+        """Host wait for this stage's optimizer-thread work; re-raises its error here."""
+        for name in ("_prep_future", "_step_future"):
+            future = getattr(self, name)
+            if future is not None:
+                future.result()
+                setattr(self, name, None)
 
     # --- autograd's saved tensors -----------------------------------------------------------
     def saved_tensor_hooks(self):

@@ -7,12 +7,11 @@ schedule, which was validated and simulated before any process ran it.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from offload.store import StageStore
 from schedule.ir import Action, Op
@@ -53,21 +52,65 @@ class MicroBatch:
     targets: torch.Tensor    # [b, t], -100 where nothing is predicted
 
 
+class StepClock:
+    """Where one iteration's time went on this rank, as ``{key}_seconds``:
+
+    * ``compute``: forward and backward, from after their inputs arrived;
+    * ``load_wait``: the compute stream waiting for a parameter load (on the CPU, the host);
+    * ``offload_wait``: NORM waiting for this rank's gradients to reach host memory in fp32
+      and for their squared norms;
+    * ``optimizer_wait``: a compute waiting for its stage's optimizer step (the host, before
+      the load could be issued).
+
+    On CUDA, spans are timing-event pairs on the compute stream, resolved by ``seconds()``
+    after the iteration's synchronize (no host sync inside the step); elsewhere wall clock."""
+
+    KEYS = ("compute", "load_wait", "offload_wait", "optimizer_wait")
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._seconds = dict.fromkeys(self.KEYS, 0.0)
+        self._spans: list[tuple[str, object, object]] = []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def span(self, key: str, start, end) -> None:
+        if self.cuda:
+            self._spans.append((key, start, end))
+        else:
+            self._seconds[key] += end - start
+
+    def add(self, key: str, seconds: float) -> None:
+        self._seconds[key] += seconds
+
+    def seconds(self) -> dict[str, float]:
+        """``{key}_seconds`` totals; on CUDA call after the device finished the iteration."""
+        for key, start, end in self._spans:
+            self._seconds[key] += start.elapsed_time(end) / 1e3
+        self._spans.clear()
+        return {f"{k}_seconds": v for k, v in self._seconds.items()}
+
+
 @dataclass
 class IterationResult:
     loss: float | None          # sum over micro-batches of the normalised loss (last-stage rank only)
     grad_norm: float | None     # global, before clipping (None without a NORM action)
     skipped: bool = False       # NORM found a non-finite norm: every STEP discarded its gradients
+    clock: StepClock | None = field(default=None, repr=False)
 
 
 class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                 grad_clip: float, optimizer_threads: ThreadPoolExecutor | None = None, timeline=None):
+                 grad_clip: float, timeline=None):
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
         self.num_stages = len(mapping)
-        self.optimizer_threads = optimizer_threads
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
@@ -94,21 +137,25 @@ class Executor:
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
+        self.has_norm = any(a.op is Op.NORM for a in actions)
+        self.clock = StepClock(self.device.type == "cuda")
         with torch.set_grad_enabled(train):
             for action in actions:
-                if self.timeline is not None:
+                # A LOAD's copy may be issued later by the loader thread: _load records its span.
+                timed = self.timeline is not None and action.op is not Op.LOAD
+                if timed:
                     self.timeline.begin(action)
                 try:
                     self._handlers[action.op](action)
                 except RuntimeError as e:  # a gloo/NCCL timeout or a dead peer surfaces in some wait
                     raise ActionError(f"rank {self.rank}: action {action} ({describe(action, self.mapping)}) "
                                       f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-                if self.timeline is not None:
+                if timed:
                     self.timeline.end(action)
         for work, _ in self.sends:  # keep each sent tensor alive until its send completed
             work.wait()
         loss = float(torch.stack(self.losses).sum()) if self.losses else None  # host sync: end of iteration
-        return IterationResult(loss, self.grad_norm, self.skip_step)
+        return IterationResult(loss, self.grad_norm, self.skip_step, self.clock)
 
     # --- compute ------------------------------------------------------------------------
     def _act_shape(self, m: int) -> tuple[int, int, int]:
@@ -117,7 +164,7 @@ class Executor:
 
     def _forward(self, a: Action) -> None:
         s, m = a.stage, a.mb
-        self.stores[s].before_compute(backward=False)
+        self.stores[s].before_compute(backward=False, clock=self.clock)
         stage = self.stages[s]
         if s == 0:
             x = self.mbs[m].input_ids
@@ -129,30 +176,33 @@ class Executor:
                 x = buf
             x.requires_grad_(True)
             self.inputs[(s, m)] = x
+        start = self.clock.mark()
+        last = s == self.num_stages - 1
         with self.stores[s].saved_tensor_hooks():
-            out = stage(x)
-        if s == self.num_stages - 1:
-            targets = self.mbs[m].targets
-            loss = F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                   reduction="sum") / self.num_targets
+            out = stage(x, self.mbs[m].targets) if last else stage(x)
+        if last:
+            loss = out / self.num_targets
             self.losses.append(loss.detach())
             # float16: backward starts from the scaled loss, so every gradient is scaled (see LossScaler)
             out = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif self.mapping[s + 1] == self.rank:
             self.local_in[(s + 1, m)] = out.detach()
         self.outputs[(s, m)] = out
+        self.clock.span("compute", start, self.clock.mark())
 
     def _backward(self, a: Action) -> None:
         s, m = a.stage, a.mb
-        self.stores[s].before_compute(backward=True)
+        self.stores[s].before_compute(backward=True, clock=self.clock)
         out = self.outputs.pop((s, m))
         if s == self.num_stages - 1:
+            start = self.clock.mark()
             out.backward()
         else:
             grad = self.local_grad.pop((s, m), None)
             if grad is None:
                 grad, work = self.recvs.pop((Op.RECV_B, s, m))
                 work.wait()
+            start = self.clock.mark()
             torch.autograd.backward(out, grad)
         if s > 0:
             g = self.inputs.pop((s, m)).grad
@@ -160,6 +210,7 @@ class Executor:
                 self.local_grad[(s - 1, m)] = g
             else:
                 self.grads_out[(s, m)] = g
+        self.clock.span("compute", start, self.clock.mark())
 
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
@@ -180,16 +231,20 @@ class Executor:
 
     # --- parameters and optimizer -------------------------------------------------------
     def _load(self, a: Action) -> None:
-        self.stores[a.stage].load()
+        span = self.stores[a.stage].load()
+        if self.timeline is not None:
+            self.timeline.add(a, span)
 
     def _drop(self, a: Action) -> None:
         self.stores[a.stage].drop()
 
     def _offload(self, a: Action) -> None:
-        self.stores[a.stage].offload_grads()
+        self.stores[a.stage].offload_grads(norm=self.has_norm)
 
     def _norm(self, a: Action) -> None:
+        t0 = time.perf_counter()
         sq = sum(self.stores[s].grad_sq_norm().to(self.device) for s in sorted(self.stores))
+        self.clock.add("offload_wait", time.perf_counter() - t0)  # host wait for the gradients in host memory
         if dist.is_initialized():
             dist.all_reduce(sq)
         norm = sq.sqrt() / self.loss_scale  # the gradients carry the loss scale
@@ -199,11 +254,11 @@ class Executor:
             # every rank skips its steps of this iteration and the replicas stay consistent.
             self.clip_coef, self.skip_step = None, True
             return
-        if self.grad_clip > 0:
-            self.clip_coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-        if self.loss_scale != 1.0:  # one multiply unscales and clips
-            unscale = torch.tensor(1.0 / self.loss_scale, device=norm.device)
-            self.clip_coef = unscale if self.clip_coef is None else self.clip_coef * unscale
+        # One host float that clips (torch's clip_grad_norm_ coefficient) and unscales: the steps
+        # then need no device tensor, so an optimizer thread never waits for the GPU to read one.
+        coef = float(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)) if self.grad_clip > 0 else 1.0
+        coef /= self.loss_scale
+        self.clip_coef = coef if coef != 1.0 else None
 
     def _step(self, a: Action) -> None:
         # Not a scheduling decision: the STEP runs where the schedule put it; NORM's value
@@ -211,7 +266,7 @@ class Executor:
         if self.skip_step:
             self.stores[a.stage].discard_grads()
         else:
-            self.stores[a.stage].step(self.lr, self.clip_coef, self.optimizer_threads)
+            self.stores[a.stage].step(self.lr, self.clip_coef)
 
     def finish(self) -> None:
         """Wait for optimizer work still running on worker threads."""

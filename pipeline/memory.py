@@ -10,7 +10,8 @@ keeps a ledger of what the executor and the stores hold at every action.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
   layer with sdpa attention (measured with saved-tensor hooks; ``tests/test_memory.py``
   checks the formula against autograd for float32 and bfloat16), held from a stage's forward
-  to its backward; with activation checkpointing only each layer's input.
+  to its backward; with activation checkpointing only each layer's input (and the head's:
+  the last stage recomputes its logits and loss too).
 * **In flight.** Stage inputs and outputs the executor keeps (sent tensors live until the end
   of the iteration), and the transient peak inside one forward/backward: the logits of the
   last stage, a layer's gradients, and a recomputed layer under checkpointing.
@@ -118,10 +119,14 @@ def _per_token(inp: MemoryInputs, s: int) -> tuple[float, float, float]:
         bwd = 3 * d * f + 4 * d * h + (layer if inp.checkpointing else 0)
         fwd = 4 * d * f if inp.checkpointing else 0  # the MLP of the layer being run
     if st.last:
-        saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
         upcast = 4 * V if d < 4 else 0
         fwd = max(fwd, d * V + upcast)                 # the logits and their fp32 copy
-        bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
+        if inp.checkpointing:  # the head and loss are recomputed: only their input and the targets stay
+            saved += d * h + 8
+            bwd = max(bwd, 12 * V + (d * V if d < 4 else 0))
+        else:
+            saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
+            bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
     return saved, fwd, bwd
 
 

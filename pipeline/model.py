@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -80,7 +81,7 @@ class _Body(nn.Module):
 
 class Stage(nn.Module):
     """One pipeline stage. ``forward`` takes token ids (first stage) or hidden states and returns
-    hidden states, or logits for the last stage."""
+    hidden states; the last stage returns logits, or with ``targets`` the summed token loss."""
 
     def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False):
         super().__init__()
@@ -97,7 +98,7 @@ class Stage(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = rope_cls(config=config)  # buffers only, not persistent
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.is_first else x
         if len(self.model.layers):
             seq_len = h.shape[1]
@@ -117,9 +118,20 @@ class Stage(nn.Module):
                               position_embeddings=position_embeddings)
                 if isinstance(h, tuple):  # older transformers return (hidden_states,)
                     h = h[0]
-        if self.is_last:
-            h = self.lm_head(self.model.norm(h))
-        return h
+        if not self.is_last:
+            return h
+        if targets is None:
+            return self.lm_head(self.model.norm(h))
+        if self.checkpointing and torch.is_grad_enabled():
+            # The head too: otherwise every micro-batch in flight keeps its fp32 log-softmax
+            # (vocab floats a token, 32x the hidden state for Llama-2 7B) until its backward.
+            return checkpoint(self._loss, h, targets, use_reentrant=False)
+        return self._loss(h, targets)
+
+    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum over predicted tokens of the cross-entropy (-100 targets predict nothing)."""
+        logits = self.lm_head(self.model.norm(h))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu") -> None:

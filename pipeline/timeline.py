@@ -55,6 +55,7 @@ class Timeline:
         self.streams = dict(streams or {})
         self._open: dict[Action, object] = {}
         self._pending: list[tuple[Action, object, object]] = []  # CUDA event pairs not yet resolved
+        self._deferred: list[tuple[Action, object]] = []  # (action, future of a (start, end, ...) span)
         self._events: list[dict] = []
 
     def _mark(self, action: Action, begin: bool = False):
@@ -85,8 +86,22 @@ class Timeline:
         else:
             self._events.append(self._event(action, start, stop))
 
+    def add(self, action: Action, span) -> None:
+        """An action whose work another thread issues (a LOAD that waits for its stage's
+        optimizer step): ``span`` is a future of ``(start, end, ...)``, CUDA events or wall-clock
+        times, read at ``flush()``."""
+        self._deferred.append((action, span))
+
     def flush(self) -> None:
         """Turn recorded CUDA events into times. Host sync: waits for all recorded work."""
+        for action, future in self._deferred:
+            span = future.result()
+            if span is not None:
+                if self.cuda:
+                    self._pending.append((action, span[0], span[1]))
+                else:
+                    self._events.append(self._event(action, span[0], span[1]))
+        self._deferred.clear()
         if not self._pending:
             return
         import torch
@@ -115,6 +130,7 @@ class Timeline:
     def clear(self) -> None:
         self._open.clear()
         self._pending.clear()
+        self._deferred.clear()
         self._events.clear()
 
 

@@ -13,7 +13,7 @@ import torch
 
 import schedule as sched
 from offload.cpus import node_cpus, optimizer_cpus, pin_current_thread
-from offload.store import BufferPool, StageStore, Streams
+from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig
@@ -197,26 +197,26 @@ class Trainer:
         self.streams = streams = Streams(self.device)
         pool = BufferPool(self.device)
         self.stages, self.stores = {}, {}
+        workers = None
+        if cfg.use_offload:
+            # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
+            cpus = self.optimizer_cpus()
+            workers = Workers(ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
+                                                 initargs=(cpus,)), self.device)
+            self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
+                          f"{cpus[0]}-{cpus[-1]})")
         fused = self.device.type == "cuda" or cfg.use_offload
         for s in self.stage_ids:
             stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing, init_device=self.device)
             stage.rotary_emb.to(self.device)
             self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
-                                        optim=optim_settings(cfg, fused=fused), streams=streams, pool=pool)
+                                        optim=optim_settings(cfg, fused=fused), streams=streams, pool=pool,
+                                        workers=workers)
             self.stages[s] = stage
-        threads = None
-        if cfg.use_offload:
-            # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
-            cpus = self.optimizer_cpus()
-            threads = ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
-                                         initargs=(cpus,))
-            self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
-                          f"{cpus[0]}-{cpus[-1]})")
         self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
-                                 dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
-                                 optimizer_threads=threads)
+                                 dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip)
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
         self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if self.dtype == torch.float16 else None
         if self.resume_point:
@@ -295,7 +295,7 @@ class Trainer:
             row = {"iteration": it, "time_s": dt, "tokens_per_s": tokens / dt, "loss": res.loss,
                    "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": self.peak_memory(),
                    "tflops_per_gpu": self.flops_per_token * tokens / dt / self.env.world_size / 1e12,
-                   "skipped": res.skipped, **self.device_stats()}
+                   "skipped": res.skipped, **res.clock.seconds(), **self.device_stats()}
             history.append(row)
             metrics.log_step({"step": it + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": row["lr"],
                               "tokens": tokens, "tokens_per_s": row["tokens_per_s"],

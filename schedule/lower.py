@@ -183,16 +183,22 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
     Without clipping a stage steps as soon as its gradients are final: right after its last
     backward, that backward's SEND and (when offloading) its OFFLOAD. With clipping every rank
     first finishes all its work, then NORM (a collective over all ranks: the global gradient
-    norm must be known before any step), then steps its stages in the order they finished.
+    norm must be known before any step), then steps its stages in the order the next
+    iteration computes them: with offload the steps run on a CPU thread, one after the other,
+    and the next iteration's first stage can start as soon as its own step is done.
     """
     out: Schedule = {}
     for r, acts in schedule.items():
         last_b = {a.stage: i for i, a in enumerate(acts) if a.op is Op.BACKWARD}
-        stages = sorted(last_b, key=last_b.get)
+        first_use = {}
+        for i, a in enumerate(acts):
+            if a.op in COMPUTE_OPS:
+                first_use.setdefault(a.stage, i)
         missing = [s for s in stages_of(r, mapping) if s not in last_b]
         if missing:
             raise ValueError(f"rank {r}: stages {missing} have no backward; cannot place their STEP")
         if clip:
+            stages = sorted(last_b, key=first_use.get)
             out[r] = list(acts) + [Action(-1, Op.NORM)] + [Action(s, Op.STEP) for s in stages]
             continue
         after: dict[int, int] = {}  # index of the action a STEP follows -> stage

@@ -50,6 +50,15 @@ def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetc
     assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_checkpointing_matches_reference(tiny_model_dir, schedule):
+    """Activation checkpointing recomputes every layer, and the last stage's head and loss, in
+    the backward: the training is the same."""
+    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=True, activation_checkpointing=True)
+    losses, params = _run_in_process(cfg)
+    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+
+
 def test_truncated_model_matches_reference(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
     losses, params = _run_in_process(cfg)
@@ -82,10 +91,10 @@ def test_detects_lost_gradient(tiny_model_dir, monkeypatch):
 
     original = StageStore.offload_grads
 
-    def lossy(self):  # stage 2's gradient never reaches the host
+    def lossy(self, *args, **kw):  # stage 2's gradient never reaches the host
         if self.module.index == 2:
             self.grad.zero_()
-        original(self)
+        original(self, *args, **kw)
 
     _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "offload_grads", lossy))
 

@@ -165,8 +165,8 @@ def test_gpipe_golden_offload_prefetch():
 def test_gpipe_golden_offload_clip():
     sched = build("gpipe", 4, 2, round_robin(4, 2), offload=True, prefetch=False, clip=True)
     assert sched == parse_schedule("""
-        rank 0: 0L 0F0 0SEND_F0 0F1 0SEND_F1 0D 2RECV_F0 2L 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 2O 0RECV_B0 0L 0B0 0RECV_B1 0B1 0O NORM 2S 0S
-        rank 1: 1RECV_F0 1L 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 1D 3RECV_F0 3L 3F0 3RECV_F1 3F1 3B0 3SEND_B0 3B1 3SEND_B1 3O 1RECV_B0 1L 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1 1O NORM 3S 1S
+        rank 0: 0L 0F0 0SEND_F0 0F1 0SEND_F1 0D 2RECV_F0 2L 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 2O 0RECV_B0 0L 0B0 0RECV_B1 0B1 0O NORM 0S 2S
+        rank 1: 1RECV_F0 1L 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 1D 3RECV_F0 3L 3F0 3RECV_F1 3F1 3B0 3SEND_B0 3B1 3SEND_B1 3O 1RECV_B0 1L 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1 1O NORM 1S 3S
     """)
 
 
@@ -276,12 +276,14 @@ def test_add_load_offload_without_prefetch():
     """)
 
 
-def test_add_optimizer_orders_steps_by_last_backward():
+def test_add_optimizer_orders_steps():
+    """Without clipping a stage steps right after its last backward; with clipping, after NORM,
+    in the order the next iteration needs the stages (their first compute)."""
     base = add_send_recv(generate("gpipe", 4, 2, round_robin(4, 2)), round_robin(4, 2))
     plain = add_optimizer(base, round_robin(4, 2), clip=False, offload=False)
     assert format_schedule({0: plain[0]}).endswith("2RECV_B1 2B1 2SEND_B1 2S 0RECV_B0 0B0 0RECV_B1 0B1 0S")
     clipped = add_optimizer(base, round_robin(4, 2), clip=True, offload=False)
-    assert [str(a) for a in clipped[1][-3:]] == ["NORM", "3S", "1S"]
+    assert [str(a) for a in clipped[1][-3:]] == ["NORM", "1S", "3S"]
 
 
 def test_build_ignores_prefetch_without_offload():

@@ -1,0 +1,132 @@
+"""L0: the benchmark scripts' pure parts (row names, log parsing, result summaries, tables)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # NamedTuple / dataclass lookups need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("offload_bench")
+single = _load("single_gpu_baseline")
+
+
+@pytest.mark.parametrize("name, want", [
+    ("pcie48-prefetch", ("pcie", 48, "prefetch", None, None, None)),
+    ("nvlink24-fsdp2@llama-2-13b", ("nvlink", 24, "fsdp2", None, None, "llama-2-13b")),
+    ("pcie48-prefetch/s16", ("pcie", 48, "prefetch", 16, None, None)),
+    ("pcie48-prefetch+cross@llama-2-13b", ("pcie", 48, "prefetch", None, "cross", "llama-2-13b")),
+    ("pcie24-noprefetch/s16+sequential@tiny", ("pcie", 24, "noprefetch", 16, "sequential", "tiny")),
+])
+def test_parse_row_good(name, want):
+    assert tuple(bench.parse_row(name)) == want
+
+
+@pytest.mark.parametrize("name", [
+    "pcie48", "pcie-prefetch", "pci48-prefetch", "pcie48-prefetch+auto", "pcie48-prefetch@llama-2-7b+cross",
+    "pcie48-prefetch+cross/s16", "pcie48-prefetch/s0", "pcie48-prefetch/16", "pcie48-fsdp2/s16",
+    "pcie48-fsdp2+cross", "pcie48-prefetch@", "pcie48-prefetch@a/b", "pcie48-prefetch ",
+])
+def test_parse_row_bad(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_row(name)
+    assert str(e.value).startswith("error: bad row name") and "\n" not in str(e.value)
+
+
+def test_slug():
+    assert bench.slug("pcie48-prefetch/s16+cross@llama-2-13b") == "pcie48-prefetch_s16+cross@llama-2-13b"
+
+
+def test_parse_log():
+    log = ("[rank0] mapping cross: stage -> rank [0, 2, 1, 3, 0, 2, 1, 3] (position p on rank [0, 2, 1, 3][p]; roots "
+           "of the ranks' GPUs [0, 0, 1, 1] from nvidia-smi); predicted step 5.1s, round_robin 5.6s (+8.9% saved), "
+           "worst 6s (position p on rank [0, 1, 2, 3][p])\nstep 1/3 loss 10.4\n"
+           "timeline: measured step 1.2340s, cost model (measured op durations) 1.1110s, prediction error -10.0%; "
+           "wrote a, b, c\n")
+    got = bench.parse_log(log)
+    assert got["mapping_line"].startswith("mapping cross: stage -> rank [0, 2, 1, 3")
+    assert (got["measured_timeline_step_s"], got["predicted_step_s"], got["prediction_error_pct"]) == \
+        (1.234, 1.111, -10.0)
+    short = bench.short_mapping(got["mapping_line"])
+    assert short == ("mapping cross: stage -> rank [0, 2, 1, 3, 0, 2, 1, 3]; "
+                     "predicted step 5.1s, round_robin 5.6s (+8.9% saved)")
+    seq = bench.parse_log("mapping sequential: stage s on rank s % 4 (asked for; planner not run)\n"
+                          "timeline: measured step 2.0000s, cost model 2.5000s, prediction error +25.0%")
+    assert bench.short_mapping(seq["mapping_line"]) == "mapping sequential: stage s on rank s % 4"
+    assert seq["prediction_error_pct"] == 25.0
+    assert bench.parse_log("nothing here") == {"mapping_line": None, "measured_timeline_step_s": None,
+                                               "predicted_step_s": None, "prediction_error_pct": None}
+
+
+def _iteration(time_s: float, breakdown: bool) -> dict:
+    rank = {"h2d_bytes": 4e9, "h2d_seconds": 0.1, "d2h_bytes": 2e9, "d2h_seconds": 0.1,
+            "peak_reserved_bytes": 2**31, "host_rss_bytes": 2**30}
+    per_rank = []
+    for r in range(2):
+        extra = {"compute_seconds": 1.0 + r, "load_wait_seconds": 0.5, "offload_wait_seconds": 0.25,
+                 "optimizer_wait_seconds": 0.125} if breakdown else {}
+        per_rank.append({**rank, **extra})
+    return {"time_s": time_s, "tokens_per_s": 1000.0, "tflops_per_gpu": 50.0, "loss": 10.0,
+            "peak_mem_bytes": [2**30, 2**31], "per_rank": per_rank}
+
+
+@pytest.mark.parametrize("breakdown", [True, False])
+def test_summarise_and_tables(breakdown):
+    res = {"iterations": [_iteration(9.0, breakdown), _iteration(4.0, breakdown), _iteration(6.0, breakdown)]}
+    row = bench.summarise(res, "prefetch", argparse.Namespace(warmup=1))
+    assert row["step_time_s"] == 5.0 and row["peak_allocated_gb"] == 2.0 and row["host_rss_gb"] == 2.0
+    assert row["h2d_gbps"] == pytest.approx(40.0) and row["d2h_gbps"] == pytest.approx(20.0)
+    if breakdown:  # rank means: compute (1 + 2) / 2
+        assert (row["compute_s"], row["load_wait_s"], row["offload_wait_s"], row["optimizer_wait_s"]) == \
+            (1.5, 0.5, 0.25, 0.125)
+        assert row["other_s"] == pytest.approx(5.0 - 2.375)
+    else:
+        assert row["compute_s"] == row["load_wait_s"] == 0 and row["other_s"] == 5.0
+    rows = [{"row": "pcie48-prefetch+cross", **row, **bench.parse_log("timeline: measured step 4.0000s, cost model "
+                                                                      "(x) 3.0000s, prediction error -25.0%")},
+            {"row": "pcie48-fsdp2", "status": "ok", "step_time_s": 7.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0,
+             "peak_allocated_gb": 1.0, "peak_reserved_gb": 1.0, "host_rss_gb": None},
+            {"row": "pcie48-resident/s16+sequential", "status": "not run (budget)"}]
+    main = bench.table(rows).splitlines()
+    assert "| step s | compute s | load wait s | offload wait s | optim wait s | other s |" in main[0]
+    assert all(line.count("|") == main[0].count("|") for line in main)
+    assert main[2].startswith("| pcie48-prefetch+cross | ok | 5.00 | ")
+    assert main[3].startswith("| pcie48-fsdp2 | ok | 7.00 | - | - | - | - | - |")
+    mapping = bench.mapping_table(rows).splitlines()
+    assert len(mapping) == 4 and all(line.count("|") == 7 for line in mapping)
+    assert mapping[2] == "| pcie48-prefetch+cross | 5.00 | - | 4.000 | 3.000 | -25.0 |"
+    assert mapping[3].startswith("| pcie48-resident/s16+sequential | - | - |")
+    assert bench.mapping_table(rows[1:2]) == ""
+
+
+def test_single_gpu_next_layers():
+    assert single.next_layers(0, 33, 7) == 7
+    assert single.next_layers(7, 33, 8) == 8
+    assert single.next_layers(7, 33, None) == 20
+    assert single.next_layers(7, 9, 12) == 8
+
+
+@pytest.mark.parametrize("fits_up_to, want_tries", [(6, [5, 6, 8, 7]), (5, [5, 6]), (0, [5, 4, 2, 1]),
+                                                    (32, [5, 6, 8, 12, 20, 26, 29, 31, 32])])
+def test_single_gpu_search(monkeypatch, fits_up_to, want_tries):
+    monkeypatch.setattr(single, "spawn_try", lambda args, n, timeout: {"layers": n, "ok": n <= fits_up_to})
+    summary = single.search(single.parse_args(["--model", "llama-2-7b"]))
+    assert [t["layers"] for t in summary["tries"]] == want_tries
+    assert summary["largest_layers"] == fits_up_to and summary["complete"]
+    assert summary["reference_params"] == {"llama-2-7b": 6738415616, "llama-2-13b": 13015864320}
+    if fits_up_to:
+        assert summary["ratio_13b_to_largest"] == pytest.approx(13015864320 / summary["largest_params"])
+    else:
+        assert summary["largest_params"] is None and summary["ratio_13b_to_largest"] is None
