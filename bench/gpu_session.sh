@@ -2,6 +2,7 @@
 # Everything measured on the GPU machine in one call: environment, GPU tests, benchmark rows.
 #   bash bench/gpu_session.sh OUT_DIR [BENCH_BUDGET_S] [ROWS] [SINGLE_GPU_BUDGET_S]
 # SINGLE_GPU_BUDGET_S > 0 also runs bench/single_gpu_baseline.py (llama-2-7b, 24 GiB cap, GPU 0) after the rows.
+# BENCH_ARGS: extra flags for bench/offload_bench.py (e.g. "--iterations 5").
 # GPU_TESTS: pytest -k expression for tests/test_gpu.py ("" skips them; default: every GPU test).
 set -u
 out=${1:-bench_results}; budget=${2:-380}; rows=${3:-}; single=${4:-0}
@@ -16,7 +17,7 @@ if [ -n "${GPU_TESTS-all}" ]; then
   timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py ${k:+-k "$k"} 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
 fi
 if [ "$budget" -gt 0 ]; then
-  python3 bench/offload_bench.py --out "$out/bench" --budget_s "$budget" ${rows:+--rows "$rows"}
+  python3 bench/offload_bench.py --out "$out/bench" --budget_s "$budget" ${rows:+--rows "$rows"} ${BENCH_ARGS:-}
 fi
 if [ "$single" -gt 0 ]; then
   CUDA_VISIBLE_DEVICES=0 python3 bench/single_gpu_baseline.py --model llama-2-7b --mem_cap_gb 24 \
