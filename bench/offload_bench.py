@@ -4,21 +4,24 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
     python bench/offload_bench.py --out bench_results            # every row, in priority order
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
 
-Rows are named ``<net><cap>-<mode>[/s<stages>][+<mapping>][@<model>]``, the optional suffixes in
-exactly that order (``pcie48-prefetch/s16+cross@llama-2-13b``):
+Rows are named ``<net><cap>-<mode>[-noclip][/s<stages>][+<mapping>][@<model>]``, the optional
+suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``):
 
 - net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk directly: inter-GPU traffic goes through
   host memory, as on a commodity PCIe server); ``nvlink`` leaves the machine as it is;
 - cap is the per-GPU memory cap in GiB;
 - mode is ``prefetch`` (offload + prefetch), ``noprefetch`` (offload, loads not overlapped),
   ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation checkpointing);
+- ``-noclip`` trains without gradient clipping (``--grad_clip 0 --max_skipped_steps -1``: no NORM,
+  so each stage's CPU step starts as soon as its gradients are in host memory); rows clip at 1.0
+  otherwise;
 - ``/s<stages>`` overrides ``--num_stages`` for the row;
 - ``+cross`` / ``+sequential`` passes ``--mapping cross|sequential --timeline``: the row also reports
   main.py's mapping line and the timeline's measured step, cost-model step and prediction error
   (``timeline.png`` / ``timeline.json`` stay in ``<out>/<row>/``);
 - ``@<model>`` overrides ``--model`` (a preset name: letters, digits, ``.``, ``-``, ``_``).
 
-``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
+``-noclip``, ``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
 the table (step time = mean after the warm-up iterations, with its compute / exposed-wait / other
 breakdown) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
 ``<out>/table.md`` and ``<out>/rows.json``. Files of a row are named by ``slug(row)`` (``/`` -> ``_``).
@@ -40,7 +43,7 @@ MODES = ("prefetch", "noprefetch", "resident", "fsdp2")
 MAPPINGS = ("cross", "sequential")
 DEFAULT_ROWS = ("pcie48-prefetch,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,pcie24-fsdp2,"
                 "pcie24-resident,nvlink48-prefetch,nvlink48-fsdp2,nvlink48-resident")
-ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
+ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(-noclip)?(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
                     r"(?:@([\w.-]+))?")
 TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^)]*\))? ([\d.]+)s, "
                          r"prediction error ([+-]?[\d.]+)%")
@@ -52,20 +55,23 @@ class Row(NamedTuple):
     net: str
     cap: int
     mode: str
+    noclip: bool
     stages: int | None
     mapping: str | None
     model: str | None
 
 
 def parse_row(name: str) -> Row:
-    """``<net><cap>-<mode>[/s<stages>][+<mapping>][@<model>]`` -> ``Row``; a bad name exits with one error line."""
+    """``<net><cap>-<mode>[-noclip][/s<stages>][+<mapping>][@<model>]`` -> ``Row``; a bad name exits
+    with one error line."""
     m = ROW_RE.fullmatch(name)
-    if m is None or (m[3] == "fsdp2" and (m[4] or m[5])):
-        raise SystemExit(f"error: bad row name {name!r}; expected <net><cap>-<mode>[/s<stages>][+<mapping>][@<model>], "
+    if m is None or (m[3] == "fsdp2" and (m[4] or m[5] or m[6])):
+        raise SystemExit(f"error: bad row name {name!r}; expected "
+                         f"<net><cap>-<mode>[-noclip][/s<stages>][+<mapping>][@<model>], "
                          f"e.g. pcie48-prefetch/s16+cross@llama-2-13b (net: pcie, nvlink; modes: {', '.join(MODES)}; "
-                         f"mappings: {', '.join(MAPPINGS)}; /s and + not with fsdp2)")
-    net, cap, mode, stages, mapping, model = m.groups()
-    return Row(net, int(cap), mode, int(stages) if stages else None, mapping, model)
+                         f"mappings: {', '.join(MAPPINGS)}; -noclip, /s and + not with fsdp2)")
+    net, cap, mode, noclip, stages, mapping, model = m.groups()
+    return Row(net, int(cap), mode, bool(noclip), int(stages) if stages else None, mapping, model)
 
 
 def slug(name: str) -> str:
@@ -83,7 +89,7 @@ def parse_log(log: str) -> dict:
 
 
 def run_row(name: str, args, out: Path, timeout: float) -> dict:
-    net, cap, mode, stages, mapping, model = parse_row(name)
+    net, cap, mode, noclip, stages, mapping, model = parse_row(name)
     model = model or args.model
     env = dict(os.environ)
     if net == "pcie":
@@ -104,10 +110,11 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--num_chunks", str(args.num_chunks), "--num_stages", str(stages or args.num_stages),
                         "--schedule", args.schedule, "--num_iterations", str(args.iterations),
                         "--gpu_memory_gb", str(cap), "--device", "cuda", "--no_save_model",
-                        "--save_dir", str(out / slug(name)), "--save_results", str(result), "--grad_clip", "1.0",
+                        "--save_dir", str(out / slug(name)), "--save_results", str(result),
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
                         "--use_prefetch" if mode == "prefetch" else "--no_prefetch"]
+        cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", mapping, "--timeline"] if mapping else []
     t0 = time.time()
     try:
@@ -215,8 +222,8 @@ def main() -> None:
     p.add_argument("--num_stages", type=int, default=8)
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--fsdp_micro_batch", type=int, default=2)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations (the first steps also fault in host memory)")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--budget_s", type=float, default=540)
     p.add_argument("--row_timeout_s", type=float, default=240)

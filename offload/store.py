@@ -9,7 +9,9 @@ Per stage, everything is kept in flat buffers so that a transfer is one large co
 * ``dev``     the device copy the stage's modules compute with; its parameters are views
   into it. With offload it exists only between LOAD and DROP/OFFLOAD.
 * ``grad``    device gradient buffer (parameter ``.grad`` views into it, so autograd
-  accumulates micro-batches in place); with offload it is copied to host memory.
+  accumulates micro-batches in place); with offload its fp32 values are copied into
+  ``master_grad`` (pinned) in chunks of ``GRAD_CHUNK`` elements, converted on the device,
+  where their squared norm is taken too: the host then reads only what AdamW needs.
 
 Transfers run on their own CUDA streams and are ordered by events, never by host syncs,
 except where marked. On the CPU the streams are no-ops and the copies run synchronously
@@ -17,9 +19,7 @@ except where marked. On the CPU the streams are no-ops and the copies run synchr
 
 With ``Workers`` (offload), the host side runs off the main thread:
 
-* OFFLOAD queues, behind the D2H copy, the fp32 conversion of the gradients and their
-  squared norm on the optimizer thread, so NORM finds them ready instead of computing them.
-* STEP queues AdamW on the optimizer thread (FIFO: after that stage's gradient work).
+* STEP queues AdamW on the optimizer thread; it waits there for the stage's gradients.
 * A LOAD whose stage still has a step running does not block: the loader thread waits for
   the step and then issues the copy. The main thread blocks only at the stage's first
   compute (``before_compute``), where the weights are needed, so the optimizer step of one
@@ -38,6 +38,7 @@ from torch import nn
 
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
+GRAD_CHUNK = 16 * 2**20  # elements converted to fp32 at a time on the device at OFFLOAD (64 MiB)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class StageStore:
         with torch.no_grad():
             for p, view in zip(self.params, self._views(self.master)):
                 view.copy_(p.detach())  # the module's weights may live on another device than the master
-        self.master_grad = torch.zeros_like(self.master)
+        # pinned with offload: the gradients' D2H copy lands here directly
+        self.master_grad = torch.zeros(self.numel, dtype=torch.float32, device=master_device, pin_memory=pin)
         groups = []
         for lo, hi, wd in ((0, n_decay, optim.weight_decay), (n_decay, self.numel, 0.0)):
             if hi > lo:
@@ -175,18 +177,16 @@ class StageStore:
         same_dtype = compute_dtype == torch.float32
         if offload:
             self.work = self.master if same_dtype else torch.empty(self.numel, dtype=compute_dtype, pin_memory=pin)
-            self.host_grad = self.master_grad if same_dtype else torch.empty(self.numel, dtype=compute_dtype,
-                                                                             pin_memory=pin)
             self.dev = self.grad = None
             self.work.copy_(self.master)
         else:  # resident: device copies live for the whole run
-            self.work = self.host_grad = None
+            self.work = None
             self.dev = self.master if same_dtype else self.master.to(compute_dtype)
             self.grad = self.master_grad if same_dtype else torch.zeros(self.numel, dtype=compute_dtype, device=device)
             self._bind(self.dev, self.grad)
         self._load_future: Future | None = None   # -> LoadSpan; its end is what compute waits for
         self._grads_event = None    # offload stream: gradients are in host memory
-        self._prep_future: Future | None = None    # optimizer thread: fp32 grads (and squared norm) ready
+        self._grad_sq = None        # squared gradient norm taken at OFFLOAD (device, offload stream)
         self._step_future: Future | None = None
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
@@ -279,33 +279,38 @@ class StageStore:
         self.resident = False
 
     def offload_grads(self, norm: bool = False) -> None:
-        """OFFLOAD: gradients device -> host on the offload stream, then free device memory.
-        With workers, the optimizer thread then makes them fp32 (and, with ``norm``, takes their
-        squared norm) while the GPU goes on."""
+        """OFFLOAD: fp32 gradients device -> host on the offload stream (with ``norm``, their
+        squared norm on the way), then free device memory."""
         if not self.offload:
             return
         done = self.streams.event("compute")
         with self.streams.on("offload"):
             self.streams.wait("offload", done)  # the backward that wrote the grads is done
             start = self.streams.event("offload", timing=True)
-            self.host_grad.copy_(self.grad, non_blocking=True)
+            self._grad_sq = self._copy_out(norm)
         self._grads_event = self.streams.event("offload", timing=True)
-        self._note_transfer("d2h", start, self._grads_event)
+        self._note_transfer("d2h", start, self._grads_event, self.numel * 4)
         self.pool.give(self.dev, done)
         self.pool.give(self.grad, self._grads_event)
         self.dev = self.grad = None
         self._bind(None, None)
         self.resident = False
-        if self.workers is not None:
-            self._prep_future = self.workers.optimizer.submit(self._prepare_grads, norm)
 
-    def _prepare_grads(self, norm: bool) -> torch.Tensor | None:
-        g = self._grads_ready()
-        return torch.dot(g, g) if norm else None
+    def _copy_out(self, norm: bool) -> torch.Tensor | None:
+        """Chunk by chunk: to fp32 on the device (a transient of GRAD_CHUNK floats on the offload
+        stream, reused chunk after chunk in stream order), squared norm, copy into master_grad."""
+        sq = None
+        for lo in range(0, self.numel, GRAD_CHUNK):
+            chunk = self.grad[lo:lo + GRAD_CHUNK].float()  # a view when already fp32
+            if norm:
+                part = torch.dot(chunk, chunk)
+                sq = part if sq is None else sq + part
+            self.master_grad[lo:lo + GRAD_CHUNK].copy_(chunk, non_blocking=True)
+        return sq
 
-    def _note_transfer(self, kind: str, start, end) -> None:
+    def _note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
         if self.streams.cuda:
-            self.transfers.append((kind, self.numel * self.work.element_size(), start, end))
+            self.transfers.append((kind, nbytes or self.numel * self.work.element_size(), start, end))
 
     def pop_transfer_stats(self) -> dict[str, tuple[int, float]]:
         """{kind: (bytes, seconds)} of the transfers since the last call. Call after a device
@@ -319,22 +324,25 @@ class StageStore:
 
     def _grads_ready(self) -> torch.Tensor:
         """fp32 gradients next to the master weights."""
-        if self.offload and self._grads_event is not None:
-            self._grads_event.synchronize()  # host sync: the CPU is about to read the D2H copy
-            self._grads_event = None
-        src = self.host_grad if self.offload else self.grad
-        if src is not self.master_grad:
-            self.master_grad.copy_(src)
+        if self.offload:
+            if self._grads_event is not None:
+                self._grads_event.synchronize()  # host sync (optimizer thread): the CPU reads the D2H copy
+                self._grads_event = None
+        elif self.grad is not self.master_grad:
+            self.master_grad.copy_(self.grad)
         return self.master_grad
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Squared L2 norm of this stage's gradient, fp32, on the master device (host wait for
-        the optimizer thread where it computes it)."""
-        prep = self._prep_future
-        sq = prep.result() if prep is not None else None
-        if sq is None:
-            g = self.master_grad if prep is not None else self._grads_ready()
-            sq = torch.dot(g, g)
+        """Squared L2 norm of this stage's gradient, fp32, on the compute device: with offload the
+        one OFFLOAD took (the compute stream waits for it, the host does not)."""
+        sq = self._grad_sq
+        if sq is None:  # resident, or an OFFLOAD asked for no norm
+            g = self._grads_ready()
+            return torch.dot(g, g)
+        self._grad_sq = None
+        if self.streams.cuda:
+            self.streams.wait("compute", self._grads_event)
+            sq.record_stream(self.streams.compute)  # made on the offload stream, read on compute
         return sq
 
     def step(self, lr: float, clip_coef: float | None) -> None:
@@ -342,12 +350,8 @@ class StageStore:
         the optimizer thread while the GPU goes on; the stage's next LOAD waits for it.
         ``clip_coef`` multiplies the gradients; with a fused AdamW the kernel applies it
         (as its ``grad_scale``, the inverse) instead of a separate pass over them."""
-        prep, self._prep_future = self._prep_future, None
-
         def run() -> None:
-            if prep is not None:
-                prep.result()  # done: it ran before this on the same (FIFO) thread
-            g = self.master_grad if prep is not None else self._grads_ready()
+            g = self._grads_ready()
             fold = clip_coef is not None and self.optimizer.defaults.get("fused")
             if clip_coef is not None and not fold:
                 g.mul_(clip_coef)
@@ -376,20 +380,18 @@ class StageStore:
         are thrown away so the next iteration does not accumulate onto them."""
         if self.offload:
             # The device buffer went back to the pool at OFFLOAD and is zeroed by the next first
-            # backward; host_grad / master_grad are overwritten by the next OFFLOAD's copy.
-            self.wait_step()  # NORM already waited for the gradient work; this only forgets it
+            # backward; master_grad is overwritten by the next OFFLOAD's copy.
+            self._grad_sq = None
             return
         self.grad.zero_()
         if self.master_grad is not self.grad:
             self.master_grad.zero_()
 
     def wait_step(self) -> None:
-        """Host wait for this stage's optimizer-thread work; re-raises its error here."""
-        for name in ("_prep_future", "_step_future"):
-            future = getattr(self, name)
-            if future is not None:
-                future.result()
-                setattr(self, name, None)
+        """Host wait for this stage's optimizer step; re-raises its error here."""
+        if self._step_future is not None:
+            self._step_future.result()
+            self._step_future = None
 
     # --- autograd's saved tensors -----------------------------------------------------------
     def saved_tensor_hooks(self):

@@ -57,8 +57,8 @@ class StepClock:
 
     * ``compute``: forward and backward, from after their inputs arrived;
     * ``load_wait``: the compute stream waiting for a parameter load (on the CPU, the host);
-    * ``offload_wait``: NORM waiting for this rank's gradients to reach host memory in fp32
-      and for their squared norms;
+    * ``offload_wait``: NORM waiting for this rank's gradient offloads (which take the
+      squared norms on the way);
     * ``optimizer_wait``: a compute waiting for its stage's optimizer step (the host, before
       the load could be issued).
 
@@ -242,9 +242,9 @@ class Executor:
         self.stores[a.stage].offload_grads(norm=self.has_norm)
 
     def _norm(self, a: Action) -> None:
-        t0 = time.perf_counter()
+        before = self.clock.mark()
         sq = sum(self.stores[s].grad_sq_norm().to(self.device) for s in sorted(self.stores))
-        self.clock.add("offload_wait", time.perf_counter() - t0)  # host wait for the gradients in host memory
+        self.clock.span("offload_wait", before, self.clock.mark())  # the gradient offloads and their norms
         if dist.is_initialized():
             dist.all_reduce(sq)
         norm = sq.sqrt() / self.loss_scale  # the gradients carry the loss scale

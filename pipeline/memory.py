@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from offload.store import GRAD_CHUNK
 from schedule.ir import Action, Op
 
 GiB = 2**30
@@ -136,8 +137,9 @@ def _param_bytes_resident(numel: int, d: int) -> int:
 
 
 def _param_bytes_host(numel: int, d: int) -> int:
-    # fp32 master + master grad + AdamW moments, and pinned compute copies of weights and grads
-    return numel * (4 + 4 + 8 + (2 * d if d < 4 else 0))
+    # fp32 master + master grad (the offload's destination) + AdamW moments, and the pinned
+    # compute copy of the weights
+    return numel * (4 + 4 + 8 + (d if d < 4 else 0))
 
 
 def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMemory:
@@ -181,6 +183,8 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             give(inp.stages[s].numel)
             give(inp.stages[s].numel)
             has_grad.discard(s)
+            if d < 4:  # the fp32 chunk the gradients go through on their way to the host
+                fwd_t = min(inp.stages[s].numel, GRAD_CHUNK) * 4 / tokens
         elif a.op is Op.FORWARD:
             per_tok, fwd_t, _ = _per_token(inp, s)
             per_mb[(s, a.mb)] = per_tok * tokens

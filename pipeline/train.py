@@ -205,13 +205,14 @@ class Trainer:
                                                  initargs=(cpus,)), self.device)
             self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
                           f"{cpus[0]}-{cpus[-1]})")
-        fused = self.device.type == "cuda" or cfg.use_offload
+        # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
+        # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
         for s in self.stage_ids:
             stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing, init_device=self.device)
             stage.rotary_emb.to(self.device)
             self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
-                                        optim=optim_settings(cfg, fused=fused), streams=streams, pool=pool,
+                                        optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
                                         workers=workers)
             self.stages[s] = stage
         self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s)

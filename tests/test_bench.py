@@ -24,11 +24,12 @@ single = _load("single_gpu_baseline")
 
 
 @pytest.mark.parametrize("name, want", [
-    ("pcie48-prefetch", ("pcie", 48, "prefetch", None, None, None)),
-    ("nvlink24-fsdp2@llama-2-13b", ("nvlink", 24, "fsdp2", None, None, "llama-2-13b")),
-    ("pcie48-prefetch/s16", ("pcie", 48, "prefetch", 16, None, None)),
-    ("pcie48-prefetch+cross@llama-2-13b", ("pcie", 48, "prefetch", None, "cross", "llama-2-13b")),
-    ("pcie24-noprefetch/s16+sequential@tiny", ("pcie", 24, "noprefetch", 16, "sequential", "tiny")),
+    ("pcie48-prefetch", ("pcie", 48, "prefetch", False, None, None, None)),
+    ("pcie48-resident-noclip/s16", ("pcie", 48, "resident", True, 16, None, None)),
+    ("nvlink24-fsdp2@llama-2-13b", ("nvlink", 24, "fsdp2", False, None, None, "llama-2-13b")),
+    ("pcie48-prefetch/s16", ("pcie", 48, "prefetch", False, 16, None, None)),
+    ("pcie48-prefetch+cross@llama-2-13b", ("pcie", 48, "prefetch", False, None, "cross", "llama-2-13b")),
+    ("pcie24-noprefetch/s16+sequential@tiny", ("pcie", 24, "noprefetch", False, 16, "sequential", "tiny")),
 ])
 def test_parse_row_good(name, want):
     assert tuple(bench.parse_row(name)) == want
@@ -37,7 +38,7 @@ def test_parse_row_good(name, want):
 @pytest.mark.parametrize("name", [
     "pcie48", "pcie-prefetch", "pci48-prefetch", "pcie48-prefetch+auto", "pcie48-prefetch@llama-2-7b+cross",
     "pcie48-prefetch+cross/s16", "pcie48-prefetch/s0", "pcie48-prefetch/16", "pcie48-fsdp2/s16",
-    "pcie48-fsdp2+cross", "pcie48-prefetch@", "pcie48-prefetch@a/b", "pcie48-prefetch ",
+    "pcie48-fsdp2+cross", "pcie48-fsdp2-noclip", "pcie48-prefetch/s16-noclip", "pcie48-prefetch@", "pcie48-prefetch@a/b", "pcie48-prefetch ",
 ])
 def test_parse_row_bad(name, capsys):
     with pytest.raises(SystemExit) as e:

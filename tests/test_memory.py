@@ -55,7 +55,7 @@ def test_layer_formula_matches_autograd(dtype, attn):
 def _static_bytes(trainer) -> int:
     seen = {}
     for st in trainer.stores.values():
-        for x in (st.master, st.master_grad, st.dev, st.grad, st.work, st.host_grad):
+        for x in (st.master, st.master_grad, st.dev, st.grad, st.work):
             if x is not None:
                 seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
     return sum(seen.values())
