@@ -110,7 +110,7 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--num_chunks", str(args.num_chunks), "--num_stages", str(stages or args.num_stages),
                         "--schedule", args.schedule, "--num_iterations", str(args.iterations),
                         "--gpu_memory_gb", str(cap), "--device", "cuda", "--no_save_model",
-                        "--save_dir", str(out / slug(name)), "--save_results", str(result),
+                        "--save_dir", str(out / slug(name)), "--save_results", str(result), "--comm_timeout_s", "150",
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
                         "--use_prefetch" if mode == "prefetch" else "--no_prefetch"]

