@@ -92,7 +92,7 @@ def train_steps(config, device: torch.device, args: argparse.Namespace) -> list[
 
 def run_try(args: argparse.Namespace) -> dict:
     """One try in this process: does plain training of ``args.try_layers`` layers fit under the cap?"""
-    n, device = args.try_layers, torch.device(args.device)
+    n, device = args.try_layers, torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     if cuda:
         total = torch.cuda.get_device_properties(device).total_memory

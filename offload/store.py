@@ -303,7 +303,10 @@ class StageStore:
         for lo in range(0, self.numel, GRAD_CHUNK):
             chunk = self.grad[lo:lo + GRAD_CHUNK].float()  # a view when already fp32
             if norm:
-                part = torch.dot(chunk, chunk)
+                # A plain reduction kernel, not cuBLAS's dot: the first cuBLAS call on this stream
+                # sets up a handle, and with one (torch.dot) a 2-GPU 7B run hung in its first
+                # backward, its peer's gradient sends never received.
+                part = torch.linalg.vector_norm(chunk).square()
                 sq = part if sq is None else sq + part
             self.master_grad[lo:lo + GRAD_CHUNK].copy_(chunk, non_blocking=True)
         return sq
