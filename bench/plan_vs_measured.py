@@ -2,9 +2,9 @@
 
     python bench/plan_vs_measured.py bench/results/*.json
 
-Each measured row of ``bench/offload_bench.py`` (its default settings: global batch 64 x 512,
-16 micro-batches, 8 stages on 4 GPUs, GPipe, activation checkpointing, bf16) is planned
-again from its name and compared rank by rank. Needs no GPU.
+Each measured row of ``bench/offload_bench.py`` (global batch 64 x 512, 16 micro-batches, GPipe,
+activation checkpointing, bf16; GPUs and stages from the file's arguments and the row's name)
+is planned again and compared rank by rank. Needs no GPU.
 """
 from __future__ import annotations
 
@@ -25,24 +25,28 @@ from pipeline.plan import memory_plan  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="+")
-    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--gpus", type=int, default=4, help="for result files that do not record it")
     args = p.parse_args()
     print("| row | rank | estimated GiB | measured GiB | error |\n|---|---|---|---|---|")
     worst = 0.0
     for path in args.results:
-        for row in json.loads(Path(path).read_text())["rows"]:
+        data = json.loads(Path(path).read_text())
+        bench_args = data.get("args") or {}
+        gpus, default_stages = bench_args.get("gpus", args.gpus), bench_args.get("num_stages", 8)
+        for row in data["rows"]:
             measured = row.get("peak_allocated_gb_per_rank")
             if row.get("status") != "ok" or not measured:
                 continue
-            _, cap, mode, model = parse_row(row["row"])
+            _, cap, mode, noclip, stages, _, model = parse_row(row["row"])
             if mode == "fsdp2":
                 continue
-            model = model or "llama-2-7b"
+            model, stages = model or "llama-2-7b", stages or default_stages
             cfg = make_config(dict(model=model, dataset="synthetic", seq_length=512, batch_size=64, num_chunks=16,
-                                   num_stages=8, schedule="gpipe", activation_checkpointing=True, device="cuda",
+                                   num_stages=stages, schedule="gpipe", activation_checkpointing=True, device="cuda",
                                    dtype="bfloat16", use_offload=mode != "resident", use_prefetch=mode == "prefetch",
-                                   gpu_memory_gb=cap))
-            ranks, _ = memory_plan(cfg, preset_config(model), sched.round_robin(8, args.gpus), "cuda")
+                                   gpu_memory_gb=cap, grad_clip=0.0 if noclip else 1.0,
+                                   max_skipped_steps=-1 if noclip else 5))
+            ranks, _ = memory_plan(cfg, preset_config(model), sched.round_robin(stages, gpus), "cuda")
             for r, m in zip(ranks, measured):
                 est = r.device_peak / 2**30
                 err = est / m - 1

@@ -11,7 +11,7 @@ Per stage, everything is kept in flat buffers so that a transfer is one large co
 * ``grad``    device gradient buffer (parameter ``.grad`` views into it, so autograd
   accumulates micro-batches in place); with offload its fp32 values are copied into
   ``master_grad`` (pinned) in chunks of ``GRAD_CHUNK`` elements, converted on the device,
-  where their squared norm is taken too: the host then reads only what AdamW needs.
+  so the host reads fp32 gradients without converting them.
 
 Transfers run on their own CUDA streams and are ordered by events, never by host syncs,
 except where marked. On the CPU the streams are no-ops and the copies run synchronously
@@ -19,7 +19,9 @@ except where marked. On the CPU the streams are no-ops and the copies run synchr
 
 With ``Workers`` (offload), the host side runs off the main thread:
 
-* STEP queues AdamW on the optimizer thread; it waits there for the stage's gradients.
+* OFFLOAD, when the schedule has a NORM, queues the squared norm of the stage's gradients
+  on the optimizer thread (it waits there for the copy), so NORM finds it ready.
+* STEP queues AdamW on the optimizer thread (FIFO: after that stage's norm).
 * A LOAD whose stage still has a step running does not block: the loader thread waits for
   the step and then issues the copy. The main thread blocks only at the stage's first
   compute (``before_compute``), where the weights are needed, so the optimizer step of one
@@ -186,7 +188,7 @@ class StageStore:
             self._bind(self.dev, self.grad)
         self._load_future: Future | None = None   # -> LoadSpan; its end is what compute waits for
         self._grads_event = None    # offload stream: gradients are in host memory
-        self._grad_sq = None        # squared gradient norm taken at OFFLOAD (device, offload stream)
+        self._norm_future: Future | None = None   # optimizer thread: squared norm of the offloaded grads
         self._step_future: Future | None = None
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
@@ -287,7 +289,7 @@ class StageStore:
         with self.streams.on("offload"):
             self.streams.wait("offload", done)  # the backward that wrote the grads is done
             start = self.streams.event("offload", timing=True)
-            self._grad_sq = self._copy_out(norm)
+            self._copy_out()
         self._grads_event = self.streams.event("offload", timing=True)
         self._note_transfer("d2h", start, self._grads_event, self.numel * 4)
         self.pool.give(self.dev, done)
@@ -295,21 +297,22 @@ class StageStore:
         self.dev = self.grad = None
         self._bind(None, None)
         self.resident = False
+        if norm and self.workers is not None:
+            self._norm_future = self.workers.optimizer.submit(self._squared_norm)
 
-    def _copy_out(self, norm: bool) -> torch.Tensor | None:
+    def _copy_out(self) -> None:
         """Chunk by chunk: to fp32 on the device (a transient of GRAD_CHUNK floats on the offload
-        stream, reused chunk after chunk in stream order), squared norm, copy into master_grad."""
-        sq = None
+        stream, reused chunk after chunk in stream order), then into master_grad. Nothing else
+        runs on the offload stream: with the squared norm taken here too (cuBLAS's dot, or a
+        reduction kernel), every 2-GPU 7B run with clipping hung in its first backward, a peer's
+        gradient send never received; the norm is taken on the host instead."""
         for lo in range(0, self.numel, GRAD_CHUNK):
             chunk = self.grad[lo:lo + GRAD_CHUNK].float()  # a view when already fp32
-            if norm:
-                # A plain reduction kernel, not cuBLAS's dot: the first cuBLAS call on this stream
-                # sets up a handle, and with one (torch.dot) a 2-GPU 7B run hung in its first
-                # backward, its peer's gradient sends never received.
-                part = torch.linalg.vector_norm(chunk).square()
-                sq = part if sq is None else sq + part
             self.master_grad[lo:lo + GRAD_CHUNK].copy_(chunk, non_blocking=True)
-        return sq
+
+    def _squared_norm(self) -> torch.Tensor:
+        g = self._grads_ready()
+        return torch.dot(g, g)
 
     def _note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
         if self.streams.cuda:
@@ -336,29 +339,23 @@ class StageStore:
         return self.master_grad
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Squared L2 norm of this stage's gradient, fp32, on the compute device: with offload the
-        one OFFLOAD took on the way."""
-        sq = self._grad_sq
-        if sq is None:  # resident, or an OFFLOAD asked for no norm
-            g = self._grads_ready()
-            return torch.dot(g, g)
-        self._grad_sq = None
-        if self.streams.cuda:
-            # Host sync: NORM's all-reduce is queued only once this rank's gradients are in host
-            # memory, as before the norm moved to the device. Queued behind the pending copies
-            # instead (a device-side wait), it never completed in a 2-GPU 7B run with
-            # NCCL_P2P_DISABLE=1; the host has nothing else to do until the norm anyway.
-            self._grads_event.synchronize()
-            sq.record_stream(self.streams.compute)  # made on the offload stream, read on compute
-        return sq
+        """Squared L2 norm of this stage's gradient, fp32, on the master device (with offload a
+        host wait for the optimizer thread, which takes it once the gradients are in host memory)."""
+        future, self._norm_future = self._norm_future, None
+        if future is not None:
+            return future.result()
+        g = self._grads_ready()
+        return torch.dot(g, g)
 
-    def step(self, lr: float, clip_coef: float | None) -> None:
+    def step(self, lr: float, clip_coef: float | None) -> Future:
         """STEP: AdamW on the masters, then refresh the compute copy. With workers it runs on
         the optimizer thread while the GPU goes on; the stage's next LOAD waits for it.
         ``clip_coef`` multiplies the gradients; with a fused AdamW the kernel applies it
-        (as its ``grad_scale``, the inverse) instead of a separate pass over them."""
-        def run() -> None:
-            g = self._grads_ready()
+        (as its ``grad_scale``, the inverse) instead of a separate pass over them. Returns a
+        future of the step's wall-clock ``(start, end)``."""
+        def run() -> tuple[float, float]:
+            start = time.perf_counter()
+            g = self._grads_ready()  # FIFO: after this stage's norm, if one was queued
             fold = clip_coef is not None and self.optimizer.defaults.get("fused")
             if clip_coef is not None and not fold:
                 g.mul_(clip_coef)
@@ -376,11 +373,12 @@ class StageStore:
                 self.grad.zero_()
                 if self.master_grad is not self.grad:
                     self.master_grad.zero_()
+            return start, time.perf_counter()
 
         if self.workers is not None:
             self._step_future = self.workers.optimizer.submit(run)
-        else:
-            run()
+            return self._step_future
+        return _done(run())
 
     def discard_grads(self) -> None:
         """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients
@@ -388,7 +386,7 @@ class StageStore:
         if self.offload:
             # The device buffer went back to the pool at OFFLOAD and is zeroed by the next first
             # backward; master_grad is overwritten by the next OFFLOAD's copy.
-            self._grad_sq = None
+            self._norm_future = None
             return
         self.grad.zero_()
         if self.master_grad is not self.grad:

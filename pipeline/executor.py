@@ -141,8 +141,9 @@ class Executor:
         self.clock = StepClock(self.device.type == "cuda")
         with torch.set_grad_enabled(train):
             for action in actions:
-                # A LOAD's copy may be issued later by the loader thread: _load records its span.
-                timed = self.timeline is not None and action.op is not Op.LOAD
+                # A LOAD's copy and a STEP may run later on another thread: their handlers
+                # record the spans of the work itself.
+                timed = self.timeline is not None and action.op not in (Op.LOAD, Op.STEP)
                 if timed:
                     self.timeline.begin(action)
                 try:
@@ -266,7 +267,9 @@ class Executor:
         if self.skip_step:
             self.stores[a.stage].discard_grads()
         else:
-            self.stores[a.stage].step(self.lr, self.clip_coef)
+            span = self.stores[a.stage].step(self.lr, self.clip_coef)
+            if self.timeline is not None:
+                self.timeline.add(a, span)
 
     def finish(self) -> None:
         """Wait for optimizer work still running on worker threads."""

@@ -87,20 +87,21 @@ class Timeline:
             self._events.append(self._event(action, start, stop))
 
     def add(self, action: Action, span) -> None:
-        """An action whose work another thread issues (a LOAD that waits for its stage's
-        optimizer step): ``span`` is a future of ``(start, end, ...)``, CUDA events or wall-clock
-        times, read at ``flush()``."""
+        """An action whose work another thread runs or issues (a STEP on the optimizer thread,
+        a LOAD that waits for its stage's step): ``span`` is a future of ``(start, end, ...)``,
+        CUDA events or wall-clock times, read at ``flush()`` (which waits for it)."""
         self._deferred.append((action, span))
 
     def flush(self) -> None:
         """Turn recorded CUDA events into times. Host sync: waits for all recorded work."""
         for action, future in self._deferred:
             span = future.result()
-            if span is not None:
-                if self.cuda:
-                    self._pending.append((action, span[0], span[1]))
-                else:
-                    self._events.append(self._event(action, span[0], span[1]))
+            if span is None:
+                continue
+            if isinstance(span[0], float):  # wall clock
+                self._events.append(self._event(action, span[0], span[1]))
+            else:
+                self._pending.append((action, span[0], span[1]))
         self._deferred.clear()
         if not self._pending:
             return
@@ -268,8 +269,12 @@ def _gantt_matplotlib(path: Path, events, ranks, size, row_height, Figure, Figur
 
 # --- one recorded iteration: measured vs predicted -------------------------------------------------
 def measured_step_time(events: Iterable[dict]) -> float:
-    """Span of one recorded iteration: first start to last end over every rank."""
-    events = list(events)
+    """Span of one recorded iteration: first start to last end over every rank, optimizer steps
+    left out. They may end after the iteration (they overlap the next one's compute), while the
+    recorded iteration began waiting for the previous iteration's steps; the cost model, which
+    simulates one iteration from a clean start, ends with its own steps instead. In a steady
+    state the two hold the same optimizer exposure."""
+    events = [e for e in events if e["op"] != "S"]
     if not events:
         return 0.0
     return max(e["end"] for e in events) - min(e["start"] for e in events)
