@@ -3,6 +3,7 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
 
     python bench/offload_bench.py --out bench_results            # every row, in priority order
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
+    python bench/offload_bench.py --summarise bench/results/2026-11-22_h200x2_callA --warmup 2
 
 Rows are named ``<net><cap>-<mode>[-noclip][/s<stages>][+<mapping>][@<model>]``, the optional
 suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``):
@@ -211,6 +212,20 @@ def mapping_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def resummarise(run_dir: Path, warmup: int) -> str:
+    """The tables of a finished run, its main.py rows summarised again with ``warmup`` untimed
+    iterations (FSDP2 rows as they were recorded)."""
+    data = json.loads((run_dir / "rows.json").read_text())
+    rows = []
+    for row in data["rows"]:
+        result = run_dir / f"{slug(row['row'])}.json"
+        if row.get("status") == "ok" and row.get("mode") != "fsdp2" and result.exists():
+            settings = argparse.Namespace(**{**data.get("args", {}), "warmup": warmup})
+            row = {**row, **summarise(json.loads(result.read_text()), row["mode"], settings)}
+        rows.append(row)
+    return "\n\n".join(t for t in (table(rows), mapping_table(rows)) if t)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default=DEFAULT_ROWS)
@@ -228,7 +243,13 @@ def main() -> None:
     p.add_argument("--budget_s", type=float, default=540)
     p.add_argument("--row_timeout_s", type=float, default=240)
     p.add_argument("--out", default="bench_results")
+    p.add_argument("--summarise", metavar="DIR", default=None,
+                   help="run nothing: print the tables of a finished run's DIR again (its rows.json and "
+                        "per-row JSON files), with this --warmup")
     args = p.parse_args()
+    if args.summarise:
+        print(resummarise(Path(args.summarise), args.warmup))
+        return
     names = args.rows.split(",")
     for name in names:  # every name checked before the first (long) run
         parse_row(name)
