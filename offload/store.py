@@ -100,10 +100,6 @@ class Workers:
         init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="param-loader", initializer=init)
 
-    def shutdown(self) -> None:
-        self.loader.shutdown(wait=True)
-        self.optimizer.shutdown(wait=True)
-
 
 class LoadSpan(NamedTuple):
     """When a LOAD's copy ran (``Streams.mark`` values) and, if it had to wait for the
@@ -281,8 +277,8 @@ class StageStore:
         self.resident = False
 
     def offload_grads(self, norm: bool = False) -> None:
-        """OFFLOAD: fp32 gradients device -> host on the offload stream (with ``norm``, their
-        squared norm on the way), then free device memory."""
+        """OFFLOAD: fp32 gradients device -> host on the offload stream, then free device memory;
+        with ``norm`` the optimizer thread takes their squared norm once they have landed."""
         if not self.offload:
             return
         done = self.streams.event("compute")

@@ -57,8 +57,8 @@ class StepClock:
 
     * ``compute``: forward and backward, from after their inputs arrived;
     * ``load_wait``: the compute stream waiting for a parameter load (on the CPU, the host);
-    * ``offload_wait``: NORM waiting for this rank's gradient offloads (which take the
-      squared norms on the way);
+    * ``offload_wait``: NORM waiting for this rank's gradients to land in host memory and
+      for their squared norms (taken there by the optimizer thread);
     * ``optimizer_wait``: a compute waiting for its stage's optimizer step (the host, before
       the load could be issued).
 
