@@ -157,6 +157,8 @@ def search(args: argparse.Namespace) -> dict:
         tries.append(spawn_try(args, n, min(args.try_timeout_s, left)))
         print(json.dumps(tries[-1]), flush=True)
         ok = tries[-1]["ok"]
+        if not ok and tries[-1].get("error") != "OOM":
+            break  # a crash or timeout says nothing about fitting: stop, reported as incomplete
         lo, hi = (n, hi) if ok else (lo, n)
         # the boundary is usually near the first guess: walk away from it by 1, 2, 4 ... layers
         # until the outcome flips, then bisect
@@ -168,7 +170,8 @@ def search(args: argparse.Namespace) -> dict:
     return {"model": args.model, "device": args.device, "mem_cap_gb": cap,
             "micro_batch": args.micro_batch, "seq_length": args.seq_length, "preset_layers": total,
             "largest_layers": lo, "largest_params": largest, "largest_params_b": largest / 1e9 if largest else None,
-            "complete": hi - lo == 1, "reference_params": ref,
+            "complete": hi - lo == 1 and all(t["ok"] or t.get("error") == "OOM" for t in tries),
+            "reference_params": ref,
             "ratio_13b_to_largest": ref["llama-2-13b"] / largest if largest else None,
             "seconds": round(time.time() - start, 1), "tries": tries}
 

@@ -122,7 +122,8 @@ def test_single_gpu_next_layers():
 @pytest.mark.parametrize("fits_up_to, want_tries", [(6, [5, 6, 8, 7]), (5, [5, 6]), (0, [5, 4, 2, 1]),
                                                     (32, [5, 6, 8, 12, 20, 26, 29, 31, 32])])
 def test_single_gpu_search(monkeypatch, fits_up_to, want_tries):
-    monkeypatch.setattr(single, "spawn_try", lambda args, n, timeout: {"layers": n, "ok": n <= fits_up_to})
+    monkeypatch.setattr(single, "spawn_try", lambda args, n, timeout: {"layers": n, "ok": n <= fits_up_to,
+                                                                        "error": None if n <= fits_up_to else "OOM"})
     summary = single.search(single.parse_args(["--model", "llama-2-7b"]))
     assert [t["layers"] for t in summary["tries"]] == want_tries
     assert summary["largest_layers"] == fits_up_to and summary["complete"]
@@ -131,3 +132,10 @@ def test_single_gpu_search(monkeypatch, fits_up_to, want_tries):
         assert summary["ratio_13b_to_largest"] == pytest.approx(13015864320 / summary["largest_params"])
     else:
         assert summary["largest_params"] is None and summary["ratio_13b_to_largest"] is None
+
+
+def test_single_gpu_search_stops_on_a_crash(monkeypatch):
+    """A try that fails for another reason than running out of memory says nothing about fitting."""
+    monkeypatch.setattr(single, "spawn_try", lambda args, n, timeout: {"layers": n, "ok": False, "error": "rc 1: boom"})
+    summary = single.search(single.parse_args(["--model", "llama-2-7b"]))
+    assert len(summary["tries"]) == 1 and not summary["complete"] and summary["largest_params"] is None
