@@ -171,6 +171,8 @@ class StageStore:
                 leaf.grad = self.master_grad[lo:hi]
                 groups.append({"params": [leaf], "weight_decay": wd})
         self.optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim.betas, eps=optim.eps, fused=optim.fused)
+        if optim.fused:
+            self._init_adam_state()
 
         same_dtype = compute_dtype == torch.float32
         if offload:
@@ -188,6 +190,16 @@ class StageStore:
         self._step_future: Future | None = None
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
+
+    def _init_adam_state(self) -> None:
+        """AdamW's moments made (their pages touched) now, on this thread, instead of lazily in
+        the first step on the optimizer thread: host memory is taken at start-up, not in the
+        middle of training. torch's AdamW uses a state it finds (the fused kernel's step is a
+        float32 tensor next to the parameter, as AdamW itself would make it)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                           "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     # --- views -------------------------------------------------------------------------
     def _views(self, flat: torch.Tensor):

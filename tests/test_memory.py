@@ -53,9 +53,14 @@ def test_layer_formula_matches_autograd(dtype, attn):
 
 
 def _static_bytes(trainer) -> int:
+    """Buffers that exist before training: the stores' flat buffers and AdamW's state (made at
+    start-up, so no allocation of it happens on the optimizer thread, which the profiler does
+    not reliably see)."""
     seen = {}
     for st in trainer.stores.values():
-        for x in (st.master, st.master_grad, st.dev, st.grad, st.work):
+        state = [t for per_param in st.optimizer.state.values() for t in per_param.values()]
+        assert state, "AdamW state is expected to exist before the first step"
+        for x in (st.master, st.master_grad, st.dev, st.grad, st.work, *state):
             if x is not None:
                 seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
     return sum(seen.values())
