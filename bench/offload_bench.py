@@ -212,6 +212,11 @@ def mapping_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tables(rows: list[dict]) -> str:
+    """The main table and, when there are ``+<mapping>`` rows, the mapping table."""
+    return "\n\n".join(t for t in (table(rows), mapping_table(rows)) if t)
+
+
 def resummarise(run_dir: Path, warmup: int) -> str:
     """The tables of a finished run, its main.py rows summarised again with ``warmup`` untimed
     iterations (FSDP2 rows as they were recorded)."""
@@ -223,7 +228,7 @@ def resummarise(run_dir: Path, warmup: int) -> str:
             settings = argparse.Namespace(**{**data.get("args", {}), "warmup": warmup})
             row = {**row, **summarise(json.loads(result.read_text()), row["mode"], settings)}
         rows.append(row)
-    return "\n\n".join(t for t in (table(rows), mapping_table(rows)) if t)
+    return tables(rows)
 
 
 def main() -> None:
@@ -265,7 +270,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         (out / "rows.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    text = "\n\n".join(t for t in (table(rows), mapping_table(rows)) if t)
+    text = tables(rows)
     (out / "table.md").write_text(text + "\n")
     print(text)
 
