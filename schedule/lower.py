@@ -190,14 +190,14 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
     out: Schedule = {}
     for r, acts in schedule.items():
         last_b = {a.stage: i for i, a in enumerate(acts) if a.op is Op.BACKWARD}
-        first_use = {}
-        for i, a in enumerate(acts):
-            if a.op in COMPUTE_OPS:
-                first_use.setdefault(a.stage, i)
         missing = [s for s in stages_of(r, mapping) if s not in last_b]
         if missing:
             raise ValueError(f"rank {r}: stages {missing} have no backward; cannot place their STEP")
         if clip:
+            first_use: dict[int, int] = {}
+            for i, a in enumerate(acts):
+                if a.op in COMPUTE_OPS:
+                    first_use.setdefault(a.stage, i)
             stages = sorted(last_b, key=first_use.get)
             out[r] = list(acts) + [Action(-1, Op.NORM)] + [Action(s, Op.STEP) for s in stages]
             continue
