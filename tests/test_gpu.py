@@ -4,6 +4,7 @@ stage sizes, and the step makes no host synchronisation outside the documented p
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 import warnings
 
@@ -96,10 +97,16 @@ def test_step_has_no_host_sync(tmp_path):
     seen: list[tuple[str, int, str]] = []  # innermost repo frame of each reported sync
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        # torch's text for a sync it caught (torch 2.11 also warns, with another text, that the
+        # debug mode itself is a prototype when it is switched on)
+        if "called a synchronizing CUDA operation" in str(message):
             frames = [f for f in traceback.extract_stack() if f.filename.startswith(repo)
                       and "/tests/" not in f.filename]
-            seen.append((frames[-1].filename, frames[-1].lineno, frames[-1].line) if frames else (filename, lineno, ""))
+            if frames:
+                seen.append((frames[-1].filename, frames[-1].lineno, frames[-1].line))
+            else:  # no frame of ours: name the thread and the stack's last frames, to see where it came from
+                tail = " <- ".join(f"{f.filename}:{f.lineno} {f.name}" for f in reversed(traceback.extract_stack()[-6:-1]))
+                seen.append((filename, lineno, f"[{threading.current_thread().name}] {message} | {tail}"))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -113,5 +120,5 @@ def test_step_has_no_host_sync(tmp_path):
     assert seen, "the sync debug mode reported nothing: the check itself is not working"
     allowed = ("float(torch.stack(self.losses)", "out.backward()", "torch.autograd.backward(out, grad)")
     unexpected = {(f, n, code) for f, n, code in seen
-                  if not (f.endswith("pipeline/executor.py") and code.startswith(allowed))}
+                  if not (f.endswith("pipeline/executor.py") and any(a in code for a in allowed))}
     assert not unexpected, sorted(unexpected)
