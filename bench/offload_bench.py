@@ -80,6 +80,16 @@ def slug(name: str) -> str:
     return name.replace("/", "_")
 
 
+def failure(log: str, rc: int) -> str:
+    """A failed row's status: OOM when it ran out of GPU memory, or when main.py's plan refused it
+    up front (the plan's line, which says how much it needs, is in the row's log)."""
+    if "OutOfMemory" in log or "out of memory" in log.lower():
+        return "OOM"
+    if "this configuration does not fit" in log:
+        return "OOM (plan, before start)"
+    return f"failed (rc {rc})"
+
+
 def parse_log(log: str) -> dict:
     """The mapping line and the timeline's step times / prediction error from a main.py log (None if absent)."""
     mapping = MAPPING_RE.search(log)
@@ -131,7 +141,7 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
     if rc == 0 and result.exists():
         row.update(summarise(json.loads(result.read_text()), mode, args))
     else:
-        row["status"] = "OOM" if "OutOfMemory" in log or "out of memory" in log.lower() else f"failed (rc {rc})"
+        row["status"] = failure(log, rc)
     return row
 
 
@@ -227,6 +237,8 @@ def resummarise(run_dir: Path, warmup: int) -> str:
         if row.get("status") == "ok" and row.get("mode") != "fsdp2" and result.exists():
             settings = argparse.Namespace(**{**data.get("args", {}), "warmup": warmup})
             row = {**row, **summarise(json.loads(result.read_text()), row["mode"], settings)}
+        elif row.get("status") != "ok" and (run_dir / f"{slug(row['row'])}.log").exists():
+            row = {**row, "status": failure((run_dir / f"{slug(row['row'])}.log").read_text(), row.get("rc", 1))}
         rows.append(row)
     return tables(rows)
 

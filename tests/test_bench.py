@@ -139,3 +139,10 @@ def test_single_gpu_search_stops_on_a_crash(monkeypatch):
     monkeypatch.setattr(single, "spawn_try", lambda args, n, timeout: {"layers": n, "ok": False, "error": "rc 1: boom"})
     summary = single.search(single.parse_args(["--model", "llama-2-7b"]))
     assert len(summary["tries"]) == 1 and not summary["complete"] and summary["largest_params"] is None
+
+
+def test_failure_status():
+    assert bench.failure("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", 1) == "OOM"
+    assert bench.failure("error: this configuration does not fit: it needs about 69.78 GiB on GPU rank 1", 1) \
+        == "OOM (plan, before start)"
+    assert bench.failure("RuntimeError: NCCL timeout", 1) == "failed (rc 1)"
