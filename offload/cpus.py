@@ -7,6 +7,7 @@ cores near its PCIe root), else of all the cores the process may run on.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -65,4 +66,19 @@ def pin_current_thread(cpus: list[int]) -> None:
     torch.set_num_threads(max(1, len(cpus)))
 
 
-__all__ = ["node_cpus", "optimizer_cpus", "parse_cpulist", "pin_current_thread"]
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """Let this thread's torch ops use ``n`` threads for a while (start-up: zeroing and copying a
+    rank's tens of GB of host state on torchrun's one thread takes most of a minute), then go
+    back to what it was, so the main thread does not compete with the optimizer's cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+__all__ = ["intra_op_threads", "node_cpus", "optimizer_cpus", "parse_cpulist", "pin_current_thread"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import schedule as sched
-from offload.cpus import node_cpus, optimizer_cpus, pin_current_thread
+from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
@@ -197,7 +197,7 @@ class Trainer:
         self.streams = streams = Streams(self.device)
         pool = BufferPool(self.device)
         self.stages, self.stores = {}, {}
-        workers = None
+        workers, cpus = None, []
         if cfg.use_offload:
             # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
             cpus = self.optimizer_cpus()
@@ -205,16 +205,10 @@ class Trainer:
                                                  initargs=(cpus,)), self.device)
             self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
                           f"{cpus[0]}-{cpus[-1]})")
-        # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
-        # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
-        for s in self.stage_ids:
-            stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
-                                checkpointing=cfg.activation_checkpointing, init_device=self.device)
-            stage.rotary_emb.to(self.device)
-            self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
-                                        optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
-                                        workers=workers)
-            self.stages[s] = stage
+        # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
+        # not torchrun's one thread.
+        with intra_op_threads(len(cpus) + 2 if cpus else torch.get_num_threads()):
+            self._build_stages(hf, weights_dir, streams, pool, workers)
         self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip)
@@ -222,6 +216,26 @@ class Trainer:
         self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if self.dtype == torch.float16 else None
         if self.resume_point:
             self.restore(self.resume_point)
+
+    def _build_stages(self, hf, weights_dir, streams: Streams, pool: BufferPool, workers: Workers | None) -> None:
+        """This rank's stages (only those are ever built) and their stores."""
+        cfg, S = self.cfg, self.cfg.num_stages
+        built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
+        for s in self.stage_ids:
+            t0 = time.perf_counter()
+            stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
+                                checkpointing=cfg.activation_checkpointing, init_device=self.device)
+            stage.rotary_emb.to(self.device)
+            t1 = time.perf_counter()
+            # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
+            # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
+            self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
+                                        optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
+                                        workers=workers)
+            self.stages[s] = stage
+            built, placed = built + t1 - t0, placed + time.perf_counter() - t1
+        self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "
+                      f"and AdamW state placed in {placed:.1f}s")
 
     def optimizer_cpus(self) -> list[int]:
         """This rank's cores for the CPU optimizer: its GPU's NUMA node's share (offload/cpus.py)."""

@@ -1,7 +1,9 @@
 """Optimizer cores: NUMA-local shares of the host's cores, one per local rank."""
 from __future__ import annotations
 
-from offload.cpus import node_cpus, optimizer_cpus, parse_cpulist
+import pytest
+
+from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, parse_cpulist
 
 
 def test_parse_cpulist():
@@ -36,3 +38,16 @@ def test_single_node_or_unknown_splits_all_allowed_cores():
 def test_respects_the_allowed_set():
     nodes = {0: list(range(0, 8)), 1: list(range(8, 16))}
     assert optimizer_cpus(0, [1], nodes, [8, 9, 10, 3]) == [8, 9, 10]
+
+
+def test_intra_op_threads_restores_the_count():
+    import torch
+
+    before = torch.get_num_threads()
+    with intra_op_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), intra_op_threads(0):  # at least one thread; restored on error too
+        assert torch.get_num_threads() == 1
+        raise RuntimeError
+    assert torch.get_num_threads() == before
