@@ -167,6 +167,19 @@ def write_chrome_trace(path: str | Path, all_ranks_events: Iterable[dict] | Mapp
     return path
 
 
+def read_chrome_trace(path: str | Path) -> list[dict]:
+    """The events of a trace ``write_chrome_trace`` wrote (times in seconds from its start)."""
+    events = []
+    for e in json.loads(Path(path).read_text())["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        a = Action.parse(e["name"])
+        events.append({"rank": e["pid"], "name": e["name"], "op": a.op.value, "stage": a.stage, "mb": a.mb,
+                       "lane": e.get("cat", LANE_OF_OP[a.op]), "start": e["ts"] / 1e6,
+                       "end": (e["ts"] + e["dur"]) / 1e6})
+    return events
+
+
 def gantt_size(num_ranks: int, width: int = 1200, row_height: int = 40) -> tuple[int, int]:
     """(width, height) in pixels of the PNG ``write_gantt_png`` draws for ``num_ranks`` rows."""
     return width, 2 * _margin(row_height) + num_ranks * row_height
@@ -270,10 +283,9 @@ def _gantt_matplotlib(path: Path, events, ranks, size, row_height, Figure, Figur
 # --- one recorded iteration: measured vs predicted -------------------------------------------------
 def measured_step_time(events: Iterable[dict]) -> float:
     """Span of one recorded iteration: first start to last end over every rank, optimizer steps
-    left out. They may end after the iteration (they overlap the next one's compute), while the
-    recorded iteration began waiting for the previous iteration's steps; the cost model, which
-    simulates one iteration from a clean start, ends with its own steps instead. In a steady
-    state the two hold the same optimizer exposure."""
+    left out. They may end after the iteration (they overlap the next one's forwards), and the
+    recorded iteration began waiting for the previous iteration's steps; the cost model's
+    steady-state iteration (``predict_steady``) is measured the same way (its ``host_end``)."""
     events = [e for e in events if e["op"] != "S"]
     if not events:
         return 0.0
@@ -281,7 +293,7 @@ def measured_step_time(events: Iterable[dict]) -> float:
 
 
 def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Action]], mapping: list[int],
-                          stage_bytes: list[int], rank_groups: list[int] | None = None):
+                          stage_bytes: list[int], rank_groups: list[int] | None = None, steady: bool = True):
     """The cost model's timeline for ``schedule``, fed with the op durations measured in ``events``.
 
     Compute per stage is the median measured F (B) of that stage: a measured F may also hold a
@@ -291,9 +303,12 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     own when unknown), a root's uplink the fastest link under it. STEP takes the median
     measured STEP, NORM the shortest measured NORM (the last rank to arrive waits least). So the
     prediction error measures how the cost model composes durations (overlap, waiting,
-    contention), not how well it guesses them.
+    contention), not how well it guesses them. The iteration predicted is one in a steady
+    state (``schedule.costmodel.predict_steady``): it starts with the previous iteration's
+    optimizer steps still running, as the recorded one did (``steady=False``: one iteration
+    from a clean start, ending with its own steps).
     """
-    from schedule.costmodel import predict
+    from schedule.costmodel import predict, predict_steady
 
     events = list(events)
     ranks = sorted(schedule)
@@ -314,8 +329,9 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
     steps = [d for (op, _), ds in durations.items() if op == "S" for d in ds]
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]
-    return predict(dict(schedule), mapping, ranks, groups, compute, stage_bytes, links, roots,
-                   step_s=_median(steps) if steps else 0.0, norm_s=min(norms, default=0.0))
+    return (predict_steady if steady else predict)(dict(schedule), mapping, ranks, groups, compute, stage_bytes,
+                                                   links, roots, step_s=_median(steps) if steps else 0.0,
+                                                   norm_s=min(norms, default=0.0))
 
 
 def _median(values: list[float]) -> float:
@@ -342,7 +358,8 @@ def write_run_timeline(save_dir: str | Path, events: list[dict], schedule: Mappi
     paths["predicted"] = write_chrome_trace(out / "timeline_predicted.json", pred.events())
     write_gantt_png(out / "timeline_predicted.png", pred.events())
     paths["predicted_gantt"] = out / "timeline_predicted.png"
-    err = (pred.step_time - measured) / measured if measured > 0 else 0.0
-    line = (f"timeline: measured step {measured:.4f}s, cost model (measured op durations) {pred.step_time:.4f}s, "
-            f"prediction error {err:+.1%}; wrote {paths['timeline']}, {paths['gantt']}, {paths['predicted']}")
+    err = (pred.host_end - measured) / measured if measured > 0 else 0.0
+    line = (f"timeline: measured step {measured:.4f}s, cost model (measured op durations, steady state) "
+            f"{pred.host_end:.4f}s, prediction error {err:+.1%}; wrote {paths['timeline']}, {paths['gantt']}, "
+            f"{paths['predicted']}")
     return paths, line

@@ -14,7 +14,13 @@ An event-driven simulation of the executor (``pipeline/executor.py`` with ``offl
   direction, share the root's bandwidth max-min fairly (each also capped by its own link),
   re-divided whenever a transfer starts or ends. The two directions do not interfere.
 * STEP runs on the rank's CPU lane (the optimizer thread) for ``step_s`` once the stage's
-  OFFLOAD completed; a later LOAD of that stage blocks the rank until the step is done.
+  OFFLOAD completed. A later LOAD of that stage does not block the rank (the executor hands
+  it to its loader thread): its copy starts once the step is done, and the stage's compute
+  waits for the copy. Only a LOAD whose step has not even started blocks the rank.
+* ``pending_steps``: optimizer steps of the previous iteration still running when this one
+  starts (stage -> when each ends); they hold the CPU lane and their stages' LOADs.
+  ``predict_steady`` uses them to predict an iteration in a steady state, where the steps
+  overlap the next iteration's forwards, instead of one from a clean start.
 * NORM is a barrier across ranks that also waits for each rank's offloads (the host reads
   the gradients), then takes ``norm_s``.
 * ``start_offset_s[r]``: rank ``r`` issues nothing before that time (load staggering: the
@@ -41,6 +47,8 @@ class Prediction:
 
     Attributes:
         step_time: time at which the last action (compute, transfer or optimizer step) ends.
+        host_end: time at which the last action other than an optimizer step ends: where the
+            next iteration starts (its steps may still be running).
         timeline: per rank, ``(start, end, action)`` of every action, sorted by start.
         bubble_fraction: ``1 - total F/B time / (num_ranks * step_time)``.
         exposed_transfer_s: per rank, compute-lane time spent waiting on transfers (a LOAD
@@ -51,6 +59,7 @@ class Prediction:
     timeline: dict[int, list[tuple[float, float, Action]]]
     bubble_fraction: float
     exposed_transfer_s: dict[int, float] = field(default_factory=dict)
+    host_end: float = 0.0
 
     def events(self) -> list[dict]:
         """The timeline as event dicts (the format ``pipeline/timeline.py`` writes)."""
@@ -67,6 +76,7 @@ class _Transfer:
     left: float           # bytes still to move
     start: float = math.nan
     rate: float = 0.0
+    not_before: float = 0.0  # a LOAD whose stage's optimizer step ends then
 
 
 def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
@@ -88,6 +98,7 @@ def predict(
     norm_s: float = 0.0,
     p2p_latency_s: float = 0.0,
     start_offset_s: Sequence[float] | None = None,
+    pending_steps: Mapping[int, float] | None = None,
 ) -> Prediction:
     """Simulate one iteration of ``schedule``; see the module docstring for the semantics.
 
@@ -102,6 +113,8 @@ def predict(
         link_gbps: GB/s of each GPU's own link (one value, or one per physical GPU).
         root_gbps: GB/s of a root group per direction (one value, or ``{group: GB/s}``).
         start_offset_s: per rank, seconds before it issues its first action (default none).
+        pending_steps: ``{stage: seconds}`` when the previous iteration's step of each stage
+            ends, counted from this iteration's start (default none).
     """
     num_stages = len(mapping)
     if len(stage_bytes) != num_stages:
@@ -117,13 +130,17 @@ def predict(
                          f"for ranks {ranks}")
     # when the rank reached (or reaches) its next action
     ready = {r: 0.0 if start_offset_s is None else float(start_offset_s[r]) for r in ranks}
-    cpu_free = {r: 0.0 for r in ranks}
+    unknown = sorted(s for s in (pending_steps or {}) if not 0 <= s < num_stages)
+    if unknown:
+        raise ValueError(f"pending_steps names stages {unknown}; the schedule has stages 0..{num_stages - 1}")
+    pending = {s: float(t) for s, t in (pending_steps or {}).items() if t > 0}
+    cpu_free = {r: max([t for s, t in pending.items() if mapping[s] == r], default=0.0) for r in ranks}
     exposed = {r: 0.0 for r in ranks}
     timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}
     done: dict[Action, float] = {}         # compute action -> end
     load_done: dict[int, float] = {}       # stage -> end of its latest LOAD (inf while moving)
     offload_done: dict[int, float] = {}
-    step_end: dict[int, float] = {}
+    step_end: dict[int, float] = dict(pending)
     steps: dict[int, deque] = {r: deque() for r in ranks}  # (stage, issue time) waiting for the CPU lane
     norm_at: dict[int, float] = {}
     lanes: dict[tuple[int, str], deque] = {}
@@ -143,16 +160,22 @@ def predict(
                 left, n = left - t.rate, n - 1
 
     def start_lane(r: int, direction: str) -> None:
+        """Start the first queued transfer of the lane that may start now (FIFO otherwise)."""
         q = lanes.get((r, direction))
-        if (r, direction) not in busy and q:
-            t = q.popleft()
-            t.start = now
-            active.append(t)
-            busy.add((r, direction))
+        if (r, direction) in busy or not q:
+            return
+        for t in q:
+            if t.not_before <= now + _EPS:
+                q.remove(t)
+                t.start = now
+                active.append(t)
+                busy.add((r, direction))
+                return
 
-    def enqueue(r: int, a: Action, nbytes: float, direction: str) -> None:
+    def enqueue(r: int, a: Action, nbytes: float, direction: str, not_before: float = 0.0) -> None:
         gpu = gpu_of_rank[r]
-        t = _Transfer(r, a, (groups[gpu], direction), _per(link_gbps, gpu) * 1e9, float(nbytes))
+        t = _Transfer(r, a, (groups[gpu], direction), _per(link_gbps, gpu) * 1e9, float(nbytes),
+                      not_before=not_before)
         if not (t.cap > 0 and _per(root_gbps, t.key[0]) > 0):
             raise ValueError(f"GPU {gpu}: link_gbps ({_per(link_gbps, gpu)}) and root_gbps of group {t.key[0]} "
                              f"({_per(root_gbps, t.key[0])}) must be > 0")
@@ -179,11 +202,10 @@ def predict(
             timeline[r].append((start, end, a))
         elif a.op is Op.LOAD:
             need = step_end.get(s, 0.0)
-            if need > now + _EPS:  # host wait for the optimizer thread (inf: not even started)
-                ready[r] = need if math.isfinite(need) else ready[r]
+            if math.isinf(need):  # its step has not started: the host waits until it has
                 return False
             load_done[s] = math.inf
-            enqueue(r, a, stage_bytes[s], "h2d")
+            enqueue(r, a, stage_bytes[s], "h2d", not_before=need)
         elif a.op is Op.OFFLOAD:
             offload_done[s] = math.inf
             enqueue(r, a, off_bytes[s], "d2h")
@@ -240,6 +262,7 @@ def predict(
         reshare()
         candidates = [ready[r] for r in ranks if pc[r] < len(schedule[r]) and ready[r] > now + _EPS]
         candidates += [now + t.left / t.rate for t in active if t.rate > 0]
+        candidates += [t.not_before for q in lanes.values() for t in q if t.not_before > now + _EPS]
         if not candidates:
             stuck = {r: str(schedule[r][pc[r]]) for r in ranks if pc[r] < len(schedule[r])}
             raise ValueError(f"cost model deadlocked at t={now:.6g}s: next action per waiting rank {stuck}; "
@@ -254,10 +277,25 @@ def predict(
             busy.discard((t.rank, t.key[1]))
             (load_done if t.action.op is Op.LOAD else offload_done)[t.action.stage] = now
             timeline[t.rank].append((t.start, now, t.action))
-            start_lane(t.rank, t.key[1])
+        for r, direction in list(lanes):  # lanes freed now, and loads whose step just ended
+            start_lane(r, direction)
     step_time = max((e for rows in timeline.values() for _, e, _ in rows), default=0.0)
+    host_end = max((e for rows in timeline.values() for _, e, a in rows if a.op is not Op.STEP), default=0.0)
     busy_s = sum(e - s for rows in timeline.values() for s, e, a in rows if a.op in COMPUTE_OPS)
     bubble = 1.0 - busy_s / (len(ranks) * step_time) if step_time > 0 else 0.0
     for rows in timeline.values():
         rows.sort(key=lambda x: (x[0], x[1]))
-    return Prediction(step_time, timeline, bubble, exposed)
+    return Prediction(step_time, timeline, bubble, exposed, host_end)
+
+
+def predict_steady(*args, iterations: int = 4, **kwargs) -> Prediction:
+    """``predict`` for an iteration in a steady state: each simulated iteration starts with the
+    previous one's optimizer steps still running (``pending_steps``), as the executor's next
+    iteration starts while its steps run. Returns the last of ``iterations`` simulated
+    iterations; its ``host_end`` is the steady step time. The arguments are ``predict``'s."""
+    pred, pending = None, None
+    for _ in range(max(1, iterations)):
+        pred = predict(*args, pending_steps=pending, **kwargs)
+        pending = {a.stage: e - pred.host_end for rows in pred.timeline.values() for _, e, a in rows
+                   if a.op is Op.STEP and e > pred.host_end}
+    return pred

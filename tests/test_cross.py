@@ -168,6 +168,20 @@ def test_torchrun_writes_timeline(cross_run):
         assert struct.unpack(">II", data[16:24]) == gantt_size(2)
 
 
+@pytest.mark.slow
+def test_timeline_replays_offline(cross_run):
+    """bench/timeline_vs_model.py rebuilds the run's program from its files (config, trace) and
+    gets the prediction the run logged (the rank groups are the topology file's)."""
+    from test_bench import _load
+
+    cfg, out, proc = cross_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = _load("offload_bench").parse_log(proc.stdout)
+    got = _load("timeline_vs_model").compare(out, out / "results.json", [0, 1])
+    assert got["measured_timeline_step_s"] == pytest.approx(logged["measured_timeline_step_s"], abs=1e-4)
+    assert got["steady_state"]["host_end_s"] == pytest.approx(logged["predicted_step_s"], abs=1e-4)
+
+
 # --- L1: which GPU each rank is on; the --plan helper -------------------------------------------------
 def test_rank_topology_follows_visible_devices(monkeypatch):
     from offload.topology import GpuLink, Topology

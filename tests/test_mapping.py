@@ -12,8 +12,9 @@ import pytest
 
 import schedule as sched
 from offload.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
-from pipeline.timeline import COLOURS, PNG_SIGNATURE, Timeline, gantt_size, write_chrome_trace, write_gantt_png
-from schedule.costmodel import predict
+from pipeline.timeline import (COLOURS, PNG_SIGNATURE, Timeline, gantt_size, read_chrome_trace, write_chrome_trace,
+                               write_gantt_png)
+from schedule.costmodel import predict, predict_steady
 from schedule.ir import Action, Op
 from schedule.mapping import manual_mapping, plan_mapping
 
@@ -177,6 +178,47 @@ def test_load_waits_for_step_norm_and_p2p_latency():
     assert spans(p, 0)["NORM"] == (0.1, 0.55) and spans(p, 1)["NORM"] == (0.21, 0.55)  # waits for 1O
     assert spans(p, 1)["1S"] == (0.55, 0.65)
     assert p.exposed_transfer_s == pytest.approx({0: 0.0, 1: 0.29})
+
+
+def test_pending_step_delays_only_its_stage():
+    # Stage 1's step of the previous iteration ends at 0.8 s: its LOAD is handed over (the rank
+    # goes on to 0F0 at 0.5 instead of waiting for the step), its copy starts at 0.8.
+    program = {0: acts("0L 1L 0F0 1F0")}
+    p = predict(program, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, pending_steps={0: -0.1, 1: 0.8})
+    assert spans(p, 0) == {"0L": (0.0, 0.5), "1L": (0.8, 1.3), "0F0": (0.5, 0.6), "1F0": (1.3, 1.4)}
+    assert p.host_end == p.step_time == pytest.approx(1.4)
+    # The previous steps also hold the rank's optimizer thread: a new step starts after them.
+    p = predict({0: acts("0F0 1F0 1B0 1O 1S")}, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, step_s=0.3,
+                pending_steps={0: 1.0})
+    assert spans(p, 0)["1O"] == (0.4, 0.9) and spans(p, 0)["1S"] == (1.0, 1.3)
+    assert p.host_end == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="pending_steps names stages \\[5\\]"):
+        predict(program, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, pending_steps={5: 1.0})
+
+
+def test_steady_state_overlaps_steps_with_the_next_iteration():
+    # One stage: L 0.5, F 0.1, B 0.2, O 0.5, S 0.3. From a clean start the iteration's host part
+    # ends at 1.3 (its step at 1.6); in a steady state each iteration starts 0.3 s before the
+    # previous step ends, so its load starts at 0.3 and the host part ends at 1.6.
+    program = {0: acts("0L 0F0 0B0 0O 0S")}
+    args = (program, [0], [0], [0], {0: (0.1, 0.2)}, [10 * GB], 20.0, 20.0)
+    clean = predict(*args, step_s=0.3)
+    assert (clean.host_end, clean.step_time) == pytest.approx((1.3, 1.6))
+    steady = predict_steady(*args, step_s=0.3)
+    assert spans(steady, 0)["0L"] == pytest.approx((0.3, 0.8))
+    assert (steady.host_end, steady.step_time) == pytest.approx((1.6, 1.9))
+    # Without optimizer time the steady state is the clean start.
+    assert predict_steady(*args).timeline == predict(*args).timeline
+
+
+def test_chrome_trace_reads_back(tmp_path):
+    pred = predict(TWO, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB, 10 * GB], 100.0, 20.0)
+    events = read_chrome_trace(write_chrome_trace(tmp_path / "t.json", pred.events()))
+    want = sorted((e["rank"], e["name"], e["op"], e["stage"], e["mb"], round(e["start"], 6), round(e["end"], 6))
+                  for e in pred.events())
+    got = sorted((e["rank"], e["name"], e["op"], e["stage"], e["mb"], round(e["start"], 6), round(e["end"], 6))
+                 for e in events)
+    assert got == want
 
 
 @pytest.mark.parametrize("name", sched.SCHEDULE_NAMES)

@@ -1,0 +1,88 @@
+"""The cost model against a recorded timeline, again, from the files a run left.
+
+    python3 bench/timeline_vs_model.py ROW_DIR [--groups 0,0]
+
+ROW_DIR is a run's ``save_dir`` holding ``timeline.json`` (``timeline: true``), next to the
+run's ``save_results`` file ``ROW_DIR.json`` (the layout ``bench/offload_bench.py`` writes), or
+give that file with ``--results``. The schedule is rebuilt from the run's config, the stage ->
+rank mapping read off the trace, and the op durations measured there fed to the cost model
+(``pipeline.timeline.calibrated_prediction``) twice: for one iteration from a clean start and
+for one in a steady state (the previous iteration's optimizer steps still running, as in the
+recorded one). ``--groups``: the root complex of each rank's GPU, as the run found it (each rank
+its own when not given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import schedule as sched  # noqa: E402
+from pipeline.config import make_config  # noqa: E402
+from pipeline.model import PRESETS, partition_layers, preset_config, stage_num_params  # noqa: E402
+from pipeline.optim import compute_dtype, needs_norm  # noqa: E402
+from pipeline.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402
+
+
+def compare(row_dir: Path, results: Path, groups: list[int] | None) -> dict:
+    events = read_chrome_trace(row_dir / "timeline.json")
+    saved = json.loads(results.read_text())
+    cfg = make_config(saved["config"])
+    S = cfg.num_stages
+    mapping = [-1] * S
+    for e in events:
+        if e["op"] == "F":
+            mapping[e["stage"]] = e["rank"]
+    if -1 in mapping:
+        raise SystemExit(f"error: {row_dir / 'timeline.json'} has no forward of stages "
+                         f"{[s for s, r in enumerate(mapping) if r < 0]}")
+    if cfg.model in PRESETS:
+        hf = preset_config(cfg.model)
+    else:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(cfg.model)
+    parts = partition_layers(hf.num_hidden_layers, S)
+    elem = torch.empty(0, dtype=compute_dtype(cfg, torch.device(cfg.device))).element_size()
+    stage_bytes = [stage_num_params(hf, parts[s], s == 0, s == S - 1) * elem for s in range(S)]
+    program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
+                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
+    steady = calibrated_prediction(events, program, mapping, stage_bytes, groups)
+    # The same durations, one iteration from a clean start (what the model predicted before).
+    clean = calibrated_prediction(events, program, mapping, stage_bytes, groups, steady=False)
+    measured = measured_step_time(events)
+    per_iteration = [it["time_s"] for it in saved["iterations"]]
+    return {"row": row_dir.name, "measured_timeline_step_s": measured,
+            "clean_start": {"host_end_s": clean.host_end, "step_time_s": clean.step_time},
+            "steady_state": {"host_end_s": steady.host_end, "step_time_s": steady.step_time},
+            "error_clean_host_end_pct": 100 * (clean.host_end - measured) / measured,
+            "error_clean_with_steps_pct": 100 * (clean.step_time - measured) / measured,
+            "error_steady_pct": 100 * (steady.host_end - measured) / measured,
+            "iteration_times_s": per_iteration}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("row_dirs", nargs="+", type=Path)
+    p.add_argument("--results", type=Path, help="the run's save_results file (default ROW_DIR.json)")
+    p.add_argument("--groups", default="", help="root complex of each rank's GPU, e.g. 0,0")
+    args = p.parse_args()
+    groups = [int(g) for g in args.groups.split(",")] if args.groups else None
+    print("| row | measured step s (timeline) | model, clean start s | error % | model + its steps s | error % | "
+          "model, steady state s | error % |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in args.row_dirs:
+        r = compare(d, args.results or d.with_name(d.name + ".json"), groups)
+        print(f"| {r['row']} | {r['measured_timeline_step_s']:.3f} | {r['clean_start']['host_end_s']:.3f} | "
+              f"{r['error_clean_host_end_pct']:+.1f} | {r['clean_start']['step_time_s']:.3f} | "
+              f"{r['error_clean_with_steps_pct']:+.1f} | {r['steady_state']['host_end_s']:.3f} | "
+              f"{r['error_steady_pct']:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()
