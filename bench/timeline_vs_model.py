@@ -9,7 +9,8 @@ rank mapping read off the trace, and the op durations measured there fed to the 
 (``pipeline.timeline.calibrated_prediction``) twice: for one iteration from a clean start and
 for one in a steady state (the previous iteration's optimizer steps still running, as in the
 recorded one). ``--groups``: the root complex of each rank's GPU, as the run found it (each rank
-its own when not given).
+its own when not given). ``--step_scale 0.5,0.25``: also the steady state with every optimizer
+step that much as long (what a faster CPU optimizer would buy, all else as measured).
 """
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ from pipeline.optim import compute_dtype, needs_norm  # noqa: E402
 from pipeline.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402
 
 
-def compare(row_dir: Path, results: Path, groups: list[int] | None) -> dict:
+def scale_steps(events: list[dict], factor: float) -> list[dict]:
+    """``events`` with every optimizer step ``factor`` times as long."""
+    return [{**e, "end": e["start"] + factor * (e["end"] - e["start"])} if e["op"] == "S" else e for e in events]
+
+
+def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales: tuple[float, ...] = ()) -> dict:
     events = read_chrome_trace(row_dir / "timeline.json")
     saved = json.loads(results.read_text())
     cfg = make_config(saved["config"])
@@ -56,6 +62,8 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None) -> dict:
     # The same durations, one iteration from a clean start (what the model predicted before).
     clean = calibrated_prediction(events, program, mapping, stage_bytes, groups, steady=False)
     measured = measured_step_time(events)
+    scaled = {f: calibrated_prediction(scale_steps(events, f), program, mapping, stage_bytes, groups).host_end
+              for f in step_scales}
     per_iteration = [it["time_s"] for it in saved["iterations"]]
     return {"row": row_dir.name, "measured_timeline_step_s": measured,
             "clean_start": {"host_end_s": clean.host_end, "step_time_s": clean.step_time},
@@ -63,7 +71,7 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None) -> dict:
             "error_clean_host_end_pct": 100 * (clean.host_end - measured) / measured,
             "error_clean_with_steps_pct": 100 * (clean.step_time - measured) / measured,
             "error_steady_pct": 100 * (steady.host_end - measured) / measured,
-            "iteration_times_s": per_iteration}
+            "iteration_times_s": per_iteration, "steady_state_with_steps_scaled_s": scaled}
 
 
 def main() -> None:
@@ -71,17 +79,26 @@ def main() -> None:
     p.add_argument("row_dirs", nargs="+", type=Path)
     p.add_argument("--results", type=Path, help="the run's save_results file (default ROW_DIR.json)")
     p.add_argument("--groups", default="", help="root complex of each rank's GPU, e.g. 0,0")
+    p.add_argument("--step_scale", default="", help="e.g. 0.5,0.25: optimizer steps that much as long")
     args = p.parse_args()
     groups = [int(g) for g in args.groups.split(",")] if args.groups else None
+    scales = tuple(float(f) for f in args.step_scale.split(",")) if args.step_scale else ()
     print("| row | measured step s (timeline) | model, clean start s | error % | model + its steps s | error % | "
           "model, steady state s | error % |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for d in args.row_dirs:
-        r = compare(d, args.results or d.with_name(d.name + ".json"), groups)
+        r = compare(d, args.results or d.with_name(d.name + ".json"), groups, scales)
+        rows.append(r)
         print(f"| {r['row']} | {r['measured_timeline_step_s']:.3f} | {r['clean_start']['host_end_s']:.3f} | "
               f"{r['error_clean_host_end_pct']:+.1f} | {r['clean_start']['step_time_s']:.3f} | "
               f"{r['error_clean_with_steps_pct']:+.1f} | {r['steady_state']['host_end_s']:.3f} | "
               f"{r['error_steady_pct']:+.1f} |")
+    if scales:
+        print("\n| row | " + " | ".join(f"steady state, steps x{f:g} s" for f in scales) + " |")
+        print("|---|" + "---|" * len(scales))
+        for r in rows:
+            print(f"| {r['row']} | " + " | ".join(f"{r['steady_state_with_steps_scaled_s'][f]:.3f}" for f in scales) + " |")
 
 
 if __name__ == "__main__":

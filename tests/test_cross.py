@@ -177,9 +177,13 @@ def test_timeline_replays_offline(cross_run):
     cfg, out, proc = cross_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = _load("offload_bench").parse_log(proc.stdout)
-    got = _load("timeline_vs_model").compare(out, out / "results.json", [0, 1])
+    got = _load("timeline_vs_model").compare(out, out / "results.json", [0, 1], step_scales=(1.0, 0.0))
     assert got["measured_timeline_step_s"] == pytest.approx(logged["measured_timeline_step_s"], abs=1e-4)
     assert got["steady_state"]["host_end_s"] == pytest.approx(logged["predicted_step_s"], abs=1e-4)
+    # Steps scaled by 1 change nothing; steps of no time leave the clean start's iteration.
+    scaled = got["steady_state_with_steps_scaled_s"]
+    assert scaled[1.0] == got["steady_state"]["host_end_s"]
+    assert scaled[0.0] == pytest.approx(got["clean_start"]["host_end_s"])
 
 
 # --- L1: which GPU each rank is on; the --plan helper -------------------------------------------------
