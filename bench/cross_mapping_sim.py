@@ -36,11 +36,9 @@ GROUPS = [0, 1, 0, 1]  # root complex of GPU 0..3
 
 def stage_params(shape: dict, num_stages: int) -> list[int]:
     """Parameters per stage, with the trainer's own partition (pipeline/model.py)."""
-    from pipeline.model import partition_layers, stage_num_params
+    from pipeline.model import stage_param_counts
 
-    cfg = types.SimpleNamespace(**shape)
-    parts = partition_layers(shape["num_hidden_layers"], num_stages)
-    return [stage_num_params(cfg, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
+    return stage_param_counts(types.SimpleNamespace(**shape), num_stages)
 
 
 def main(argv: list[str] | None = None) -> None:

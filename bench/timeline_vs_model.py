@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import schedule as sched  # noqa: E402
 from pipeline.config import make_config  # noqa: E402
-from pipeline.model import PRESETS, partition_layers, preset_config, stage_num_params  # noqa: E402
+from pipeline.model import PRESETS, preset_config, stage_param_counts  # noqa: E402
 from pipeline.optim import compute_dtype, needs_norm  # noqa: E402
 from pipeline.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402
 
@@ -53,9 +53,8 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales:
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(cfg.model)
-    parts = partition_layers(hf.num_hidden_layers, S)
     elem = torch.empty(0, dtype=compute_dtype(cfg, torch.device(cfg.device))).element_size()
-    stage_bytes = [stage_num_params(hf, parts[s], s == 0, s == S - 1) * elem for s in range(S)]
+    stage_bytes = [n * elem for n in stage_param_counts(hf, S)]
     program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
                           prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
     steady = calibrated_prediction(events, program, mapping, stage_bytes, groups)

@@ -218,6 +218,12 @@ def stage_num_params(config, layer_ids: range, first: bool, last: bool) -> int:
     return len(layer_ids) * per_layer + (v * h if first else 0) + ((v * h + h) if last else 0)
 
 
+def stage_param_counts(config, num_stages: int) -> list[int]:
+    """Parameter count of every stage when the model is cut into ``num_stages`` (``partition_layers``)."""
+    parts = partition_layers(config.num_hidden_layers, num_stages)
+    return [stage_num_params(config, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
+
+
 def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
     n = stage_num_params(config, range(num_layers), True, True) - config.vocab_size * config.hidden_size
@@ -225,4 +231,4 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
 
 
 __all__ = ["PRESETS", "Stage", "build_stage", "causal_mask", "init_weights_", "load_weights_",
-           "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params"]
+           "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params", "stage_param_counts"]

@@ -15,7 +15,7 @@ import torch
 from offload.topology import Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
-from pipeline.model import partition_layers, stage_num_params
+from pipeline.model import stage_param_counts
 from pipeline.optim import needs_norm
 from schedule.mapping import MappingChoice, choose_mapping, describe_plan
 
@@ -78,9 +78,8 @@ def load_topology(cfg: TrainConfig, discover_ok: bool) -> Topology | None:
 
 def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
     S = cfg.num_stages
-    parts = partition_layers(hf_config.num_hidden_layers, S)
     elem = torch.empty(0, dtype=dtype).element_size()
-    stage_bytes = [stage_num_params(hf_config, parts[s], s == 0, s == S - 1) * elem for s in range(S)]
+    stage_bytes = [n * elem for n in stage_param_counts(hf_config, S)]
     topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping in ("auto", "cross"))
     groups, links, why = rank_topology(topo, env)
     try:
@@ -115,9 +114,7 @@ def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.d
 def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
     """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
     assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
-    S = cfg.num_stages
-    parts = partition_layers(hf_config.num_hidden_layers, S)
-    params = [stage_num_params(hf_config, parts[s], s == 0, s == S - 1) for s in range(S)]
+    params = stage_param_counts(hf_config, cfg.num_stages)
     return describe_plan(topology.groups(), params, cfg.schedule, cfg.num_chunks, cfg.seq_length,
                          cfg.batch_size // cfg.num_chunks, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
                          clip=needs_norm(cfg), gpu_ids=topology.indices(), link_gbps=topology.link_gbps(),
