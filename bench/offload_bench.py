@@ -233,12 +233,12 @@ def resummarise(run_dir: Path, warmup: int) -> str:
     data = json.loads((run_dir / "rows.json").read_text())
     rows = []
     for row in data["rows"]:
-        result = run_dir / f"{slug(row['row'])}.json"
+        result, log = (run_dir / f"{slug(row['row'])}{ext}" for ext in (".json", ".log"))
         if row.get("status") == "ok" and row.get("mode") != "fsdp2" and result.exists():
             settings = argparse.Namespace(**{**data.get("args", {}), "warmup": warmup})
             row = {**row, **summarise(json.loads(result.read_text()), row["mode"], settings)}
-        elif row.get("status") != "ok" and (run_dir / f"{slug(row['row'])}.log").exists():
-            row = {**row, "status": failure((run_dir / f"{slug(row['row'])}.log").read_text(), row.get("rc", 1))}
+        elif row.get("status") != "ok" and log.exists():
+            row = {**row, "status": failure(log.read_text(), row.get("rc", 1))}
         rows.append(row)
     return tables(rows)
 
