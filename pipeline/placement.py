@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.topology import Topology, discover, load_topology_file
+from offload.topology import GpuLink, Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.model import stage_param_counts
@@ -46,6 +46,16 @@ def visible_gpus() -> list[int] | None:
     return [int(p) for p in parts] if all(p.isdigit() for p in parts) else None
 
 
+def local_gpus(topo: Topology, count: int) -> list[GpuLink] | None:
+    """The topology's entry for the GPU of each of the first ``count`` local ranks (local rank r
+    runs on the r-th visible GPU, ``pick_device``), or None when the topology lacks one of them."""
+    by_index = {g.index: g for g in topo.gpus}
+    order = (visible_gpus() or topo.indices())[:count]
+    if len(order) < count or any(i not in by_index for i in order):
+        return None
+    return [by_index[i] for i in order]
+
+
 def rank_topology(topo: Topology | None, env: DistEnv) -> tuple[list[int] | None, list[float] | None, str]:
     """Root group and link speed of the GPU each rank runs on, or (None, None, why not).
 
@@ -56,13 +66,10 @@ def rank_topology(topo: Topology | None, env: DistEnv) -> tuple[list[int] | None
         return None, None, "topology unknown"
     if env.world_size != env.local_world_size:
         return None, None, f"{env.world_size} ranks over several hosts: topology is per host"
-    by_index = {g.index: g for g in topo.gpus}
-    order = visible_gpus() or topo.indices()
-    missing = [i for i in order if i not in by_index]
-    if missing or len(order) < env.world_size:
+    gpus = local_gpus(topo, env.world_size)
+    if gpus is None:
         return None, None, (f"topology ({topo.source}) has GPUs {topo.indices()}, ranks need "
-                            f"{env.world_size} of visible GPUs {order}")
-    gpus = [by_index[i] for i in order[:env.world_size]]
+                            f"{env.world_size} of visible GPUs {visible_gpus() or topo.indices()}")
     return [g.root for g in gpus], [g.bandwidth_gbps for g in gpus], ""
 
 
@@ -121,4 +128,5 @@ def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
                          tflops=cfg.plan_tflops)
 
 
-__all__ = ["Placement", "load_topology", "plan_text", "rank_topology", "resolve_placement", "visible_gpus"]
+__all__ = ["Placement", "load_topology", "local_gpus", "plan_text", "rank_topology", "resolve_placement",
+           "visible_gpus"]

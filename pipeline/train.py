@@ -23,7 +23,7 @@ from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
 from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
-from pipeline.placement import load_topology, plan_text, resolve_placement
+from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
@@ -242,12 +242,11 @@ class Trainer:
         allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             list(range(os.cpu_count() or 1))
         gpu_numa: list[int | None] = [None] * self.env.local_world_size
-        if self.device.type == "cuda":
-            from offload.topology import discover
-
-            topo = discover()
-            if topo is not None and len(topo.gpus) >= self.env.local_world_size:
-                gpu_numa = [g.numa for g in topo.gpus[:self.env.local_world_size]]
+        if self.device.type == "cuda":  # the NUMA node of each local rank's GPU: topology file, else discovery
+            topo = load_topology(self.cfg, discover_ok=True)
+            gpus = local_gpus(topo, self.env.local_world_size) if topo is not None else None
+            if gpus is not None:
+                gpu_numa = [g.numa for g in gpus]
         cpus = optimizer_cpus(self.env.local_rank, gpu_numa, node_cpus(), allowed)
         if self.cfg.optimizer_threads:
             return cpus[:self.cfg.optimizer_threads]

@@ -205,6 +205,21 @@ def test_rank_topology_follows_visible_devices(monkeypatch):
     assert rank_topology(topo, DistEnv(0, 8, 0, 4))[2] == "8 ranks over several hosts: topology is per host"
 
 
+def test_local_gpus_follow_visible_devices(monkeypatch):
+    """The optimizer's cores follow the NUMA node of the GPU a local rank really runs on."""
+    from offload.topology import GpuLink, Topology
+    from pipeline.placement import local_gpus
+
+    topo = Topology([GpuLink(i, i // 2, i // 2, 25.0) for i in range(4)], source="test")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [g.numa for g in local_gpus(topo, 2)] == [0, 0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert [g.index for g in local_gpus(topo, 2)] == [2, 0] and [g.numa for g in local_gpus(topo, 2)] == [1, 0]
+    assert local_gpus(topo, 3) is None  # three local ranks, two visible GPUs
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    assert local_gpus(topo, 1) is None  # a GPU the topology does not know
+
+
 def test_plan_text_for_a_config():
     from offload.topology import GpuLink, Topology
     from pipeline.config import make_config
