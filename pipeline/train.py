@@ -197,17 +197,18 @@ class Trainer:
         self.streams = streams = Streams(self.device)
         pool = BufferPool(self.device)
         self.stages, self.stores = {}, {}
-        workers, cpus = None, []
+        workers, share = None, []
         if cfg.use_offload:
             # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
-            cpus = self.optimizer_cpus()
+            share = self.rank_cpus()
+            cpus = self.optimizer_cpus(share)
             workers = Workers(ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
                                                  initargs=(cpus,)), self.device)
             self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
                           f"{cpus[0]}-{cpus[-1]})")
         # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
         # not torchrun's one thread.
-        with intra_op_threads(len(cpus) + 2 if cpus else torch.get_num_threads()):
+        with intra_op_threads(len(share) or torch.get_num_threads()):
             self._build_stages(hf, weights_dir, streams, pool, workers)
         self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
@@ -237,8 +238,8 @@ class Trainer:
         self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "
                       f"and AdamW state placed in {placed:.1f}s")
 
-    def optimizer_cpus(self) -> list[int]:
-        """This rank's cores for the CPU optimizer: its GPU's NUMA node's share (offload/cpus.py)."""
+    def rank_cpus(self) -> list[int]:
+        """This rank's share of the host's cores: of its GPU's NUMA node where known (offload/cpus.py)."""
         allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             list(range(os.cpu_count() or 1))
         gpu_numa: list[int | None] = [None] * self.env.local_world_size
@@ -247,13 +248,16 @@ class Trainer:
             gpus = local_gpus(topo, self.env.local_world_size) if topo is not None else None
             if gpus is not None:
                 gpu_numa = [g.numa for g in gpus]
-        cpus = optimizer_cpus(self.env.local_rank, gpu_numa, node_cpus(), allowed)
+        return optimizer_cpus(self.env.local_rank, gpu_numa, node_cpus(), allowed)
+
+    def optimizer_cpus(self, share: list[int]) -> list[int]:
+        """The cores of ``share`` the CPU optimizer's threads run on."""
         if self.cfg.optimizer_threads:
-            return cpus[:self.cfg.optimizer_threads]
+            return share[:self.cfg.optimizer_threads]
         # Two cores of the share stay free for this rank's main thread (it launches the GPU's
         # work: starved by busy optimizer threads, it left a GPU idle for half its compute time)
         # and its loader and communication threads.
-        return cpus[2:] if len(cpus) >= 6 else cpus
+        return share[2:] if len(share) >= 6 else share
 
     def microbatches(self, batch) -> list[MicroBatch]:
         return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device))
