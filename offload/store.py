@@ -80,7 +80,16 @@ class Streams:
 
     def mark(self, which: str = "compute"):
         """A point in time on ``which``: a timing event on CUDA, the wall clock on the CPU."""
-        return self.event(which, timing=True) if self.cuda else time.perf_counter()
+        return time_point(getattr(self, which) if self.cuda else None)
+
+
+def time_point(stream=None):
+    """A point in time: a timing event recorded on CUDA ``stream``, or (None) the wall clock."""
+    if stream is None:
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
 
 
 class Clock(Protocol):
@@ -350,10 +359,7 @@ class StageStore:
         """Squared L2 norm of this stage's gradient, fp32, on the master device (with offload a
         host wait for the optimizer thread, which takes it once the gradients are in host memory)."""
         future, self._norm_future = self._norm_future, None
-        if future is not None:
-            return future.result()
-        g = self._grads_ready()
-        return torch.dot(g, g)
+        return future.result() if future is not None else self._squared_norm()
 
     def step(self, lr: float, clip_coef: float | None) -> Future:
         """STEP: AdamW on the masters, then refresh the compute copy. With workers it runs on

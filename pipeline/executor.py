@@ -7,13 +7,12 @@ schedule, which was validated and simulated before any process ran it.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from offload.store import StageStore
+from offload.store import StageStore, time_point
 from schedule.ir import Action, Op
 
 
@@ -73,11 +72,7 @@ class StepClock:
         self._spans: list[tuple[str, object, object]] = []
 
     def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
+        return time_point(torch.cuda.current_stream() if self.cuda else None)
 
     def span(self, key: str, start, end) -> None:
         if self.cuda:
