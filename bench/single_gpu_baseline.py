@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pipeline.dist import cap_gpu_memory  # noqa: E402
 from pipeline.model import PRESETS, preset_config, stage_num_params  # noqa: E402
 
 GIB = 2**30
@@ -95,8 +96,7 @@ def run_try(args: argparse.Namespace) -> dict:
     n, device = args.try_layers, torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     if cuda:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_gb * GIB / total), device)
+        cap_gpu_memory(device, args.mem_cap_gb)
     out = {"layers": n, "params": num_params(args.model, n), "ok": False, "peak_allocated_gib": None,
            "step_time_s": None, "error": None}
     try:

@@ -31,6 +31,12 @@ def pick_device(requested: str, env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
 
 
+def cap_gpu_memory(device: torch.device, gib: float) -> None:
+    """Let this process allocate at most ``gib`` GiB on CUDA ``device`` (all of it when the card has less)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+
+
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -17,7 +17,7 @@ from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.dist import DistEnv, Log, barrier, broadcast_object, gather_objects, pick_device
+from pipeline.dist import DistEnv, Log, barrier, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
@@ -160,8 +160,7 @@ class Trainer:
         self.device = pick_device(cfg.device, env)
         self.dtype = compute_dtype(cfg, self.device)
         if self.device.type == "cuda" and cfg.gpu_memory_gb:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_gb * 2**30 / total), self.device)
+            cap_gpu_memory(self.device, cfg.gpu_memory_gb)
         self.source = source or resolve_model(cfg)
         hf = self.source.config
         S = cfg.num_stages
