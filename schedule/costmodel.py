@@ -13,10 +13,12 @@ An event-driven simulation of the executor (``pipeline/executor.py`` with ``offl
   done when their bytes went through. Transfers of GPUs under one root group, in one
   direction, share the root's bandwidth max-min fairly (each also capped by its own link),
   re-divided whenever a transfer starts or ends. The two directions do not interfere.
-* STEP runs on the rank's CPU lane (the optimizer thread) for ``step_s`` once the stage's
-  OFFLOAD completed. A later LOAD of that stage does not block the rank (the executor hands
-  it to its loader thread): its copy starts once the step is done, and the stage's compute
-  waits for the copy. Only a LOAD whose step has not even started blocks the rank.
+* STEP of an offloaded stage (one with an OFFLOAD) runs on the rank's CPU lane (the
+  optimizer thread) for ``step_s`` once the stage's OFFLOAD completed; STEP of a stage that
+  stays on the GPU takes no time (a fused GPU kernel, milliseconds). A later LOAD of an
+  offloaded stage does not block the rank (the executor hands it to its loader thread): its
+  copy starts once the step is done, and the stage's compute waits for the copy. Only a
+  LOAD whose step has not even started blocks the rank.
 * ``pending_steps``: optimizer steps of the previous iteration still running when this one
   starts (stage -> when each ends); they hold the CPU lane and their stages' LOADs.
   ``predict_steady`` uses them to predict an iteration in a steady state, where the steps
@@ -142,6 +144,7 @@ def predict(
     offload_done: dict[int, float] = {}
     step_end: dict[int, float] = dict(pending)
     steps: dict[int, deque] = {r: deque() for r in ranks}  # (stage, issue time) waiting for the CPU lane
+    offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD}
     norm_at: dict[int, float] = {}
     lanes: dict[tuple[int, str], deque] = {}
     busy: set[tuple[int, str]] = set()
@@ -209,13 +212,13 @@ def predict(
         elif a.op is Op.OFFLOAD:
             offload_done[s] = math.inf
             enqueue(r, a, off_bytes[s], "d2h")
-        elif a.op is Op.STEP:
+        elif a.op is Op.STEP and s in offloaded:
             step_end[s] = math.inf
             steps[r].append((s, now))
         elif a.op is Op.NORM:
             norm_at.setdefault(r, ready[r])
             return False  # released by release_norm
-        else:  # SEND / RECV / DROP: issued, no lane time
+        else:  # SEND / RECV / DROP, a GPU STEP: issued, no lane time
             timeline[r].append((now, now, a))
         if a.op not in COMPUTE_OPS:
             ready[r] = max(ready[r], now)

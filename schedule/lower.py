@@ -4,6 +4,9 @@ them and validates the result.
 
 Order of the passes: ``add_send_recv`` -> ``add_load_offload`` (if offloading parameters)
 -> ``add_optimizer``.
+
+With offload, some stages may stay resident (``resident_stages``): they get no LOAD, DROP or
+OFFLOAD, and their STEP runs on the GPU right after their last backward.
 """
 from __future__ import annotations
 
@@ -81,6 +84,17 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
     return out
 
 
+def resident_stages(mapping: list[int], per_rank: int) -> frozenset[int]:
+    """The stages kept on the GPU, with their optimizer state, in an offloading run: the first
+    ``per_rank`` stages of each rank in ascending order, which is the order every schedule here
+    first computes them. These are the stages whose optimizer steps the next iteration would
+    wait for first (with clipping all steps wait for the norm; without, the rank's first stage
+    has the last backward), so stepping them on the GPU hides the most CPU optimizer time."""
+    if per_rank < 0:
+        raise ValueError(f"resident stages per rank must be >= 0, got {per_rank}")
+    return frozenset(s for r in set(mapping) for s in stages_of(r, mapping)[:per_rank])
+
+
 class Interval(NamedTuple):
     """A span of one stage's compute on a rank; first/last index its compute actions."""
 
@@ -117,8 +131,10 @@ def stage_intervals(actions: list[Action]) -> list[Interval]:
     return sorted(intervals, key=lambda iv: iv.first)
 
 
-def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool) -> Schedule:
-    """Insert parameter LOAD / DROP / OFFLOAD actions around each stage's residency intervals.
+def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool,
+                     resident: frozenset[int] = frozenset()) -> Schedule:
+    """Insert parameter LOAD / DROP / OFFLOAD actions around each stage's residency intervals
+    (none for the stages in ``resident``, which stay on the device).
 
     LOAD goes before an interval, DROP after a forward-only interval (the parameters did not
     change, so no copy back), OFFLOAD after a stage's final interval (after its last backward
@@ -132,7 +148,7 @@ RECV of its first compute),
     """
     out: Schedule = {}
     for r, acts in schedule.items():
-        intervals = stage_intervals(acts)
+        intervals = [iv for iv in stage_intervals(acts) if iv.stage not in resident]
         inserts: list[tuple[int, int, int, Action]] = []  # (gap, D/O before L, order, action)
         end_gap, start_gap = [], []
         for k, iv in enumerate(intervals):
@@ -174,18 +190,28 @@ RECV of its first compute),
     return out
 
 
-def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: bool) -> Schedule:
-    """Insert optimizer STEP actions (and one NORM per rank when ``clip``).
+def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: bool,
+                  resident: frozenset[int] = frozenset()) -> Schedule:
+    """Insert optimizer STEP actions (and one NORM per rank when ``clip``). With ``offload``,
+    the stages in ``resident`` are not offloaded (their STEP follows no OFFLOAD).
 
     ``clip`` asks for the global gradient norm: for clipping, and for skipping a step whose
     gradients are not finite (the norm is then non-finite on every rank alike).
 
-    Without clipping a stage steps as soon as its gradients are final: right after its last
-    backward, that backward's SEND and (when offloading) its OFFLOAD. With clipping every rank
-    first finishes all its work, then NORM (a collective over all ranks: the global gradient
-    norm must be known before any step), then steps its stages in the order the next
-    iteration computes them: with offload the steps run on a CPU thread, one after the other,
-    and the next iteration's first stage can start as soon as its own step is done.
+    Without clipping an offloaded stage steps as soon as its gradients are in host memory:
+    right after its OFFLOAD, on the CPU optimizer thread, overlapping the rank's remaining
+    backwards. A stage on the device steps at the end of the rank's list, as with clipping: its
+    step is a few milliseconds of GPU kernels that would overlap nothing earlier, and a device
+    step in the middle of the list, with the rank's last receives not yet posted, hung the
+    first backward of 2-GPU Llama-2-7B runs with resident stages and no clipping (NCCL, over
+    PCIe and over NVLink: bench/results/2026-11-22_h200x2_callJ and callK; the cause was not
+    found, the step makes no host sync); at the end of the list they ran (callL).
+
+    With clipping every rank first finishes all its work, then NORM (a collective over all
+    ranks: the global gradient norm must be known before any step), then steps its stages in
+    the order the next iteration computes them: with offload the steps run on a CPU thread,
+    one after the other, and the next iteration's first stage can start as soon as its own
+    step is done.
     """
     out: Schedule = {}
     for r, acts in schedule.items():
@@ -193,20 +219,21 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
         missing = [s for s in stages_of(r, mapping) if s not in last_b]
         if missing:
             raise ValueError(f"rank {r}: stages {missing} have no backward; cannot place their STEP")
+        first_use: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.op in COMPUTE_OPS:
+                first_use.setdefault(a.stage, i)
+        by_use = sorted(last_b, key=first_use.get)
         if clip:
-            first_use: dict[int, int] = {}
-            for i, a in enumerate(acts):
-                if a.op in COMPUTE_OPS:
-                    first_use.setdefault(a.stage, i)
-            stages = sorted(last_b, key=first_use.get)
-            out[r] = list(acts) + [Action(-1, Op.NORM)] + [Action(s, Op.STEP) for s in stages]
+            out[r] = list(acts) + [Action(-1, Op.NORM)] + [Action(s, Op.STEP) for s in by_use]
             continue
         after: dict[int, int] = {}  # index of the action a STEP follows -> stage
         for s, i in last_b.items():
-            followers = {send_of(acts[i])} | ({Action(s, Op.OFFLOAD)} if offload else set())
-            while i + 1 < len(acts) and acts[i + 1] in followers:
+            if not offload or s in resident:
+                continue
+            while i + 1 < len(acts) and acts[i + 1] in (send_of(acts[i]), Action(s, Op.OFFLOAD)):
                 i += 1
-            if offload and acts[i] != Action(s, Op.OFFLOAD):
+            if acts[i] != Action(s, Op.OFFLOAD):
                 raise ValueError(f"rank {r}: offload=True but stage {s}'s last backward is not followed by "
                                  f"{s}O (got {acts[i]}); run add_load_offload first")
             after[i] = s
@@ -215,7 +242,7 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
             new.append(a)
             if i in after:
                 new.append(Action(after[i], Op.STEP))
-        out[r] = new
+        out[r] = new + [Action(s, Op.STEP) for s in by_use if s not in after.values()]
     return out
 
 
@@ -228,6 +255,7 @@ def build(
     offload: bool,
     prefetch: bool,
     clip: bool,
+    resident: int = 0,
 ) -> Schedule:
     """Generate, lower and validate the full program of every rank.
 
@@ -240,12 +268,14 @@ def build(
         prefetch: issue each LOAD one interval early (only meaningful with ``offload``).
         clip: the global gradient norm is needed (clipping, or skipping non-finite steps):
             adds one NORM per rank before the steps.
+        resident: with ``offload``, stages per rank that stay on the device (``resident_stages``).
     """
+    keep = resident_stages(mapping, resident) if offload else frozenset()
     schedule = generate(name, num_stages, num_microbatches, mapping)
     schedule = add_send_recv(schedule, mapping)
     if offload:
-        schedule = add_load_offload(schedule, mapping, prefetch)
-    schedule = add_optimizer(schedule, mapping, clip=clip, offload=offload)
+        schedule = add_load_offload(schedule, mapping, prefetch, keep)
+    schedule = add_optimizer(schedule, mapping, clip=clip, offload=offload, resident=keep)
     validate(schedule, mapping, num_stages, num_microbatches)
     return schedule
 
@@ -257,6 +287,7 @@ def build_forward(
     *,
     offload: bool,
     prefetch: bool,
+    resident: int = 0,
 ) -> Schedule:
     """The forward-only program of every rank (evaluation): F, SEND_F / RECV_F and, with
     offload, LOAD / DROP; no B, no OFFLOAD, no NORM, no STEP. Validated like ``build``.
@@ -266,6 +297,6 @@ def build_forward(
     schedule = generate_forward(num_stages, num_microbatches, mapping)
     schedule = add_send_recv(schedule, mapping)
     if offload:
-        schedule = add_load_offload(schedule, mapping, prefetch)
+        schedule = add_load_offload(schedule, mapping, prefetch, resident_stages(mapping, resident))
     validate(schedule, mapping, num_stages, num_microbatches, forward_only=True)
     return schedule

@@ -93,6 +93,7 @@ def plan_mapping(
     offload: bool = True,
     prefetch: bool = True,
     clip: bool = False,
+    resident: int = 0,
     step_s: float = 0.0,
     tokens_per_microbatch: int = 4096,
     tflops: float = 60.0,
@@ -105,7 +106,7 @@ def plan_mapping(
         topology_groups: root group of each GPU (``Topology.groups()``); one rank per GPU.
         num_stages: pipeline stages, >= number of GPUs (round-robin over the GPUs).
         stage_bytes: bytes one LOAD of each stage moves (parameters in the compute dtype).
-        schedule_name, num_microbatches, offload, prefetch, clip: as for ``schedule.lower.build``.
+        schedule_name, num_microbatches, offload, prefetch, clip, resident: as for ``schedule.lower.build``.
         stage_compute_s: ``{stage: (fwd s, bwd s)}`` per micro-batch; default
             ``estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)``.
         link_gbps: each GPU's host link, GB/s (one value or one per GPU).
@@ -130,7 +131,7 @@ def plan_mapping(
     build = build or build_schedule
     stage_to_rank = round_robin(num_stages, n)
     program = build(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
-                    prefetch=prefetch, clip=clip)
+                    prefetch=prefetch, clip=clip, resident=resident)
     compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
     root_of = (lambda g: float(roots)) if isinstance(roots, (int, float)) else (lambda g: float(roots[g]))
     cache: dict[tuple, float] = {}
@@ -261,6 +262,7 @@ def choose_mapping(
     offload: bool = True,
     prefetch: bool = True,
     clip: bool = False,
+    resident: int = 0,
     stage_compute_s: dict[int, tuple[float, float]] | None = None,
     tokens_per_microbatch: int = 4096,
     tflops: float = DEFAULT_TFLOPS,
@@ -276,6 +278,7 @@ def choose_mapping(
         rank_groups: root group of the GPU each rank runs on (rank order), None if unknown.
         rank_link_gbps: host link GB/s of each rank's GPU (default 25 each).
         stage_bytes: bytes a LOAD of each stage moves.
+        schedule_name, num_microbatches, offload, prefetch, clip, resident: as for ``schedule.lower.build``.
         has_gpus: the ranks run on GPUs ("auto" plans only then).
         stagger: let ``plan_stagger`` hold back ranks whose first load would slow an
             earlier stage's load under the same root.
@@ -312,13 +315,14 @@ def choose_mapping(
     links = rank_link_gbps or [25.0] * num_ranks
     plan = plan_mapping(rank_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
                         stage_compute_s=stage_compute_s, link_gbps=links, gpu_ids=identity, offload=offload,
-                        prefetch=prefetch, clip=clip, tokens_per_microbatch=tokens_per_microbatch, tflops=tflops)
+                        prefetch=prefetch, clip=clip, resident=resident, tokens_per_microbatch=tokens_per_microbatch,
+                        tflops=tflops)
     stage_to_rank = position_mapping(plan.gpu_of_rank, num_stages)
     offsets, note = zeros, ""
     if stagger and offload and prefetch:
         compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
         program = build_schedule(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
-                                 prefetch=prefetch, clip=clip)
+                                 prefetch=prefetch, clip=clip, resident=resident)
         st = plan_stagger(program, stage_to_rank, identity, rank_groups, compute, stage_bytes, links, max(links))
         offsets = st.offsets
         note = (f"; load stagger: rank start offsets {[float(f'{o:.3g}') for o in offsets]} s, predicted step "
@@ -425,6 +429,7 @@ def compare_mappings(
     offload: bool = True,
     prefetch: bool = True,
     clip: bool = True,
+    resident: int = 0,
 ) -> tuple[MappingPlan, list[MappingRow]]:
     """Plan the mapping, then predict the cross (chosen), sequential (identity) and worst
     mappings in detail, each without and with load staggering. Arguments as ``plan_mapping``."""
@@ -435,10 +440,10 @@ def compare_mappings(
     compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
     plan = plan_mapping(topology_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
                         stage_compute_s=compute, link_gbps=links, root_gbps=roots, gpu_ids=ids, offload=offload,
-                        prefetch=prefetch, clip=clip)
+                        prefetch=prefetch, clip=clip, resident=resident)
     stage_to_rank = plan.stage_to_rank
     program = build_schedule(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
-                             prefetch=prefetch, clip=clip)
+                             prefetch=prefetch, clip=clip, resident=resident)
     rows = []
     for name, gpus in (("cross", plan.gpu_of_rank), ("sequential", ids), ("worst", plan.worst_gpu_of_rank)):
         perm = [ids.index(g) for g in gpus]
@@ -461,6 +466,7 @@ def describe_plan(
     offload: bool = True,
     prefetch: bool = True,
     clip: bool = True,
+    resident: int = 0,
     gpu_ids: list[int] | None = None,
     link_gbps: float | list[float] = 25.0,
     root_gbps: float | dict[int, float] | None = None,
@@ -476,7 +482,8 @@ def describe_plan(
         stage_params: parameter count of each stage (``len`` = number of stages).
         schedule_name, num_microbatches: the pipeline schedule and micro-batches per iteration.
         seq_length, micro_batch_size: tokens of a micro-batch = their product.
-        offload, prefetch, clip: as the run's ``use_offload``, ``use_prefetch``, ``grad_clip > 0``.
+        offload, prefetch, clip, resident: as the run's ``use_offload``, ``use_prefetch``, ``grad_clip > 0``,
+            ``resident_stages``.
         gpu_ids: physical GPU ids in ``topology_groups`` order (``Topology.indices()``).
         link_gbps, root_gbps: host link / root uplink GB/s (``Topology.link_gbps()``).
         bytes_per_param: bytes per parameter of the compute copy (2 for bf16).
@@ -487,14 +494,15 @@ def describe_plan(
     tokens = seq_length * micro_batch_size
     plan, rows = compare_mappings(topology_groups, stage_bytes, schedule_name, num_microbatches,
                                   tokens_per_microbatch=tokens, tflops=tflops, link_gbps=link_gbps,
-                                  root_gbps=root_gbps, gpu_ids=gpu_ids, offload=offload, prefetch=prefetch, clip=clip)
+                                  root_gbps=root_gbps, gpu_ids=gpu_ids, offload=offload, prefetch=prefetch, clip=clip,
+                                  resident=resident)
     ids = list(range(len(topology_groups))) if gpu_ids is None else list(gpu_ids)
     roots = " ".join(f"GPU{g}:{chr(65 + r) if r < 26 else r}" for g, r in zip(ids, topology_groups))
     links = link_gbps if isinstance(link_gbps, (int, float)) else "/".join(f"{x:g}" for x in link_gbps)
     lines = [
         f"mapping plan: {len(stage_bytes)} stages on {len(ids)} GPUs, schedule {schedule_name}, "
         f"{num_microbatches} micro-batches of {micro_batch_size}x{seq_length} tokens, offload={offload} "
-        f"prefetch={prefetch}",
+        f"prefetch={prefetch}" + (f" resident_stages={resident}" if offload and resident else ""),
         f"  root complexes: {roots}; host links {links} GB/s, shared per root",
         f"  chosen: rank -> GPU {plan.gpu_of_rank} ({plan.method}, {plan.evaluated} simulations); launch with "
         f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={plan.cuda_visible_devices} "

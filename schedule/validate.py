@@ -11,8 +11,9 @@ Executor contract modelled here (each rank runs its list strictly in order):
 * F(s, m) / B(s, m) block until the RECV they consume has completed.
 * At the end of its list a rank blocks until all its SENDs completed.
 * NORM is a collective: it blocks until every rank has reached its NORM.
-* With parameter offload (any LOAD in the schedule) a stage computes only while resident:
-  after a LOAD and before the next DROP / OFFLOAD.
+* A stage with a LOAD anywhere in the schedule is offloaded: it computes only while
+  resident, after a LOAD and before the next DROP / OFFLOAD. A stage never loaded stays on
+  the device (no offload, or one of the resident stages of an offloading run).
 
 Every error is a ``ScheduleError`` whose message names the values and ends with the rank x
 step grid, the faulty cells marked ``>>like this<<``.
@@ -213,17 +214,18 @@ def validate(
 
 def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action, Cell],
                      forward_only: bool = False) -> None:
-    """With parameter offload, a stage computes only between a LOAD and the next DROP / OFFLOAD."""
-    offloads = any(a.op is Op.LOAD for acts in schedule.values() for a in acts)
+    """An offloaded stage (one that is loaded somewhere) computes only between a LOAD and the
+    next DROP / OFFLOAD; a stage that is never loaded is never released either."""
+    offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.LOAD}
     for r, acts in sorted(schedule.items()):
         resident: dict[int, int] = {}  # stage -> step of its LOAD
         released: dict[int, int] = {}  # stage -> step of its last DROP / OFFLOAD
         backward_done: set[int] = set()
         for i, a in enumerate(acts):
-            if a.op in (Op.DROP, Op.OFFLOAD) and not offloads:
-                _fail(schedule, f"rank {r} step {i}: {a} but the schedule has no LOAD (parameters are never "
-                                f"offloaded)", [(r, i)])
-            if not offloads:
+            if a.op in (Op.DROP, Op.OFFLOAD) and a.stage not in offloaded:
+                _fail(schedule, f"rank {r} step {i}: {a} but stage {a.stage} is never loaded (its parameters "
+                                f"are never offloaded)", [(r, i)])
+            if a.stage not in offloaded:
                 continue
             if a.op is Op.LOAD:
                 if a.stage in resident:
@@ -246,13 +248,14 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
                                     f"(no {a.stage}L since its last release)", before + [(r, i)])
                 if a.op is Op.BACKWARD:
                     backward_done.add(a.stage)
-        if offloads and resident:
+        if resident:
             s = min(resident)
             _fail(schedule, f"rank {r}: stage {s} is still resident at the end (loaded at step {resident[s]}); "
                             f"its gradients must be offloaded with {s}O", [(r, resident[s]), (r, len(acts))])
-    if not offloads or forward_only:
+    if forward_only:
         return
-    for s, r in enumerate(mapping):
+    for s in sorted(offloaded):
+        r = mapping[s]
         last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
         o = where.get(Action(s, Op.OFFLOAD))
         if o is None or o[1] < last_b:

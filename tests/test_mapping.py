@@ -168,6 +168,15 @@ def test_one_rank_lanes_offload_and_step():
     assert p.exposed_transfer_s[0] == pytest.approx(0.5 + 0.4)
 
 
+def test_step_of_a_resident_stage_takes_no_cpu_time():
+    # Stage 0 is never loaded (resident with offload): no wait for a load, and its STEP (on the
+    # GPU) neither waits for the optimizer thread, busy with 1S, nor occupies it.
+    program = {0: acts("1L 0F0 1F0 1B0 1O 1S 0B0 0S")}
+    p = predict(program, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, step_s=0.3)
+    assert spans(p, 0)["0F0"] == (0.0, 0.1) and spans(p, 0)["0S"] == (1.0, 1.0)
+    assert spans(p, 0)["1S"] == (1.3, 1.6) and p.step_time == pytest.approx(1.6)
+
+
 def test_load_waits_for_step_norm_and_p2p_latency():
     p = predict({0: acts("0O 0S 0L 0F0")}, [0], [0], [0], {0: (0.1, 0.2)}, [10 * GB], 20.0, 20.0, step_s=0.3)
     assert spans(p, 0) == {"0O": (0.0, 0.5), "0S": (0.5, 0.8), "0L": (0.8, 1.3), "0F0": (1.3, 1.4)}

@@ -15,6 +15,7 @@ from schedule import (
     format_schedule,
     generate,
     list_schedule,
+    resident_stages,
     round_robin,
     simulate,
     stages_of,
@@ -277,13 +278,44 @@ def test_add_load_offload_without_prefetch():
 
 
 def test_add_optimizer_orders_steps():
-    """Without clipping a stage steps right after its last backward; with clipping, after NORM,
-    in the order the next iteration needs the stages (their first compute)."""
+    """Without clipping an offloaded stage steps right after its OFFLOAD, a stage on the device
+    at the end of the list; with clipping, every stage after NORM. The steps at the end go in
+    the order the next iteration needs the stages (their first compute)."""
     base = add_send_recv(generate("gpipe", 4, 2, round_robin(4, 2)), round_robin(4, 2))
     plain = add_optimizer(base, round_robin(4, 2), clip=False, offload=False)
-    assert format_schedule({0: plain[0]}).endswith("2RECV_B1 2B1 2SEND_B1 2S 0RECV_B0 0B0 0RECV_B1 0B1 0S")
+    assert format_schedule({0: plain[0]}).endswith("2RECV_B1 2B1 2SEND_B1 0RECV_B0 0B0 0RECV_B1 0B1 0S 2S")
+    offloaded = add_optimizer(add_load_offload(base, round_robin(4, 2), prefetch=False), round_robin(4, 2),
+                              clip=False, offload=True)
+    assert format_schedule({0: offloaded[0]}).endswith("2B1 2SEND_B1 2O 2S 0RECV_B0 0L 0B0 0RECV_B1 0B1 0O 0S")
     clipped = add_optimizer(base, round_robin(4, 2), clip=True, offload=False)
     assert [str(a) for a in clipped[1][-3:]] == ["NORM", "1S", "3S"]
+
+
+def test_resident_stages_are_each_ranks_first():
+    assert resident_stages(round_robin(8, 4), 1) == {0, 1, 2, 3}
+    assert resident_stages([1, 0, 1, 0, 1, 0], 2) == {0, 1, 2, 3}
+    assert resident_stages(round_robin(4, 2), 0) == frozenset()
+    with pytest.raises(ValueError):
+        resident_stages(round_robin(4, 2), -1)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_offload_with_resident_stages(clip):
+    """Resident stages get no LOAD/DROP/OFFLOAD and step at the end of the list; the offloaded
+    stages are lowered as before."""
+    mapping = round_robin(8, 2)
+    sched = build("interleaved", 8, 4, mapping, offload=True, prefetch=True, clip=clip, resident=2)
+    full = build("interleaved", 8, 4, mapping, offload=True, prefetch=True, clip=clip)
+    transfers = (Op.LOAD, Op.DROP, Op.OFFLOAD)
+    for r, acts in sched.items():
+        moved = {a.stage for a in acts if a.op in transfers}
+        assert moved == set(stages_of(r, mapping)[2:])
+        same = (Op.LOAD, Op.DROP, Op.OFFLOAD, Op.STEP)  # the compute and communication are unchanged
+        assert [a for a in acts if a.op not in same] == [a for a in full[r] if a.op not in same]
+        steps = [Action(s, Op.STEP) for s in stages_of(r, mapping)]
+        assert acts[-4:] == steps if clip else acts[-2:] == steps[:2]
+    everything = build("interleaved", 8, 4, mapping, offload=True, prefetch=True, clip=clip, resident=4)
+    assert not any(a.op in transfers for acts in everything.values() for a in acts)
 
 
 def test_build_ignores_prefetch_without_offload():
@@ -350,6 +382,13 @@ def test_reject_compute_on_dropped_stage():
     loads = [i for i, a in enumerate(sched[0]) if a == Action(0, Op.LOAD)]
     del sched[0][loads[1]]  # the reload before stage 0's backward interval
     _check_rejected(sched, mapping, 6, 2, "0B0 runs while stage 0 is not resident")
+
+
+def test_reject_release_of_a_stage_never_loaded():
+    sched = build("1f1b", 2, 2, [0, 1], offload=True, prefetch=False, clip=False, resident=1)
+    sched[0].insert(sched[0].index(Action(0, Op.STEP)), Action(0, Op.OFFLOAD))
+    with pytest.raises(ScheduleError, match="never loaded"):
+        validate(sched, [0, 1], 2, 2)
 
 
 def test_reject_drop_after_backward():
