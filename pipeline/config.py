@@ -53,6 +53,10 @@ class TrainConfig:
     schedule: str = _f("gpipe", "Pipeline schedule.", choices=SCHEDULES)
     use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
     use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
+    resident_stages: int = _f(-1, "With use_offload: stages per GPU that stay on it, AdamW state included (their "
+                              "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
+                              "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
+                              "80% of the GPU (0 without a GPU).")
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
                                                 "last stage's head and loss).")
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")

@@ -4,9 +4,10 @@ No weights are loaded and no tensor is made: the estimate walks each rank's acti
 keeps a ledger of what the executor and the stores hold at every action.
 
 * **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
-  gradient and AdamW's two moments on the device. With offload the device holds only the
-  buffer pool of ``offload/store.py``: the walk replays its take/give on LOAD, the first
-  backward, DROP and OFFLOAD, so prefetch and buffer reuse are counted as they happen.
+  gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
+  the action list loads) the device holds only the buffer pool of ``offload/store.py``: the
+  walk replays its take/give on LOAD, the first backward, DROP and OFFLOAD, so prefetch and
+  buffer reuse are counted as they happen; their masters and AdamW state are host memory.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
   layer with sdpa attention (measured with saved-tensor hooks; ``tests/test_memory.py``
   checks the formula against autograd for float32 and bfloat16), held from a stage's forward
@@ -148,11 +149,9 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     h = inp.shape.hidden
     mine = [s for s, r in enumerate(inp.mapping) if r == rank]
     out = RankMemory(rank)
-    if inp.offload:
-        out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine)
-        params_static = 0
-    else:
-        params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine)
+    offloaded = {a.stage for a in actions if a.op is Op.LOAD} if inp.offload else set()
+    out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+    params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
 
     pool_free: dict[int, int] = {}   # numel -> free buffers
     pool_bytes = 0
@@ -195,7 +194,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 held += io  # the output: kept for backward and, when sent, until the iteration ends
         elif a.op is Op.BACKWARD:
             _, _, bwd_t = _per_token(inp, s)
-            if inp.offload and s not in has_grad:
+            if s in offloaded and s not in has_grad:
                 take(inp.stages[s].numel)
                 has_grad.add(s)
             saved -= per_mb.pop((s, a.mb))

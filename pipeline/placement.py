@@ -93,7 +93,7 @@ def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dty
         choice = choose_mapping(
             cfg.mapping, env.world_size, S, rank_groups=groups, rank_link_gbps=links, stage_bytes=stage_bytes,
             schedule_name=cfg.schedule, num_microbatches=cfg.num_chunks, offload=cfg.use_offload,
-            prefetch=cfg.use_prefetch, clip=needs_norm(cfg),
+            prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
             tokens_per_microbatch=cfg.batch_size // cfg.num_chunks * cfg.seq_length, tflops=cfg.plan_tflops,
             has_gpus=device.type == "cuda", stagger=cfg.stagger_loads,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -124,8 +124,8 @@ def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
     params = stage_param_counts(hf_config, cfg.num_stages)
     return describe_plan(topology.groups(), params, cfg.schedule, cfg.num_chunks, cfg.seq_length,
                          cfg.batch_size // cfg.num_chunks, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
-                         clip=needs_norm(cfg), gpu_ids=topology.indices(), link_gbps=topology.link_gbps(),
-                         tflops=cfg.plan_tflops)
+                         clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0), gpu_ids=topology.indices(),
+                         link_gbps=topology.link_gbps(), tflops=cfg.plan_tflops)
 
 
 __all__ = ["Placement", "load_topology", "local_gpus", "plan_text", "rank_topology", "resolve_placement",

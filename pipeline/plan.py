@@ -18,6 +18,10 @@ from pipeline.optim import compute_dtype, needs_norm
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
 USABLE_FRACTION = 0.9
+# ``resident_stages: -1`` keeps stages resident only while the estimate stays under this share:
+# a margin for the estimate's error, so that the automatic choice never turns a run that fits
+# into one that does not.
+AUTO_RESIDENT_FRACTION = 0.8
 
 
 def device_type(cfg: TrainConfig) -> str:
@@ -29,13 +33,14 @@ def dtype_bytes(cfg: TrainConfig, device: str) -> int:
 
 
 def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) -> tuple[list[RankMemory], dict]:
-    """Per-rank memory estimate of ``cfg`` and the schedule it runs."""
+    """Per-rank memory estimate of ``cfg`` and the schedule it runs (``resident_stages`` as
+    resolved by ``resolve_resident``; unresolved, -1 counts as 0)."""
     S = cfg.num_stages
     parts = partition_layers(hf_config.num_hidden_layers, S)
     stages = [StagePlan(stage_num_params(hf_config, parts[s], s == 0, s == S - 1), len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
     program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
-                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
+                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0))
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu")
@@ -62,9 +67,39 @@ def host_available() -> int | None:
     return None
 
 
+def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[TrainConfig, str]:
+    """``cfg`` with ``resident_stages`` decided, and a log line saying what was kept resident.
+
+    Auto (-1) keeps the most stages per GPU whose estimate stays within
+    ``AUTO_RESIDENT_FRACTION`` of the GPU: every resident stage is one optimizer step less on
+    the CPU and two loads less over PCIe. Without offload, or without a GPU, it is 0."""
+    per_rank = cfg.num_stages // world_size
+    if not cfg.use_offload:
+        return dataclasses.replace(cfg, resident_stages=0), ""
+    device = device_type(cfg)
+    if cfg.resident_stages >= 0:
+        k, why = cfg.resident_stages, "as set"
+    elif device != "cuda":
+        k, why = 0, "auto: no GPU"
+    else:
+        cap, k, why = gpu_capacity(cfg), 0, "auto: no stage fits beside the offloaded ones"
+        mapping = sched.round_robin(cfg.num_stages, world_size)
+        for n in range(1, per_rank + 1):
+            ranks, _ = memory_plan(dataclasses.replace(cfg, resident_stages=n), hf_config, mapping, device)
+            peak = max(r.device_peak for r in ranks)
+            if peak > AUTO_RESIDENT_FRACTION * cap:
+                break
+            k, why = n, f"auto: estimated peak {gib(peak)} within {AUTO_RESIDENT_FRACTION:.0%} of {gib(cap)}"
+    kept = f": each rank's first {k}" if k else ""
+    line = f"offload: {k} of {per_rank} stages per GPU stay resident, AdamW state included{kept} ({why})"
+    return dataclasses.replace(cfg, resident_stages=k), line
+
+
 def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainConfig]]:
     """The levers a user has, each as the config it gives."""
     alts = []
+    if cfg.use_offload and cfg.resident_stages > 0:
+        alts.append(("resident_stages: 0", dataclasses.replace(cfg, resident_stages=0)))
     if not cfg.activation_checkpointing:
         alts.append(("activation_checkpointing: true", dataclasses.replace(cfg, activation_checkpointing=True)))
     if not cfg.use_offload:
@@ -150,6 +185,7 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> 
              f"({a.device}, {dtype_bytes(cfg, a.device) * 8}-bit compute), schedule {cfg.schedule}, "
              f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
              f"({tokens} tokens), offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
+             f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing}",
              f"stage -> rank: {mapping}",
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
@@ -173,4 +209,4 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> 
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report"]
+__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report", "resolve_resident"]

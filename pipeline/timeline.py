@@ -301,7 +301,8 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     single durations vary several-fold; the median resists both. A rank's host link is
     its fastest measured LOAD (bytes / seconds); root groups are ``rank_groups`` (each rank its
     own when unknown), a root's uplink the fastest link under it. STEP takes the median
-    measured STEP, NORM the shortest measured NORM (the last rank to arrive waits least). So the
+    measured STEP of the offloaded stages (the CPU optimizer's; the model takes a GPU step as
+    instant), NORM the shortest measured NORM (the last rank to arrive waits least). So the
     prediction error measures how the cost model composes durations (overlap, waiting,
     contention), not how well it guesses them. The iteration predicted is one in a steady
     state (``schedule.costmodel.predict_steady``): it starts with the previous iteration's
@@ -327,7 +328,8 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
         links.append(max(rates, default=25.0))
     groups = list(rank_groups) if rank_groups is not None else list(ranks)
     roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
-    steps = [d for (op, _), ds in durations.items() if op == "S" for d in ds]
+    offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD}
+    steps = [d for (op, s), ds in durations.items() if op == "S" and s in offloaded for d in ds]
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]
     return (predict_steady if steady else predict)(dict(schedule), mapping, ranks, groups, compute, stage_bytes,
                                                    links, roots, step_s=_median(steps) if steps else 0.0,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import resource
 import time
@@ -116,6 +117,10 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
+    per_rank = cfg.num_stages // world_size
+    if not -1 <= cfg.resident_stages <= per_rank:
+        raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
+                          f"(the stages per process)")
     if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
@@ -156,13 +161,17 @@ class Trainer:
     """Everything one rank owns: its stages and stores, its action list, the executor."""
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None):
-        self.cfg, self.env = cfg, env
+        from pipeline.plan import resolve_resident
+
         self.device = pick_device(cfg.device, env)
         self.dtype = compute_dtype(cfg, self.device)
         if self.device.type == "cuda" and cfg.gpu_memory_gb:
             cap_gpu_memory(self.device, cfg.gpu_memory_gb)
         self.source = source or resolve_model(cfg)
         hf = self.source.config
+        if cfg.resident_stages < 0:  # train() decides it on rank 0; direct use (tests) here
+            cfg, _ = resolve_resident(cfg, hf, env.world_size)
+        self.cfg, self.env = cfg, env
         S = cfg.num_stages
         # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
         self.placement = resolve_placement(cfg, env, hf, self.device, self.dtype)
@@ -181,10 +190,11 @@ class Trainer:
             self.log.info(f"data: skipped {skipped} unusable rows")
         self.eval_batches = build_eval_batches(cfg, self.source) if cfg.eval_every else []
         self.schedule = sched.build(cfg.schedule, S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
-                                    prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
+                                    prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages)
         # Validation runs the same stages with a forward-only program: no B, no optimizer.
         self.eval_actions = sched.build_forward(S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
-                                                prefetch=cfg.use_prefetch)[env.rank] if cfg.eval_every else []
+                                                prefetch=cfg.use_prefetch, resident=cfg.resident_stages
+                                                )[env.rank] if cfg.eval_every else []
         if cfg.debug_schedule and env.rank == 0:
             print(sched.format_schedule(self.schedule), flush=True)
         self.actions = self.schedule[env.rank]
@@ -192,12 +202,15 @@ class Trainer:
         # Only this rank's stages are ever built.
         self.parts = partition_layers(hf.num_hidden_layers, S)
         self.stage_ids = sched.stages_of(env.rank, self.mapping)
+        # With offload, the stages never loaded stay on the GPU (resident_stages), AdamW included.
+        loaded = {a.stage for a in self.actions if a.op is sched.Op.LOAD}
+        self.offloaded = [s for s in self.stage_ids if s in loaded]
         torch.manual_seed(cfg.seed)
         self.streams = streams = Streams(self.device)
         pool = BufferPool(self.device)
         self.stages, self.stores = {}, {}
         workers, share = None, []
-        if cfg.use_offload:
+        if self.offloaded:
             # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
             share = self.rank_cpus()
             cpus = self.optimizer_cpus(share)
@@ -229,9 +242,9 @@ class Trainer:
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
-            self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype, offload=cfg.use_offload,
-                                        optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
-                                        workers=workers)
+            self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype,
+                                        offload=s in self.offloaded, optim=optim_settings(cfg, fused=True),
+                                        streams=streams, pool=pool, workers=workers)
             self.stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
         self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "
@@ -460,7 +473,9 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
+    cfg, resident = plan_mod.resolve_resident(cfg, source.config, world_size)
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size)
+    text += f"\n{resident}" if resident else ""
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
@@ -468,11 +483,17 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
-    from pipeline.plan import check_fits
+    from pipeline.plan import check_fits, resolve_resident
 
     check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
+    # Rank 0 decides the resident stages (auto reads its GPU's size); every rank runs its choice.
+    if env.rank == 0:
+        cfg, line = resolve_resident(cfg, source.config, env.world_size)
+        if line:
+            print(line, flush=True)
+    cfg = dataclasses.replace(cfg, resident_stages=broadcast_object(cfg.resident_stages))
     # Before any weight is read: a run that cannot fit stops here, with advice. Any mapping the
     # placement picks gives each rank the stages of some rank under round-robin, so the per-rank
     # estimates are the same.

@@ -82,6 +82,7 @@ def _error_lines(stderr: str) -> list[str]:
     (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl': no such file or directory"),
     (["--num_stages", "12"], "exceeds the model's decoder layers + 2"),
     (["--embedding_dim", "99"], "embedding_dim=99 contradicts the model's hidden_size=64"),
+    (["--resident_stages", "2"], "resident_stages (2) must be -1 (auto) or 0..1 (the stages per process)"),
 ])
 def test_bad_input_one_line_from_one_rank(tiny_model_dir, args, needle):
     base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--device", "cpu", "--num_iterations", "1",

@@ -50,6 +50,20 @@ def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetc
     assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
 
 
+@pytest.mark.parametrize("schedule,resident", [("gpipe", 1), ("interleaved", 3), ("1f1b", 2)])
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, grad_clip):
+    """Offload with some stages kept resident (their AdamW on the device, the others' on the
+    optimizer thread): the training is the same, with and without the clipping norm."""
+    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=True, resident_stages=resident, grad_clip=grad_clip)
+    trainer = in_process_trainer(cfg)
+    assert sorted(s for s, st in trainer.stores.items() if not st.offload) == list(range(resident))
+    history = trainer.train()
+    ref = reference_train(_cfg(tiny_model_dir, grad_clip=grad_clip), str(tiny_model_dir)) if grad_clip == 0.0 \
+        else _reference(str(tiny_model_dir))
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *ref)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
 def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     """Activation checkpointing recomputes every layer, and the last stage's head and loss, in
@@ -66,9 +80,9 @@ def test_truncated_model_matches_reference(tiny_model_dir):
 
 
 # --- the comparison must be able to fail -------------------------------------------------------
-def _expect_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
+def _expect_mismatch(tiny_model_dir, monkeypatch, patch, **cfg) -> None:
     patch(monkeypatch)
-    losses, params = _run_in_process(_cfg(tiny_model_dir, schedule="interleaved", use_offload=True))
+    losses, params = _run_in_process(_cfg(tiny_model_dir, **{"schedule": "interleaved", "use_offload": True, **cfg}))
     with pytest.raises(AssertionError):
         assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
 
@@ -97,6 +111,20 @@ def test_detects_lost_gradient(tiny_model_dir, monkeypatch):
         original(self, *args, **kw)
 
     _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "offload_grads", lossy))
+
+
+def test_detects_lost_gradient_of_a_resident_stage(tiny_model_dir, monkeypatch):
+    from offload.store import StageStore
+
+    original = StageStore.step
+
+    def lossy(self, *args, **kw):  # the resident stage 0 steps without its gradient
+        if not self.offload and self.module.index == 0:
+            self.grad.zero_()
+        return original(self, *args, **kw)
+
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "step", lossy),
+                     resident_stages=1)
 
 
 def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
@@ -146,3 +174,17 @@ def test_torchrun_matches_reference(tiny_model_dir, tmp_path, nproc, schedule, o
     losses = [row["loss"] for row in results["iterations"]]
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_torchrun_resident_stages_match_reference(tiny_model_dir, tmp_path, schedule):
+    """Two processes, each keeping its first stage resident and offloading its second."""
+    cfg = _cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=True, resident_stages=1,
+               save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
+    proc = run_torchrun(2, _flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "offload: 1 of 2 stages per GPU stay resident" in proc.stdout, proc.stdout[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_same_training([row["loss"] for row in results["iterations"]], params, *_reference(str(tiny_model_dir)))

@@ -1,6 +1,7 @@
-"""GPU checks (``pytest -m gpu``; skipped without CUDA): offload + prefetch gives the same
-training as resident stages in bf16, stays within the memory the planner computes from the
-stage sizes, and the step makes no host synchronisation outside the documented places."""
+"""GPU checks (``pytest -m gpu``; skipped without CUDA): offload + prefetch (every stage
+offloaded, or some kept resident) gives the same training as resident stages in bf16, stays
+within the memory the planner computes from the stage sizes, and the step makes no host
+synchronisation outside the documented places."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ needs_gpus = lambda n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=
 def _settings(nproc: int, mode: str) -> dict:
     return {"model": "tiny", "dataset": "synthetic", "device": "cuda", "dtype": "bfloat16", "seq_length": 128,
             "batch_size": 16, "num_chunks": 4, "num_stages": 2 * nproc, "num_iterations": 6, "lr": 1e-3,
-            "schedule": "gpipe", "use_offload": mode != "resident", "use_prefetch": mode == "prefetch"}
+            "schedule": "gpipe", "use_offload": mode != "resident", "use_prefetch": mode in ("prefetch", "hybrid"),
+            "resident_stages": 1 if mode == "hybrid" else 0}
 
 
 def _run(tmp_path, nproc: int, mode: str) -> dict:
@@ -56,15 +58,15 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
     norm (measured on 2 H200s: 2.4e-3 for the embedding). Exact equivalence of the offload
     logic is what the float32 CPU tests check."""
     resident = _run(tmp_path, nproc, "resident")
-    for mode in ("prefetch", "noprefetch"):
+    for mode in ("prefetch", "noprefetch", "hybrid"):
         run = _run(tmp_path, nproc, mode)
         for a, b in zip(run["losses"], resident["losses"]):
             assert abs(a - b) <= 1e-3 * abs(b), (mode, run["losses"], resident["losses"])
         for k, ref in resident["params"].items():
             rel = (run["params"][k] - ref).norm() / ref.norm()
             assert rel <= 5e-3, (mode, k, float(rel))
-        # Offload keeps at most two stages' weights+grads on the GPU, never every stage's
-        # weights, grads, fp32 masters and AdamW state.
+        # Offload keeps at most two offloaded stages' weights+grads on the GPU (hybrid: besides
+        # its one resident stage), never every stage's weights, grads, fp32 masters and AdamW state.
         assert max(run["peaks"]) < max(resident["peaks"]), (mode, run["peaks"], resident["peaks"])
         # The bound the planner computes from the stage sizes and the action list. The slack is
         # per-process memory the plan leaves out (cuBLAS workspaces of the compute and side
@@ -75,17 +77,19 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
 
 
 @needs_gpus(1)
-def test_step_has_no_host_sync(tmp_path):
-    """Offload + prefetch, no clipping: inside an iteration the host waits for the device only
-    where the executor documents it (the loss it returns at the end) and inside autograd's own
-    kernels (the embedding's backward counts its unique tokens on the host). Loads, offloads
+@pytest.mark.parametrize("mode", ["prefetch", "hybrid", "resident"])
+def test_step_has_no_host_sync(tmp_path, mode):
+    """No clipping; every stage offloaded (with prefetch), one kept resident, or none offloaded:
+    inside an iteration the host waits for the device only where the executor documents it
+    (the loss it returns at the end) and inside autograd's own kernels (the embedding's
+    backward counts its unique tokens on the host). Loads, offloads
     and the CPU optimizer are ordered by events and worker threads. Each sync the debug mode
     reports is attributed to the innermost frame of this repository on its stack, so a sync in
     a saved-tensor hook, or a torch.cuda call made by our code, is caught too."""
     from pipeline.config import make_config
     from reference import in_process_trainer
 
-    cfg = make_config({**_settings(1, "prefetch"), "num_stages": 4, "grad_clip": 0.0, "max_skipped_steps": -1,
+    cfg = make_config({**_settings(1, mode), "num_stages": 4, "grad_clip": 0.0, "max_skipped_steps": -1,
                        "save_dir": str(tmp_path), "save_model": False, "save_metrics": False})
     trainer = in_process_trainer(cfg)
     batch = trainer.stream.next_batch()

@@ -119,6 +119,47 @@ def test_estimate_tracks_the_schedule():
     assert peaks["1f1b"] < 0.6 * peaks["gpipe"], peaks
 
 
+def test_resident_stages_move_their_state_from_host_to_gpu():
+    """Each resident stage keeps its weights, gradients, masters and AdamW moments on the GPU
+    (20 bytes a parameter in bf16) and none of them in host memory."""
+    from pipeline.model import stage_param_counts
+    from pipeline.plan import memory_plan
+
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512, use_offload=True,
+                activation_checkpointing=True, device="cuda")
+    mapping = sched.round_robin(8, 4)
+    offloaded, _ = memory_plan(make_config({**base, "resident_stages": 0}), hf, mapping, "cuda")
+    resident, _ = memory_plan(make_config({**base, "resident_stages": 1}), hf, mapping, "cuda")
+    params = stage_param_counts(hf, 8)
+    for r in range(4):  # rank r keeps stage r
+        assert offloaded[r].host - resident[r].host == params[r] * (4 + 4 + 8 + 2)
+        assert resident[r].parts["parameters"] >= params[r] * 20 and resident[r].device_peak > offloaded[r].device_peak
+
+
+def test_auto_resident_stages_use_the_spare_gpu_memory():
+    from pipeline import plan
+
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512, use_offload=True,
+                activation_checkpointing=True, device="cuda")
+    chosen = {}
+    for gb in (24, 48, 141):
+        cfg, line = plan.resolve_resident(make_config({**base, "gpu_memory_gb": gb}), hf, 4)
+        chosen[gb] = cfg.resident_stages
+        peak = max(r.device_peak for r in plan.memory_plan(cfg, hf, sched.round_robin(8, 4), "cuda")[0])
+        assert peak <= plan.AUTO_RESIDENT_FRACTION * gb * 2**30 and f"{cfg.resident_stages} of 2 stages" in line
+        if cfg.resident_stages < 2:  # one more would not have fitted
+            more = make_config({**cfg.to_dict(), "resident_stages": cfg.resident_stages + 1})
+            peak = max(r.device_peak for r in plan.memory_plan(more, hf, sched.round_robin(8, 4), "cuda")[0])
+            assert peak > plan.AUTO_RESIDENT_FRACTION * gb * 2**30
+    assert chosen[24] == 0 and chosen[48] >= 1 and chosen[141] == 2, chosen
+    # Without a GPU every stage is offloaded; a value given is kept.
+    assert plan.resolve_resident(make_config({**base, "device": "cpu"}), hf, 4)[0].resident_stages == 0
+    assert plan.resolve_resident(make_config({**base, "resident_stages": 1, "gpu_memory_gb": 24}), hf, 4)[0] \
+        .resident_stages == 1
+
+
 def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     from pipeline import plan
 
