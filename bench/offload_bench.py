@@ -11,8 +11,11 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
 - net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk directly: inter-GPU traffic goes through
   host memory, as on a commodity PCIe server); ``nvlink`` leaves the machine as it is;
 - cap is the per-GPU memory cap in GiB;
-- mode is ``prefetch`` (offload + prefetch), ``noprefetch`` (offload, loads not overlapped),
-  ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation checkpointing);
+- mode is ``prefetch`` (offload + prefetch, every stage offloaded: ``--resident_stages 0``),
+  ``noprefetch`` (the same, loads not overlapped), ``hybrid`` (offload + prefetch with
+  ``--resident_stages -1``: each GPU keeps as many of its stages, and their AdamW, as fit in 80% of the
+  cap), ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation
+  checkpointing);
 - ``-noclip`` trains without gradient clipping (``--grad_clip 0 --max_skipped_steps -1``: no NORM,
   so each stage's CPU step starts as soon as its gradients are in host memory); rows clip at 1.0
   otherwise;
@@ -40,15 +43,16 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("prefetch", "noprefetch", "resident", "fsdp2")
+MODES = ("prefetch", "noprefetch", "hybrid", "resident", "fsdp2")
 MAPPINGS = ("cross", "sequential")
-DEFAULT_ROWS = ("pcie48-prefetch,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,pcie24-fsdp2,"
-                "pcie24-resident,nvlink48-prefetch,nvlink48-fsdp2,nvlink48-resident")
+DEFAULT_ROWS = ("pcie48-prefetch,pcie48-hybrid,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,"
+                "pcie24-fsdp2,pcie24-resident,nvlink48-prefetch,nvlink48-hybrid,nvlink48-fsdp2,nvlink48-resident")
 ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(-noclip)?(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
                     r"(?:@([\w.-]+))?")
 TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^)]*\))? ([\d.]+)s, "
                          r"prediction error ([+-]?[\d.]+)%")
 MAPPING_RE = re.compile(r"(mapping (?:auto|cross|round_robin|sequential|manual)\b[^:]*:.*)$", re.M)
+RESIDENT_RE = re.compile(r"offload: (\d+) of (\d+) stages per GPU stay resident")
 BREAKDOWN = ("compute", "load_wait", "offload_wait", "optimizer_wait")
 
 
@@ -91,12 +95,15 @@ def failure(log: str, rc: int) -> str:
 
 
 def parse_log(log: str) -> dict:
-    """The mapping line and the timeline's step times / prediction error from a main.py log (None if absent)."""
+    """The mapping line, the resident stages per GPU and the timeline's step times / prediction
+    error from a main.py log (None if absent)."""
     mapping = MAPPING_RE.search(log)
     tl = TIMELINE_RE.search(log)
+    resident = RESIDENT_RE.search(log)
     measured, predicted, err = (float(v) for v in tl.groups()) if tl else (None, None, None)
     return {"mapping_line": mapping[1].strip() if mapping else None, "measured_timeline_step_s": measured,
-            "predicted_step_s": predicted, "prediction_error_pct": err}
+            "predicted_step_s": predicted, "prediction_error_pct": err,
+            "resident_stages": f"{resident[1]}/{resident[2]}" if resident else None}
 
 
 def run_row(name: str, args, out: Path, timeout: float) -> dict:
@@ -124,7 +131,8 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--save_dir", str(out / slug(name)), "--save_results", str(result), "--comm_timeout_s", "150",
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
-                        "--use_prefetch" if mode == "prefetch" else "--no_prefetch"]
+                        "--use_prefetch" if mode in ("prefetch", "hybrid") else "--no_prefetch",
+                        "--resident_stages", "-1" if mode == "hybrid" else "0"]
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", mapping, "--timeline"] if mapping else []
     t0 = time.time()
@@ -191,8 +199,10 @@ def table(rows: list[dict]) -> str:
         if r.get("status") != "ok":
             lines.append(f"| {r['row']} | {r.get('status')} |" + " |" * 13)
             continue
+        kept = r.get("resident_stages")
+        name = f"{r['row']} ({kept} stages resident)" if r.get("mode") == "hybrid" and kept else r["row"]
         parts = " | ".join(fmt(r.get(k)) for k in (*(f"{k}_s" for k in BREAKDOWN), "other_s"))
-        lines.append(f"| {r['row']} | ok | {fmt(r['step_time_s'])} | {parts} | {fmt(r['tokens_per_s'], 0)} | "
+        lines.append(f"| {name} | ok | {fmt(r['step_time_s'])} | {parts} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['tflops_per_gpu'], 1)} | {fmt(r['peak_allocated_gb'], 1)} | "
                      f"{fmt(r['peak_reserved_gb'], 1)} | {fmt(r['host_rss_gb'], 1)} | {fmt(r.get('h2d_gbps'), 1)} | "
                      f"{fmt(r.get('d2h_gbps'), 1)} |")

@@ -28,6 +28,7 @@ single = _load("single_gpu_baseline")
     ("pcie48-resident-noclip/s16", ("pcie", 48, "resident", True, 16, None, None)),
     ("nvlink24-fsdp2@llama-2-13b", ("nvlink", 24, "fsdp2", False, None, None, "llama-2-13b")),
     ("pcie48-prefetch/s16", ("pcie", 48, "prefetch", False, 16, None, None)),
+    ("pcie24-hybrid-noclip/s16", ("pcie", 24, "hybrid", True, 16, None, None)),
     ("pcie48-prefetch+cross@llama-2-13b", ("pcie", 48, "prefetch", False, None, "cross", "llama-2-13b")),
     ("pcie24-noprefetch/s16+sequential@tiny", ("pcie", 24, "noprefetch", False, 16, "sequential", "tiny")),
 ])
@@ -68,7 +69,11 @@ def test_parse_log():
     assert bench.short_mapping(seq["mapping_line"]) == "mapping sequential: stage s on rank s % 4"
     assert seq["prediction_error_pct"] == 25.0
     assert bench.parse_log("nothing here") == {"mapping_line": None, "measured_timeline_step_s": None,
-                                               "predicted_step_s": None, "prediction_error_pct": None}
+                                               "predicted_step_s": None, "prediction_error_pct": None,
+                                               "resident_stages": None}
+    hybrid = bench.parse_log("offload: 1 of 4 stages per GPU stay resident, AdamW state included: each rank's "
+                             "first 1 (auto: estimated peak 30.12 GiB within 80% of 48.00 GiB)")
+    assert hybrid["resident_stages"] == "1/4"
 
 
 def _iteration(time_s: float, breakdown: bool) -> dict:
@@ -99,12 +104,14 @@ def test_summarise_and_tables(breakdown):
                                                                       "(x) 3.0000s, prediction error -25.0%")},
             {"row": "pcie48-fsdp2", "status": "ok", "step_time_s": 7.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0,
              "peak_allocated_gb": 1.0, "peak_reserved_gb": 1.0, "host_rss_gb": None},
-            {"row": "pcie48-resident/s16+sequential", "status": "not run (budget)"}]
+            {"row": "pcie48-resident/s16+sequential", "status": "not run (budget)"},
+            {**row, "row": "pcie48-hybrid", "mode": "hybrid", "resident_stages": "1/4"}]
     main = bench.table(rows).splitlines()
     assert "| step s | compute s | load wait s | offload wait s | optim wait s | other s |" in main[0]
     assert all(line.count("|") == main[0].count("|") for line in main)
     assert main[2].startswith("| pcie48-prefetch+cross | ok | 5.00 | ")
     assert main[3].startswith("| pcie48-fsdp2 | ok | 7.00 | - | - | - | - | - |")
+    assert main[5].startswith("| pcie48-hybrid (1/4 stages resident) | ok | 5.00 | ")
     mapping = bench.mapping_table(rows).splitlines()
     assert len(mapping) == 4 and all(line.count("|") == 7 for line in mapping)
     assert mapping[2] == "| pcie48-prefetch+cross | 5.00 | - | 4.000 | 3.000 | -25.0 |"
