@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.store import GRAD_CHUNK
-from schedule.ir import Action, Op
+from schedule.ir import Action, Op, offloaded_stages
 
 GiB = 2**30
 
@@ -149,7 +149,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     h = inp.shape.hidden
     mine = [s for s, r in enumerate(inp.mapping) if r == rank]
     out = RankMemory(rank)
-    offloaded = {a.stage for a in actions if a.op is Op.LOAD} if inp.offload else set()
+    offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
     out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
     params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
 

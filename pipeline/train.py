@@ -203,7 +203,7 @@ class Trainer:
         self.parts = partition_layers(hf.num_hidden_layers, S)
         self.stage_ids = sched.stages_of(env.rank, self.mapping)
         # With offload, the stages never loaded stay on the GPU (resident_stages), AdamW included.
-        loaded = {a.stage for a in self.actions if a.op is sched.Op.LOAD}
+        loaded = sched.offloaded_stages(self.schedule)
         self.offloaded = [s for s in self.stage_ids if s in loaded]
         torch.manual_seed(cfg.seed)
         self.streams = streams = Streams(self.device)

@@ -3,7 +3,8 @@
 Pure Python: nothing here imports torch.
 """
 from schedule.generate import SCHEDULE_NAMES, generate, generate_forward, list_schedule
-from schedule.ir import Action, Op, Schedule, channel, format_schedule, peer_recv, round_robin, stages_of
+from schedule.ir import (Action, Op, Schedule, channel, format_schedule, offloaded_stages, peer_recv, round_robin,
+                         stages_of)
 from schedule.lower import (add_load_offload, add_optimizer, add_send_recv, build, build_forward, resident_stages,
                             stage_intervals)
 from schedule.validate import ScheduleError, SimResult, format_grid, simulate, validate
@@ -26,6 +27,7 @@ __all__ = [
     "generate",
     "generate_forward",
     "list_schedule",
+    "offloaded_stages",
     "peer_recv",
     "resident_stages",
     "round_robin",

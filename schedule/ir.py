@@ -105,6 +105,12 @@ def stages_of(rank: int, mapping: list[int]) -> list[int]:
     return [s for s, r in enumerate(mapping) if r == rank]
 
 
+def offloaded_stages(schedule: Schedule) -> frozenset[int]:
+    """Stages whose parameters the program moves between host and device (it loads them);
+    every other stage stays on the device (no offload, or a resident stage)."""
+    return frozenset(a.stage for acts in schedule.values() for a in acts if a.op is Op.LOAD)
+
+
 def peer_recv(send: Action) -> Action:
     """The RECV on the peer rank that matches ``send`` (named by the consumer's stage)."""
     if send.op is Op.SEND_F:

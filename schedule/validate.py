@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, NoReturn
 
-from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, peer_recv,
-                         producer, remote_producer)
+from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel,
+                         offloaded_stages, peer_recv, producer, remote_producer)
 
 # What a forward-only (evaluation) program must not contain.
 _GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP})
@@ -216,7 +216,7 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
                      forward_only: bool = False) -> None:
     """An offloaded stage (one that is loaded somewhere) computes only between a LOAD and the
     next DROP / OFFLOAD; a stage that is never loaded is never released either."""
-    offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.LOAD}
+    offloaded = offloaded_stages(schedule)
     for r, acts in sorted(schedule.items()):
         resident: dict[int, int] = {}  # stage -> step of its LOAD
         released: dict[int, int] = {}  # stage -> step of its last DROP / OFFLOAD
