@@ -27,7 +27,7 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
 
 ``-noclip``, ``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
 the table (step time = mean after the warm-up iterations, with its compute / exposed-wait / other
-breakdown) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
+breakdown, and the host's time in Python's cyclic garbage collector, which may fall in any part) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
 ``<out>/table.md`` and ``<out>/rows.json``. Files of a row are named by ``slug(row)`` (``/`` -> ``_``).
 """
 from __future__ import annotations
@@ -173,6 +173,7 @@ def summarise(res: dict, mode: str, args) -> dict:
         "step_time_s": step,
         **parts,
         "other_s": step - sum(parts.values()),  # bubbles and p2p communication
+        "gc_s": mean([rank.get("gc_seconds", 0) for rank in per_rank]),  # host, inside any of the above
         "tokens_per_s": mean([r["tokens_per_s"] for r in its]),
         "tflops_per_gpu": mean([r["tflops_per_gpu"] for r in its]),
         "peak_allocated_gb": max(last["peak_mem_bytes"]) / gb,
@@ -191,17 +192,17 @@ def fmt(v: float | None, p: int = 2) -> str:
 
 def table(rows: list[dict]) -> str:
     """The main markdown table, one line a row; rows that did not finish show only their status."""
-    head = ("| row | status | step s | compute s | load wait s | offload wait s | optim wait s | other s | tokens/s | "
-            "TFLOP/s/GPU | peak alloc GiB (max rank) | peak reserved GiB | host RSS GiB (all ranks) | H2D GB/s | "
-            "D2H GB/s |\n|" + "---|" * 15)
+    head = ("| row | status | step s | compute s | load wait s | offload wait s | optim wait s | other s | GC s | "
+            "tokens/s | TFLOP/s/GPU | peak alloc GiB (max rank) | peak reserved GiB | host RSS GiB (all ranks) | "
+            "H2D GB/s | D2H GB/s |\n|" + "---|" * 16)
     lines = [head]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['row']} | {r.get('status')} |" + " |" * 13)
+            lines.append(f"| {r['row']} | {r.get('status')} |" + " |" * 14)
             continue
         kept = r.get("resident_stages")
         name = f"{r['row']} ({kept} stages resident)" if r.get("mode") == "hybrid" and kept else r["row"]
-        parts = " | ".join(fmt(r.get(k)) for k in (*(f"{k}_s" for k in BREAKDOWN), "other_s"))
+        parts = " | ".join(fmt(r.get(k)) for k in (*(f"{k}_s" for k in BREAKDOWN), "other_s", "gc_s"))
         lines.append(f"| {name} | ok | {fmt(r['step_time_s'])} | {parts} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['tflops_per_gpu'], 1)} | {fmt(r['peak_allocated_gb'], 1)} | "
                      f"{fmt(r['peak_reserved_gb'], 1)} | {fmt(r['host_rss_gb'], 1)} | {fmt(r.get('h2d_gbps'), 1)} | "

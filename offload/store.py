@@ -21,15 +21,22 @@ With ``Workers`` (offload), the host side runs off the main thread:
 
 * OFFLOAD, when the schedule has a NORM, queues the squared norm of the stage's gradients
   on the optimizer thread (it waits there for the copy), so NORM finds it ready.
-* STEP queues AdamW on the optimizer thread (FIFO: after that stage's norm).
-* A LOAD whose stage still has a step running does not block: the loader thread waits for
-  the step and then issues the copy. The main thread blocks only at the stage's first
-  compute (``before_compute``), where the weights are needed, so the optimizer step of one
-  stage overlaps the next iteration's compute of the stages whose steps are done.
+* STEP queues AdamW on the optimizer thread (FIFO: after that stage's norm). It updates the
+  masters ``CHUNK`` elements at a time and says how far it got; it does not touch ``work``.
+* The first LOAD after a step copies the fp32 masters themselves, ``CHUNK`` at a time through
+  a staging buffer, and converts them on the device: with the step still running, the
+  loader thread copies each chunk as soon as the step has written it, so the copy streams
+  behind the step instead of starting after it, and the host is spared the conversion pass
+  on that path. The same LOAD queues the refresh of ``work`` (fp32 -> compute dtype) on the
+  optimizer thread, after every step already queued; later LOADs of the stage copy ``work``
+  once it is done. A LOAD never blocks the main thread on the optimizer: it blocks only at
+  the stage's first compute (``before_compute``), where the weights are needed, so the step
+  of one stage overlaps the next iteration's compute of the stages whose steps are done.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +48,9 @@ from torch import nn
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
 GRAD_CHUNK = 16 * 2**20  # elements converted to fp32 at a time on the device at OFFLOAD (64 MiB)
+# Elements a CPU step updates, and a LOAD from the masters copies, at a time (128 MiB fp32). A
+# multiple of the fused kernel's vector width, so the chunked step is bit for bit the whole one.
+CHUNK = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,20 @@ class Streams:
             # Loads gate the next compute: give them priority over gradient offloads.
             self.load = torch.cuda.Stream(device, priority=-1)
             self.offload = torch.cuda.Stream(device, priority=0)
+        self.device = device
+        self._staging: torch.Tensor | None = None
+        self.staging_lock = threading.Lock()  # the main and the loader thread both issue loads
+
+    def staging(self, numel: int) -> torch.Tensor:
+        """The load stream's fp32 buffer (one per rank, ``min(CHUNK, numel)`` elements for the
+        largest stage it served): a master chunk lands here and is converted into the stage's
+        device buffer. Made, used and replaced only on the load stream, in stream order, by
+        whoever holds ``staging_lock``."""
+        want = min(CHUNK, numel)
+        if self._staging is None or self._staging.numel() < want:
+            with self.on("load"):
+                self._staging = torch.empty(want, dtype=torch.float32, device=self.device)
+        return self._staging
 
     def on(self, which: str):
         return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
@@ -123,6 +147,33 @@ def _done(value) -> Future:
     f: Future = Future()
     f.set_result(value)
     return f
+
+
+class StepProgress:
+    """How far (in elements of the flat master) a running optimizer step has written; a LOAD
+    from the masters waits here chunk by chunk."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._upto = 0
+        self._closed = False
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self._upto = upto
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """The step returned or raised: nothing more will be written."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def wait(self, upto: int) -> bool:
+        """Block until elements ``[0, upto)`` are written; False if the step ended short of that."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._upto >= upto or self._closed)
+            return self._upto >= upto
 
 
 class BufferPool:
@@ -197,6 +248,9 @@ class StageStore:
         self._grads_event = None    # offload stream: gradients are in host memory
         self._norm_future: Future | None = None   # optimizer thread: squared norm of the offloaded grads
         self._step_future: Future | None = None
+        self._progress: StepProgress | None = None  # of the latest step, for the load behind it
+        self._stale = False  # a step changed the masters since ``work`` was refreshed
+        self._refresh_future: Future | None = None  # optimizer thread: ``work`` from the masters
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
 
@@ -236,27 +290,63 @@ class StageStore:
         self.dev = dev
         self._bind(self.dev, self.grad)
         self.resident = True
-        step = self._step_future
-        if step is None or step.done() or self.workers is None:
-            self.wait_step()
-            self._load_future = _done(self._copy_in(dev, ready))
-        else:  # the optimizer is still writing ``work``: the loader thread copies once it is done
-            self._load_future = self.workers.loader.submit(self._copy_after, step, dev, ready)
+        if self._stale:  # first load since a step: from the masters, chunk by chunk behind the step
+            self._stale = False
+            src, after, progress = self.master, self._step_future, self._progress
+            if self.work is not self.master:
+                self._refresh_future = self._run_on_optimizer(self._refresh_work)
+        else:
+            src, after, progress = self.work, self._refresh_future, None
+        if after is None or after.done() or self.workers is None:
+            self._result(after)
+            self._load_future = _done(self._copy_in(src, dev, ready))
+        else:  # the optimizer is still writing ``src``: the loader thread copies once it may
+            self._load_future = self.workers.loader.submit(self._copy_after, after, progress, src, dev, ready)
         return self._load_future
 
-    def _copy_in(self, dev: torch.Tensor, ready) -> LoadSpan:
+    def _copy_in(self, src: torch.Tensor, dev: torch.Tensor, ready, progress: StepProgress | None = None,
+                 after: Future | None = None) -> LoadSpan:
+        """Issue the copy of ``src`` into ``dev`` on the load stream, chunk by chunk; with
+        ``progress``, each chunk once the running step has written it. An fp32 source is
+        converted on the device (through the staging buffer), not by the host."""
+        convert = src.dtype != dev.dtype and self.streams.cuda
+        step_done = None
         with self.streams.on("load"):
             self.streams.wait("load", ready)  # the buffer's previous user is done with it
             start = self.streams.mark("load")
-            dev.copy_(self.work, non_blocking=True)
+            for lo in range(0, self.numel, CHUNK):
+                hi = min(self.numel, lo + CHUNK)
+                if progress is not None and not progress.wait(hi):
+                    after.result()  # the step failed: re-raise its error at the compute that needs it
+                    raise RuntimeError(f"optimizer step of the stage with {self.names[0]} ended early")
+                # behind a step, each chunk is its own transfer: the gaps are the step's, not the link's
+                c_start = self.streams.event("load", timing=True) if progress is not None else None
+                if convert:
+                    with self.streams.staging_lock:
+                        staged = self.streams.staging(self.numel)[:hi - lo]
+                        staged.copy_(src[lo:hi], non_blocking=True)
+                        dev[lo:hi].copy_(staged)
+                else:
+                    dev[lo:hi].copy_(src[lo:hi], non_blocking=True)
+                if c_start is not None:
+                    self._note_transfer("h2d", c_start, self.streams.event("load", timing=True),
+                                        (hi - lo) * src.element_size())
+            if progress is not None:
+                step_done = time.perf_counter()
             end = self.streams.mark("load")
-        self._note_transfer("h2d", start, end)
-        return LoadSpan(start, end)
+        if progress is None:
+            self._note_transfer("h2d", start, end, self.numel * src.element_size())
+        return LoadSpan(start, end, step_done)
 
-    def _copy_after(self, step: Future, dev: torch.Tensor, ready) -> LoadSpan:
-        step.result()  # loader thread waits: re-raises an optimizer error at the compute that needs it
-        done = time.perf_counter()
-        return self._copy_in(dev, ready)._replace(step_done=done)
+    def _copy_after(self, after: Future, progress: StepProgress | None, src: torch.Tensor, dev: torch.Tensor,
+                    ready) -> LoadSpan:
+        """Loader thread: copy once ``after`` (the step or the refresh that writes ``src``) is
+        done, or, with the step's ``progress``, chunk by chunk as it goes."""
+        if progress is None:
+            after.result()  # re-raises an optimizer error at the compute that needs it
+            done = time.perf_counter()
+            return self._copy_in(src, dev, ready)._replace(step_done=done)
+        return self._copy_in(src, dev, ready, progress, after)
 
     def before_compute(self, backward: bool, clock: Clock | None = None) -> None:
         """Called before every F/B of this stage: waits for its load (the host for the copy to be
@@ -362,37 +452,84 @@ class StageStore:
         return future.result() if future is not None else self._squared_norm()
 
     def step(self, lr: float, clip_coef: float | None) -> Future:
-        """STEP: AdamW on the masters, then refresh the compute copy. With workers it runs on
-        the optimizer thread while the GPU goes on; the stage's next LOAD waits for it.
-        ``clip_coef`` multiplies the gradients; with a fused AdamW the kernel applies it
-        (as its ``grad_scale``, the inverse) instead of a separate pass over them. Returns a
-        future of the step's wall-clock ``(start, end)``."""
+        """STEP: AdamW on the masters. With workers it runs on the optimizer thread while the GPU
+        goes on; the stage's next LOAD copies the masters behind it (module docstring).
+        ``clip_coef`` multiplies the gradients; the fused kernel applies it (as its
+        ``grad_scale``, the inverse) instead of a separate pass over them. Returns a future of
+        the step's wall-clock ``(start, end)``."""
+        fused = self.optimizer.defaults.get("fused")
+        progress = StepProgress() if self.offload and fused else None
+
         def run() -> tuple[float, float]:
             start = time.perf_counter()
-            g = self._grads_ready()  # FIFO: after this stage's norm, if one was queued
-            fold = clip_coef is not None and self.optimizer.defaults.get("fused")
-            if clip_coef is not None and not fold:
-                g.mul_(clip_coef)
-            # a fill kernel, not a copy: no host sync even where the masters are on the GPU
-            self.optimizer.grad_scale = torch.full((), 1.0 / clip_coef, device=g.device) if fold else None
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            if self.offload:
-                if self.work is not self.master:
-                    self.work.copy_(self.master)
-            else:
-                if self.dev is not self.master:
-                    self.dev.copy_(self.master)
-                self.grad.zero_()
-                if self.master_grad is not self.grad:
-                    self.master_grad.zero_()
+            try:
+                g = self._grads_ready()  # FIFO: after this stage's norm, if one was queued
+                if clip_coef is not None and not fused:
+                    g.mul_(clip_coef)
+                # a fill kernel, not a copy: no host sync even where the masters are on the GPU
+                scale = torch.full((), 1.0 / clip_coef, device=g.device) if clip_coef is not None and fused else None
+                if progress is not None:
+                    self._fused_step_chunks(lr, scale, progress)
+                else:
+                    self.optimizer.grad_scale = scale
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = lr
+                    self.optimizer.step()
+                if self.offload:
+                    if progress is None and self.work is not self.master:
+                        self.work.copy_(self.master)  # not chunked: the next load copies ``work``
+                else:
+                    if self.dev is not self.master:
+                        self.dev.copy_(self.master)
+                    self.grad.zero_()
+                    if self.master_grad is not self.grad:
+                        self.master_grad.zero_()
+            finally:
+                if progress is not None:
+                    progress.close()
             return start, time.perf_counter()
 
+        if progress is not None:
+            self._stale, self._progress = True, progress
+        self._step_future = self._run_on_optimizer(run)
+        return self._step_future
+
+    def _fused_step_chunks(self, lr: float, grad_scale: torch.Tensor | None, progress: StepProgress) -> None:
+        """What ``optimizer.step()`` does with ``fused=True`` (the same kernel, arguments and
+        state; elementwise, so the result is bit for bit the same), ``CHUNK`` elements at a
+        time, telling ``progress`` how far the flat master is written."""
+        done = 0
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            beta1, beta2 = group["betas"]
+            for leaf in group["params"]:
+                state = self.optimizer.state[leaf]
+                p, g = leaf.detach(), leaf.grad
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                for lo in range(0, p.numel(), CHUNK):
+                    hi = min(p.numel(), lo + CHUNK)
+                    torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
+                                        amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                                        grad_scale=grad_scale, found_inf=None)
+                    progress.advance(done + hi)
+                done += p.numel()
+
+    def _refresh_work(self) -> None:
+        """``work`` from the masters (fp32 -> compute dtype), for the loads after the first."""
+        self.work.copy_(self.master)
+
+    def _run_on_optimizer(self, fn, *args) -> Future:
+        """``fn(*args)`` on the optimizer thread (FIFO), or here and now without workers."""
         if self.workers is not None:
-            self._step_future = self.workers.optimizer.submit(run)
-            return self._step_future
-        return _done(run())
+            return self.workers.optimizer.submit(fn, *args)
+        return _done(fn(*args))
+
+    @staticmethod
+    def _result(future: Future | None) -> None:
+        if future is not None:
+            future.result()
 
     def discard_grads(self) -> None:
         """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients
@@ -407,10 +544,12 @@ class StageStore:
             self.master_grad.zero_()
 
     def wait_step(self) -> None:
-        """Host wait for this stage's optimizer step; re-raises its error here."""
-        if self._step_future is not None:
-            self._step_future.result()
-            self._step_future = None
+        """Host wait for this stage's optimizer step and ``work`` refresh; re-raises their errors here."""
+        for attr in ("_step_future", "_refresh_future"):
+            future = getattr(self, attr)
+            if future is not None:
+                future.result()
+                setattr(self, attr, None)
 
     # --- autograd's saved tensors -----------------------------------------------------------
     def saved_tensor_hooks(self):

@@ -7,7 +7,8 @@ keeps a ledger of what the executor and the stores hold at every action.
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
   the action list loads) the device holds only the buffer pool of ``offload/store.py``: the
   walk replays its take/give on LOAD, the first backward, DROP and OFFLOAD, so prefetch and
-  buffer reuse are counted as they happen; their masters and AdamW state are host memory.
+  buffer reuse are counted as they happen, plus the load stream's fp32 staging buffer; their
+  masters and AdamW state are host memory.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
   layer with sdpa attention (measured with saved-tensor hooks; ``tests/test_memory.py``
   checks the formula against autograd for float32 and bfloat16), held from a stage's forward
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.store import GRAD_CHUNK
+from offload.store import CHUNK, GRAD_CHUNK
 from schedule.ir import Action, Op, offloaded_stages
 
 GiB = 2**30
@@ -152,6 +153,8 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
     out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
     params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
+    if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
+        params_static += min(CHUNK, max(inp.stages[s].numel for s in offloaded)) * 4
 
     pool_free: dict[int, int] = {}   # numel -> free buffers
     pool_bytes = 0

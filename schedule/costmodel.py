@@ -17,8 +17,11 @@ An event-driven simulation of the executor (``pipeline/executor.py`` with ``offl
   optimizer thread) for ``step_s`` once the stage's OFFLOAD completed; STEP of a stage that
   stays on the GPU takes no time (a fused GPU kernel, milliseconds). A later LOAD of an
   offloaded stage does not block the rank (the executor hands it to its loader thread): its
-  copy starts once the step is done, and the stage's compute waits for the copy. Only a
-  LOAD whose step has not even started blocks the rank.
+  copy streams behind the step (chunk by chunk as the step writes them), so it may start
+  when the step starts and ends no earlier than the step; the stage's compute waits for the
+  copy. Only a LOAD whose step has not even started blocks the rank. (That copy moves the
+  fp32 masters, twice a bf16 stage's bytes; the model counts ``stage_bytes``: the copy is
+  hidden behind the step, whose end is what it waits for.)
 * ``pending_steps``: optimizer steps of the previous iteration still running when this one
   starts (stage -> when each ends); they hold the CPU lane and their stages' LOADs.
   ``predict_steady`` uses them to predict an iteration in a steady state, where the steps
@@ -78,7 +81,8 @@ class _Transfer:
     left: float           # bytes still to move
     start: float = math.nan
     rate: float = 0.0
-    not_before: float = 0.0  # a LOAD whose stage's optimizer step ends then
+    not_before: float = 0.0  # a LOAD whose stage's optimizer step starts then ...
+    not_until: float = 0.0   # ... and ends then: the copy streams behind it, done no earlier
 
 
 def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
@@ -143,6 +147,7 @@ def predict(
     load_done: dict[int, float] = {}       # stage -> end of its latest LOAD (inf while moving)
     offload_done: dict[int, float] = {}
     step_end: dict[int, float] = dict(pending)
+    step_start: dict[int, float] = {s: 0.0 for s in pending}  # already running at the start
     steps: dict[int, deque] = {r: deque() for r in ranks}  # (stage, issue time) waiting for the CPU lane
     offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD}
     norm_at: dict[int, float] = {}
@@ -157,8 +162,11 @@ def predict(
         for t in active:
             by_key.setdefault(t.key, []).append(t)
         for (root, _), ts in by_key.items():
-            left, n = _per(root_gbps, root) * 1e9, len(ts)
-            for t in sorted(ts, key=lambda t: t.cap):
+            for t in ts:
+                t.rate = 0.0
+            moving = [t for t in ts if t.left > 0]  # a copy done but for its step takes no share
+            left, n = _per(root_gbps, root) * 1e9, len(moving)
+            for t in sorted(moving, key=lambda t: t.cap):
                 t.rate = min(t.cap, left / n)
                 left, n = left - t.rate, n - 1
 
@@ -175,10 +183,11 @@ def predict(
                 busy.add((r, direction))
                 return
 
-    def enqueue(r: int, a: Action, nbytes: float, direction: str, not_before: float = 0.0) -> None:
+    def enqueue(r: int, a: Action, nbytes: float, direction: str, not_before: float = 0.0,
+                not_until: float = 0.0) -> None:
         gpu = gpu_of_rank[r]
         t = _Transfer(r, a, (groups[gpu], direction), _per(link_gbps, gpu) * 1e9, float(nbytes),
-                      not_before=not_before)
+                      not_before=not_before, not_until=not_until)
         if not (t.cap > 0 and _per(root_gbps, t.key[0]) > 0):
             raise ValueError(f"GPU {gpu}: link_gbps ({_per(link_gbps, gpu)}) and root_gbps of group {t.key[0]} "
                              f"({_per(root_gbps, t.key[0])}) must be > 0")
@@ -204,11 +213,10 @@ def predict(
             ready[r] = end
             timeline[r].append((start, end, a))
         elif a.op is Op.LOAD:
-            need = step_end.get(s, 0.0)
-            if math.isinf(need):  # its step has not started: the host waits until it has
+            if math.isinf(step_end.get(s, 0.0)):  # its step has not started: the host waits until it has
                 return False
             load_done[s] = math.inf
-            enqueue(r, a, stage_bytes[s], "h2d", not_before=need)
+            enqueue(r, a, stage_bytes[s], "h2d", not_before=step_start.get(s, 0.0), not_until=step_end.get(s, 0.0))
         elif a.op is Op.OFFLOAD:
             offload_done[s] = math.inf
             enqueue(r, a, off_bytes[s], "d2h")
@@ -231,7 +239,8 @@ def predict(
             while steps[r] and math.isfinite(offload_done.get(steps[r][0][0], 0.0)):
                 s, issued = steps[r].popleft()
                 start = max(issued, cpu_free[r], offload_done.get(s, 0.0))
-                step_end[s] = cpu_free[r] = start + step_s
+                step_start[s], step_end[s] = start, start + step_s
+                cpu_free[r] = step_end[s]
                 timeline[r].append((start, step_end[s], Action(s, Op.STEP)))
                 moved = True
         return moved
@@ -265,6 +274,7 @@ def predict(
         reshare()
         candidates = [ready[r] for r in ranks if pc[r] < len(schedule[r]) and ready[r] > now + _EPS]
         candidates += [now + t.left / t.rate for t in active if t.rate > 0]
+        candidates += [max(now, t.not_until) for t in active if t.left <= 0]  # moved, done with its step
         candidates += [t.not_before for q in lanes.values() for t in q if t.not_before > now + _EPS]
         if not candidates:
             stuck = {r: str(schedule[r][pc[r]]) for r in ranks if pc[r] < len(schedule[r])}
@@ -274,7 +284,9 @@ def predict(
         for t in active:
             t.left -= t.rate * (t_next - now)
         now = t_next
-        finished = [t for t in active if t.left <= t.rate * _EPS]
+        for t in active:
+            t.left = max(0.0, t.left) if t.left > t.rate * _EPS else 0.0
+        finished = [t for t in active if t.left <= 0 and t.not_until <= now + _EPS]
         for t in finished:
             active.remove(t)
             busy.discard((t.rank, t.key[1]))

@@ -178,8 +178,12 @@ def test_step_of_a_resident_stage_takes_no_cpu_time():
 
 
 def test_load_waits_for_step_norm_and_p2p_latency():
+    # The load streams behind the step (chunk by chunk as the step writes them): it starts with
+    # the step and ends when its bytes went through, or, if they are quicker, with the step.
     p = predict({0: acts("0O 0S 0L 0F0")}, [0], [0], [0], {0: (0.1, 0.2)}, [10 * GB], 20.0, 20.0, step_s=0.3)
-    assert spans(p, 0) == {"0O": (0.0, 0.5), "0S": (0.5, 0.8), "0L": (0.8, 1.3), "0F0": (1.3, 1.4)}
+    assert spans(p, 0) == {"0O": (0.0, 0.5), "0S": (0.5, 0.8), "0L": (0.5, 1.0), "0F0": (1.0, 1.1)}
+    p = predict({0: acts("0O 0S 0L 0F0")}, [0], [0], [0], {0: (0.1, 0.2)}, [2 * GB], 20.0, 20.0, step_s=0.3)
+    assert spans(p, 0) == {"0O": (0.0, 0.1), "0S": (0.1, 0.4), "0L": (0.1, 0.4), "0F0": (0.4, 0.5)}
     program = {0: acts("0F0 0SEND_F0 NORM"), 1: acts("1O 1RECV_F0 1F0 NORM 1S")}
     p = predict(program, [0, 1], [0, 1], [0, 1], COMPUTE, [10 * GB] * 2, 20.0, 20.0,
                 norm_s=0.05, step_s=0.1, p2p_latency_s=0.01)
@@ -190,12 +194,13 @@ def test_load_waits_for_step_norm_and_p2p_latency():
 
 
 def test_pending_step_delays_only_its_stage():
-    # Stage 1's step of the previous iteration ends at 0.8 s: its LOAD is handed over (the rank
-    # goes on to 0F0 at 0.5 instead of waiting for the step), its copy starts at 0.8.
+    # Stage 1's step of the previous iteration ends at 1.2 s: its LOAD is handed over (the rank
+    # goes on to 0F0 at 0.5 instead of waiting for the step); its copy streams behind the step
+    # from 0.5 (the copy stream is free after 0L) and ends with it.
     program = {0: acts("0L 1L 0F0 1F0")}
-    p = predict(program, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, pending_steps={0: -0.1, 1: 0.8})
-    assert spans(p, 0) == {"0L": (0.0, 0.5), "1L": (0.8, 1.3), "0F0": (0.5, 0.6), "1F0": (1.3, 1.4)}
-    assert p.host_end == p.step_time == pytest.approx(1.4)
+    p = predict(program, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, pending_steps={0: -0.1, 1: 1.2})
+    assert spans(p, 0) == {"0L": (0.0, 0.5), "1L": (0.5, 1.2), "0F0": (0.5, 0.6), "1F0": (1.2, 1.3)}
+    assert p.host_end == p.step_time == pytest.approx(1.3)
     # The previous steps also hold the rank's optimizer thread: a new step starts after them.
     p = predict({0: acts("0F0 1F0 1B0 1O 1S")}, [0, 0], [0], [0], COMPUTE, [10 * GB] * 2, 20.0, 20.0, step_s=0.3,
                 pending_steps={0: 1.0})
@@ -206,16 +211,17 @@ def test_pending_step_delays_only_its_stage():
 
 
 def test_steady_state_overlaps_steps_with_the_next_iteration():
-    # One stage: L 0.5, F 0.1, B 0.2, O 0.5, S 0.3. From a clean start the iteration's host part
-    # ends at 1.3 (its step at 1.6); in a steady state each iteration starts 0.3 s before the
-    # previous step ends, so its load starts at 0.3 and the host part ends at 1.6.
+    # One stage: L 0.5, F 0.1, B 0.2, O 0.5, S 0.8. From a clean start the iteration's host part
+    # ends at 1.3 (its step at 2.1); in a steady state each iteration starts 0.8 s before the
+    # previous step ends, so its load, streaming behind that step, ends at 0.8, not 0.5, and
+    # the host part at 1.6.
     program = {0: acts("0L 0F0 0B0 0O 0S")}
     args = (program, [0], [0], [0], {0: (0.1, 0.2)}, [10 * GB], 20.0, 20.0)
-    clean = predict(*args, step_s=0.3)
-    assert (clean.host_end, clean.step_time) == pytest.approx((1.3, 1.6))
-    steady = predict_steady(*args, step_s=0.3)
-    assert spans(steady, 0)["0L"] == pytest.approx((0.3, 0.8))
-    assert (steady.host_end, steady.step_time) == pytest.approx((1.6, 1.9))
+    clean = predict(*args, step_s=0.8)
+    assert (clean.host_end, clean.step_time) == pytest.approx((1.3, 2.1))
+    steady = predict_steady(*args, step_s=0.8)
+    assert spans(steady, 0)["0L"] == pytest.approx((0.0, 0.8))
+    assert (steady.host_end, steady.step_time) == pytest.approx((1.6, 2.4))
     # Without optimizer time the steady state is the clean start.
     assert predict_steady(*args).timeline == predict(*args).timeline
 

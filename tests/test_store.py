@@ -1,0 +1,149 @@
+"""offload/store.py on its own: the chunked CPU step is AdamW bit for bit, a load from the
+masters streams behind a running step, and a failed step reaches the compute that needs it."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+import offload.store as store_mod
+from offload.store import BufferPool, OptimSettings, StageStore, Streams, Workers
+from reference import assert_same_training, in_process_trainer, trainer_masters
+from test_equivalence import _cfg
+
+CPU = torch.device("cpu")
+
+
+def _module(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(13, 29), nn.LayerNorm(29), nn.Linear(29, 7))
+
+
+def _store(offload: bool, dtype=torch.float32, workers=None) -> StageStore:
+    optim = OptimSettings(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return StageStore(_module(), device=CPU, compute_dtype=dtype, offload=offload, optim=optim,
+                      streams=Streams(CPU), pool=BufferPool(CPU), workers=workers)
+
+
+def _set_grads(stores, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(stores[0].numel, generator=g)
+    for st in stores:
+        st.master_grad.copy_(grad)
+
+
+@pytest.mark.parametrize("chunk", [64, 192, 1 << 20])
+def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
+    """The offloaded stage's step (``_fused_step_chunks``, chunk by chunk) against the resident
+    one (``optimizer.step()`` with ``fused=True``): masters and AdamW state identical, with the
+    clip coefficient folded in and without, over several steps, both parameter groups.
+    (Chunks must start at multiples of the kernel's vector width: an element that falls in a
+    scalar tail is rounded differently, chunks of 5 elements differ in the last bit.)"""
+    monkeypatch.setattr(store_mod, "CHUNK", chunk)
+    chunked, whole = _store(offload=True), _store(offload=False)
+    for i, coef in enumerate([0.37, None, 0.81]):
+        _set_grads([chunked, whole], seed=i)
+        chunked.step(1e-2, coef).result()
+        whole.step(1e-2, coef).result()
+    assert torch.equal(chunked.master, whole.master)
+    for a, b in zip(chunked.optimizer.param_groups, whole.optimizer.param_groups):
+        for pa, pb in zip(a["params"], b["params"]):
+            sa, sb = chunked.optimizer.state[pa], whole.optimizer.state[pb]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert not torch.equal(chunked.master, _store(offload=False).master)  # it did train
+
+
+def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
+    """With the step still running, the loader thread copies chunk by chunk behind it: the
+    load has copied the first chunks before the step is done, and ends with the new weights."""
+    monkeypatch.setattr(store_mod, "CHUNK", 64)
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    st = _store(offload=True, workers=workers)
+    copied, step_done = [], threading.Event()
+    real_kernel = torch._fused_adamw_
+
+    def slow_kernel(*args, **kw):
+        time.sleep(0.05)
+        return real_kernel(*args, **kw)
+
+    real_copy_in = st._copy_in
+
+    def copy_in(src, dev, ready, progress=None, after=None):
+        class Watch:
+            def wait(self, upto):
+                ok = progress.wait(upto)
+                copied.append((upto, step_done.is_set()))
+                return ok
+        return real_copy_in(src, dev, ready, Watch() if progress is not None else None, after)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", slow_kernel)
+    st._copy_in = copy_in
+    st.drop() if st.dev is not None else None
+    _set_grads([st], seed=0)
+    step = st.step(1e-2, None)
+    step.add_done_callback(lambda _: step_done.set())
+    span = st.load().result()
+    st.before_compute(backward=False)
+    assert len(copied) == -(-st.numel // 64) >= 3
+    assert not copied[0][1], "the first chunk was copied only after the whole step"
+    assert span.step_done is not None
+    assert torch.equal(st.dev, st.master)
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()
+
+
+def test_failed_step_reaches_the_compute_instead_of_hanging(monkeypatch):
+    monkeypatch.setattr(store_mod, "CHUNK", 64)
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    st = _store(offload=True, workers=workers)
+    gate = threading.Event()
+    calls = []
+
+    def failing_kernel(*args, **kw):
+        calls.append(1)
+        gate.wait(5)
+        if len(calls) == 2:
+            raise RuntimeError("boom in the optimizer")
+
+    monkeypatch.setattr(torch, "_fused_adamw_", failing_kernel)
+    _set_grads([st], seed=0)
+    st.step(1e-2, None)
+    st.load()  # issued while the step runs: handed to the loader thread
+    gate.set()
+    with pytest.raises(RuntimeError, match="boom in the optimizer"):
+        st.before_compute(backward=False)
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, prefetch):
+    """In bf16 the offloaded stages' loads convert the masters (first load after a step) or copy
+    the refreshed ``work`` (later loads); resident stages convert on the device. Same numbers."""
+    monkeypatch.setattr(store_mod, "CHUNK", 4096)
+    runs = []
+    for offload in (False, True):
+        trainer = in_process_trainer(_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload,
+                                          use_prefetch=prefetch and offload, resident_stages=0))
+        history = trainer.train()
+        runs.append(([h["loss"] for h in history], trainer_masters(trainer)))
+    assert_same_training(*runs[1], *runs[0], rtol=0.0)
+
+
+def test_bf16_offload_without_the_refresh_is_caught(tiny_model_dir, monkeypatch):
+    """Mutation: without the ``work`` refresh a stage's later loads (its backward's, after a
+    DROP) compute with the previous iteration's weights, and the comparison fails."""
+    runs = []
+    for offload in (False, True):
+        trainer = in_process_trainer(_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload, resident_stages=0))
+        if offload:
+            for st in trainer.stores.values():
+                st._refresh_work = lambda: None
+        history = trainer.train()
+        runs.append(([h["loss"] for h in history], trainer_masters(trainer)))
+    with pytest.raises(AssertionError):
+        assert_same_training(*runs[1], *runs[0], rtol=1e-3)
