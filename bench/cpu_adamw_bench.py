@@ -1,14 +1,14 @@
 """How fast the host runs one stage's optimizer step, and what bounds it.
 
 The offloaded stages' AdamW runs on the CPU (offload/store.py: torch's fused AdamW over the
-fp32 masters, then the bf16 working copy refreshed from them). With gradient clipping every
-step waits for the global norm, so a rank's steps run back to back after its last backward
-and their speed sets how much of them the next iteration's forwards can hide. This measures,
-for a stage-sized flat parameter (default: a 7B model's stage of 8), with the process' share
-of the cores as training gives it:
-  step        fused AdamW alone (grad_scale folded in, as with clipping)
-  copy        the fp32 -> bf16 working-copy refresh alone
-  step+copy   what a STEP action does now
+fp32 masters). With gradient clipping every step waits for the global norm, so a rank's steps
+run back to back after its last backward and their speed sets how much of them the next
+iteration's forwards can hide. This measures, for a stage-sized flat parameter (default: a 7B
+model's stage of 8), with the process' share of the cores as training gives it:
+  step        fused AdamW alone (grad_scale folded in, as with clipping): what a STEP does
+  copy        the fp32 -> bf16 refresh of the pinned working copy (queued behind the steps;
+              the first load after a step converts the masters on the GPU instead)
+  step+copy   the two back to back: what a STEP did before that
   blocked:C   step and copy chunk by chunk (C elements), each copy reading what the step
               just wrote while it is still in cache
   memcpy      an fp32 copy of the same size (a bandwidth reference: 8 bytes an element)
