@@ -27,7 +27,8 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
 
 ``-noclip``, ``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
 the table (step time = mean after the warm-up iterations, with its compute / exposed-wait / other
-breakdown, and the host's time in Python's cyclic garbage collector, which may fall in any part) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
+breakdown, and the host's time in Python's cyclic garbage collector, which may fall in any
+part) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
 ``<out>/table.md`` and ``<out>/rows.json``. Files of a row are named by ``slug(row)`` (``/`` -> ``_``).
 """
 from __future__ import annotations

@@ -307,8 +307,8 @@ class StageStore:
     def _copy_in(self, src: torch.Tensor, dev: torch.Tensor, ready, progress: StepProgress | None = None,
                  after: Future | None = None) -> LoadSpan:
         """Issue the copy of ``src`` into ``dev`` on the load stream, chunk by chunk; with
-        ``progress``, each chunk once the running step has written it. An fp32 source is
-        converted on the device (through the staging buffer), not by the host."""
+        ``progress``, each chunk once the running step has written it. On CUDA an fp32 source
+        is converted on the device (through the staging buffer), not by the host."""
         convert = src.dtype != dev.dtype and self.streams.cuda
         step_done = None
         with self.streams.on("load"):

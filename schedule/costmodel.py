@@ -285,7 +285,8 @@ def predict(
             t.left -= t.rate * (t_next - now)
         now = t_next
         for t in active:
-            t.left = max(0.0, t.left) if t.left > t.rate * _EPS else 0.0
+            if t.left <= t.rate * _EPS:
+                t.left = 0.0  # moved; a load behind a step may still wait for the step's end
         finished = [t for t in active if t.left <= 0 and t.not_until <= now + _EPS]
         for t in finished:
             active.remove(t)

@@ -82,7 +82,6 @@ def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
 
     monkeypatch.setattr(torch, "_fused_adamw_", slow_kernel)
     st._copy_in = copy_in
-    st.drop() if st.dev is not None else None
     _set_grads([st], seed=0)
     step = st.step(1e-2, None)
     step.add_done_callback(lambda _: step_done.set())
