@@ -248,8 +248,8 @@ class StageStore:
         self._grads_event = None    # offload stream: gradients are in host memory
         self._norm_future: Future | None = None   # optimizer thread: squared norm of the offloaded grads
         self._step_future: Future | None = None
-        self._progress: StepProgress | None = None  # of the latest step, for the load behind it
-        self._stale = False  # a step changed the masters since ``work`` was refreshed
+        # of a step not yet loaded from: it changed the masters since ``work`` was refreshed
+        self._progress: StepProgress | None = None
         self._refresh_future: Future | None = None  # optimizer thread: ``work`` from the masters
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
@@ -290,13 +290,13 @@ class StageStore:
         self.dev = dev
         self._bind(self.dev, self.grad)
         self.resident = True
-        if self._stale:  # first load since a step: from the masters, chunk by chunk behind the step
-            self._stale = False
-            src, after, progress = self.master, self._step_future, self._progress
+        progress, self._progress = self._progress, None
+        if progress is not None:  # first load since a step: from the masters, chunk by chunk behind the step
+            src, after = self.master, self._step_future
             if self.work is not self.master:
                 self._refresh_future = self._run_on_optimizer(self._refresh_work)
         else:
-            src, after, progress = self.work, self._refresh_future, None
+            src, after = self.work, self._refresh_future
         if after is None or after.done() or self.workers is None:
             self._result(after)
             self._load_future = _done(self._copy_in(src, dev, ready))
@@ -489,8 +489,7 @@ class StageStore:
                     progress.close()
             return start, time.perf_counter()
 
-        if progress is not None:
-            self._stale, self._progress = True, progress
+        self._progress = progress
         self._step_future = self._run_on_optimizer(run)
         return self._step_future
 
