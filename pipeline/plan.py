@@ -12,7 +12,7 @@ import torch
 import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, gib
-from pipeline.model import partition_layers, stage_num_params
+from pipeline.model import partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype, needs_norm
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
@@ -36,8 +36,8 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) ->
     """Per-rank memory estimate of ``cfg`` and the schedule it runs (``resident_stages`` as
     resolved by ``resolve_resident``; unresolved, -1 counts as 0)."""
     S = cfg.num_stages
-    parts = partition_layers(hf_config.num_hidden_layers, S)
-    stages = [StagePlan(stage_num_params(hf_config, parts[s], s == 0, s == S - 1), len(parts[s]), s == 0, s == S - 1)
+    parts, counts = partition_layers(hf_config.num_hidden_layers, S), stage_param_counts(hf_config, S)
+    stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
     program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
                           prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0))

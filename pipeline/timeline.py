@@ -309,7 +309,7 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     optimizer steps still running, as the recorded one did (``steady=False``: one iteration
     from a clean start, ending with its own steps).
     """
-    from schedule.costmodel import predict, predict_steady
+    from schedule.costmodel import cpu_stepped_stages, predict, predict_steady
 
     events = list(events)
     ranks = sorted(schedule)
@@ -328,7 +328,7 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
         links.append(max(rates, default=25.0))
     groups = list(rank_groups) if rank_groups is not None else list(ranks)
     roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
-    offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD}
+    offloaded = cpu_stepped_stages(schedule)
     steps = [d for (op, s), ds in durations.items() if op == "S" and s in offloaded for d in ds]
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]
     return (predict_steady if steady else predict)(dict(schedule), mapping, ranks, groups, compute, stage_bytes,

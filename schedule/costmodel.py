@@ -85,6 +85,12 @@ class _Transfer:
     not_until: float = 0.0   # ... and ends then: the copy streams behind it, done no earlier
 
 
+def cpu_stepped_stages(schedule: Schedule) -> frozenset[int]:
+    """Stages whose STEP the model puts on the CPU lane: those whose gradients the program
+    offloads (every other STEP is a GPU kernel, instant here)."""
+    return frozenset(a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD)
+
+
 def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
     return float(value) if isinstance(value, (int, float)) else float(value[i])
 
@@ -149,7 +155,7 @@ def predict(
     step_end: dict[int, float] = dict(pending)
     step_start: dict[int, float] = {s: 0.0 for s in pending}  # already running at the start
     steps: dict[int, deque] = {r: deque() for r in ranks}  # (stage, issue time) waiting for the CPU lane
-    offloaded = {a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD}
+    offloaded = cpu_stepped_stages(schedule)
     norm_at: dict[int, float] = {}
     lanes: dict[tuple[int, str], deque] = {}
     busy: set[tuple[int, str]] = set()

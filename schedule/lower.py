@@ -6,7 +6,7 @@ Order of the passes: ``add_send_recv`` -> ``add_load_offload`` (if offloading pa
 -> ``add_optimizer``.
 
 With offload, some stages may stay resident (``resident_stages``): they get no LOAD, DROP or
-OFFLOAD, and their STEP runs on the GPU right after their last backward.
+OFFLOAD, and their STEP runs on the GPU at the end of the rank's list (``add_optimizer``).
 """
 from __future__ import annotations
 
