@@ -55,8 +55,14 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales:
         hf = AutoConfig.from_pretrained(cfg.model)
     elem = torch.empty(0, dtype=compute_dtype(cfg, torch.device(cfg.device))).element_size()
     stage_bytes = [n * elem for n in stage_param_counts(hf, S)]
+    # The saved config may say -1 (auto); the trace says what ran: with offload, the stages a
+    # rank never loaded stayed resident (the same number on every rank).
+    resident = cfg.resident_stages
+    if cfg.use_offload and resident < 0:
+        loaded = {e["stage"] for e in events if e["op"] == "L"}
+        resident = min(sum(1 for s in sched.stages_of(r, mapping) if s not in loaded) for r in set(mapping))
     program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
-                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg))
+                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(resident, 0))
     steady = calibrated_prediction(events, program, mapping, stage_bytes, groups)
     # The same durations, one iteration from a clean start (what the model predicted before).
     clean = calibrated_prediction(events, program, mapping, stage_bytes, groups, steady=False)

@@ -232,3 +232,17 @@ def test_plan_text_for_a_config():
     text = plan_text(cfg, preset_config("llama-2-7b"), topo)
     assert "8 stages on 4 GPUs" in text and "8 micro-batches of 1x512 tokens" in text
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in text
+
+
+def test_timeline_replays_a_run_with_resident_stages():
+    """A hybrid run (offload with resident_stages -1, one of four stages kept per GPU) replayed
+    offline from its committed files: the program is rebuilt with the stages the trace never
+    loads as resident, and the prediction is the one the run logged (2.745 s). Rebuilt with
+    every stage offloaded, the replay had predicted 3.062 s."""
+    from test_bench import ROOT, _load
+
+    row = ROOT / "bench/results/2026-11-23_h200x2_callD/pcie48-hybrid+cross"
+    logged = _load("offload_bench").parse_log(row.with_suffix(".log").read_text())
+    got = _load("timeline_vs_model").compare(row, row.with_suffix(".json"), [0, 0])
+    assert logged["resident_stages"] == "1/4"
+    assert got["steady_state"]["host_end_s"] == pytest.approx(logged["predicted_step_s"], abs=1e-3)
