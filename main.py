@@ -6,15 +6,14 @@ import sys
 import time
 import traceback
 
-from pipeline.config import ConfigError, parse_args
-from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
+# Only the standard library here: a Ctrl-C while torch imports must reach the handler at the bottom.
 
 
 # How long a rank other than 0 waits before exiting on an error that rank 0 reports too.
 REPORT_GRACE_S = 60.0
 
 
-def _fail(env: DistEnv, message: str) -> int:
+def _fail(env, message: str) -> int:
     """One line from one rank, a non-zero exit on every rank.
 
     Rank 0 reports and exits. The others wait first: had one of them exited before rank 0
@@ -30,10 +29,22 @@ def _fail(env: DistEnv, message: str) -> int:
     return 2
 
 
+def _interrupted() -> int:
+    """Ctrl-C outside the training loop (which stops at a step boundary and saves instead): one
+    line from rank 0, no traceback from any rank. Nothing of this run's start-up is kept."""
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write("error: interrupted by Ctrl-C (SIGINT) outside the training steps; no checkpoint was "
+                         "written by this stop\n")
+        sys.stderr.flush()
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     from data import DataError
+    from pipeline.config import ConfigError, parse_args
+    from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
     from pipeline.metrics import TrainingError
-    from pipeline.train import check_config, plan, train
+    from pipeline.train import check_config, check_files, plan, train
 
     env = DistEnv.from_environ()
     try:
@@ -45,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(plan(cfg, world_size), flush=True)
             return 0
         check_config(cfg, env.world_size)
+        # Files too (model, tokenizer, data, save_dir), on every rank alike, before any process
+        # group exists: a direct torchrun launch then fails as train.sh's --check_only does.
+        check_files(cfg)
     except (ConfigError, DataError) as e:
         return _fail(env, str(e))
     if mode == "check":
@@ -59,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         # The line goes out before any teardown: a process-group shutdown that aborts (gloo, with
         # this rank's channels still referenced by the traceback) must not swallow it.
         return _fail(env, str(e))
+    except KeyboardInterrupt:
+        # Peers may wait on this rank in a collective: leave at once, as below.
+        sys.stdout.flush()
+        os._exit(_interrupted())
     except BaseException:  # noqa: BLE001 - e.g. CUDA OOM on one rank
         # Peers may be blocked in a send/recv with this rank; a clean NCCL teardown would wait
         # for them forever. Report, then leave at once: torchrun then stops the other ranks.
@@ -69,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = _interrupted()
     # Everything is written, flushed and closed and the process group is destroyed; leave without
     # the interpreter's teardown, where gloo's C++ threads can abort the process at exit
     # ("terminate called without an active exception") and turn a finished run into a failed one.

@@ -8,12 +8,22 @@ cd "$(dirname "$0")"
 CONFIG=${CONFIG:-fine_tune.yaml}
 PY=${PYTHON:-python3}
 
-read -r yaml_gpus yaml_nproc yaml_port < <("$PY" - "$CONFIG" <<'PYEOF'
-import sys, yaml
-c = yaml.safe_load(open(sys.argv[1])) or {}
+for arg in "$@"; do
+  if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then exec "$PY" main.py --help; fi
+done
+
+# The launch settings; a YAML error is main.py's one line (file, line, column), exit 2.
+launch=$("$PY" - "$CONFIG" <<'PYEOF'
+import sys
+from pipeline.config import ConfigError, load_yaml
+try:
+    c = load_yaml(sys.argv[1])
+except ConfigError as e:
+    sys.exit(f"error: {e}")
 print(c.get("cuda_visible_devices") or "-", c.get("nproc") or 0, c.get("master_port") or 29500)
 PYEOF
-)
+) || exit 2
+read -r yaml_gpus yaml_nproc yaml_port <<< "$launch"
 if [ -z "${CUDA_VISIBLE_DEVICES+x}" ] && [ "$yaml_gpus" != "-" ]; then
   export CUDA_VISIBLE_DEVICES="$yaml_gpus"
 fi

@@ -4,8 +4,20 @@ Same model (random-weight ``LlamaForCausalLM`` preset), same global batch and se
 activation checkpointing per decoder layer; what differs is the parallelism: pure data parallel with
 parameters, gradients and AdamW state sharded (ZeRO-3) and, with ``--offload``, kept on the host.
 
-    torchrun --nproc_per_node 4 bench/fsdp2_baseline.py --model llama-2-7b --batch_size 64 \
-        --seq_length 512 --micro_batch 2 --iterations 4 --warmup 1 --mem_cap_gb 48 --json out.json
+    torchrun --nproc_per_node 2 bench/fsdp2_baseline.py --model llama-2-7b --batch_size 64 \
+        --seq_length 512 --iterations 2 --warmup 1 --mem_cap_gb 48 --json out.json \
+        --micro_batches 32,16,8,4 --sync_modes deferred,each --budget_s 200
+
+The sweep builds the model once and runs each point (micro-batch per rank x gradient sync mode)
+in turn: ``deferred`` reduce-scatters only on the last micro-batch of a step
+(``set_requires_gradient_sync(False)`` before the others), ``each`` after every micro-batch; a
+point with one micro-batch per rank runs once (the modes are the same). Points run until
+``--budget_s`` is spent; a point whose warm-up step is over ``--prune_factor`` x the best step so
+far is recorded as ``pruned``. Without ``--micro_batches`` it runs one point, ``--micro_batch``
+(default 32: the best-known setting at 64 x 512 on 2 GPUs; 2 mis-tuned it). The rank's share of
+the cores runs the host AdamW (``torch.set_num_threads``; torchrun sets ``OMP_NUM_THREADS=1``).
+The JSON (``bench/sweep.py``'s format) is rewritten after every point; its top-level step time,
+rates and peaks are the best point's.
 
 Without CUDA it runs on gloo in float32 (``--model tiny``) so it can be checked on a CPU machine.
 """
@@ -13,7 +25,9 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +38,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep  # noqa: E402
 
 # (hidden, intermediate, layers, heads, kv heads, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -39,16 +56,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
     p.add_argument("--batch_size", type=int, default=64, help="global sequences per optimizer step")
     p.add_argument("--seq_length", type=int, default=512)
-    p.add_argument("--micro_batch", type=int, default=2, help="sequences per forward/backward on one rank")
-    p.add_argument("--iterations", type=int, default=4, help="measured optimizer steps")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured optimizer steps before them")
+    p.add_argument("--micro_batch", type=int, default=32, help="sequences per forward/backward on one rank "
+                   "(one point; the best-known setting at 64 x 512 on 2 GPUs)")
+    p.add_argument("--micro_batches", default=None, help="sweep these micro-batches per rank, e.g. 32,16,8,4 "
+                   "(overrides --micro_batch)")
+    p.add_argument("--sync_modes", default=None, help="deferred,each: gradient sync on the last micro-batch "
+                   "only, or after every one (default: each with --sync_each_micro, else deferred)")
+    p.add_argument("--iterations", type=int, default=4, help="measured optimizer steps per point")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured optimizer steps before them, per point")
+    p.add_argument("--budget_s", type=float, default=None, help="start no point that would end after this "
+                   "many seconds from the start (model build included)")
+    p.add_argument("--prune_factor", type=float, default=1.5,
+                   help="skip a point's measured steps when its warm-up step is over this x the best step (0: never)")
     p.add_argument("--mem_cap_gb", type=float, default=None, help="cap GPU memory per rank (emulates a smaller card)")
     p.add_argument("--offload", action="store_true", default=True,
                    help="CPUOffloadPolicy: sharded params, grads and the AdamW step on the host (default)")
     p.add_argument("--no_offload", dest="offload", action="store_false", help="keep the shards on the GPU")
     p.add_argument("--sync_each_micro", action="store_true",
-                   help="reduce-scatter after every micro-batch instead of keeping unsharded grads until the last")
+                   help="reduce-scatter after every micro-batch instead of keeping unsharded grads until the last "
+                        "(the default --sync_modes)")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0: off), as the "
+                   "other rows do")
     p.add_argument("--json", default=None, help="rank 0 writes the results here")
     return p.parse_args()
 
@@ -100,17 +129,39 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
 
 
-def train_step(model: FSDPModule, opt: torch.optim.Optimizer, vocab: int, num_micro: int, args: argparse.Namespace,
-               device: torch.device, gen: torch.Generator) -> float:
+def sweep_points(micro_batches: list[int], sync_modes: list[str], per_rank: int) -> list[tuple[int, str]]:
+    """The (micro-batch, sync mode) points in order; one point for a micro-batch that makes one
+    micro-batch per rank (``single``: nothing to defer). Raises when a micro-batch does not divide
+    the rank's share of the batch."""
+    bad = [m for m in micro_batches if per_rank % m]
+    if bad:
+        raise ValueError(f"micro-batches {bad} do not divide the {per_rank} sequences per rank; "
+                         f"use divisors of {per_rank}")
+    unknown = sorted(set(sync_modes) - {"deferred", "each"})
+    if unknown:
+        raise ValueError(f"sync modes {unknown} unknown; expected deferred and/or each")
+    points: list[tuple[int, str]] = []
+    for m in micro_batches:
+        for mode in (["single"] if per_rank // m == 1 else sync_modes):
+            if (m, mode) not in points:
+                points.append((m, mode))
+    return points
+
+
+def train_step(model: FSDPModule, opt: torch.optim.Optimizer, vocab: int, micro_batch: int, num_micro: int,
+               sync_each: bool, seq_length: int, device: torch.device, gen: torch.Generator,
+               grad_clip: float) -> float:
     """One optimizer step over this rank's share of the global batch; returns the mean micro-batch loss."""
     total = torch.zeros((), device=device)
     for m in range(num_micro):
         last = m == num_micro - 1
-        model.set_requires_gradient_sync(last or args.sync_each_micro)
-        ids = torch.randint(vocab, (args.micro_batch, args.seq_length), device=device, generator=gen)
+        model.set_requires_gradient_sync(last or sync_each)
+        ids = torch.randint(vocab, (micro_batch, seq_length), device=device, generator=gen)
         loss = model(input_ids=ids, labels=ids).loss / num_micro
         loss.backward()
         total += loss.detach()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total.item()  # host sync; the timed step ends here anyway
@@ -124,10 +175,19 @@ def gather_floats(values: list[float], device: torch.device) -> list[list[float]
     return [t.tolist() for t in out]
 
 
+def agree_max(value: float, device: torch.device) -> float:
+    """The largest value over the ranks, so every rank takes the same budget / prune decision."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # host sync, between points only
+    return t.item()
+
+
 def main() -> None:
     args = parse_args()
+    t_start = time.perf_counter()
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # Offloaded gradients are host tensors: clipping all-reduces their norm on the CPU, over gloo.
+    dist.init_process_group("cuda:nccl,cpu:gloo" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # torchrun sets OMP_NUM_THREADS=1; the offloaded AdamW step runs on these threads.
@@ -139,16 +199,41 @@ def main() -> None:
             total_mem = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_gb * GIB / total_mem), device)
     per_rank, rem = divmod(args.batch_size, world)
-    if rem or per_rank % args.micro_batch:
-        raise ValueError(f"batch_size ({args.batch_size}) must split into world_size ({world}) ranks of whole "
-                         f"micro-batches ({args.micro_batch}); got {args.batch_size / world} sequences per rank")
-    num_micro = per_rank // args.micro_batch
+    if rem:
+        raise ValueError(f"batch_size ({args.batch_size}) must split into world_size ({world}) ranks")
+    micro_batches = sweep.parse_int_list(args.micro_batches) if args.micro_batches else [args.micro_batch]
+    modes = (args.sync_modes or ("each" if args.sync_each_micro else "deferred")).split(",")
+    points_todo = sweep_points(micro_batches, modes, per_rank)
     config = llama_config(args.model)
-    hidden, layers = config.hidden_size, config.num_hidden_layers
+    tokens_per_step = args.batch_size * args.seq_length
 
-    step_times: list[float] = []
-    losses: list[float] = []
-    status, n_params = "ok", 0
+    header: dict[str, Any] = {
+        "system": "fsdp2", "baseline": "fsdp2", "args": vars(args), "torch": torch.__version__,
+        "transformers": transformers.__version__, "world_size": world, "num_gpus": world,
+        "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "model": args.model,
+        "tokens_per_step": tokens_per_step, "threads_per_rank": torch.get_num_threads(),
+    }
+    points: list[dict] = []
+
+    def save(status: str | None = None) -> None:
+        """Rank 0 rewrites the JSON; the top level carries the best point (offload_bench reads it)."""
+        if rank != 0 or not args.json:
+            return
+        res = sweep.result(header, points)
+        best = res["best"].get("fsdp2")
+        res["status"] = status or ("ok" if best else (points[-1]["status"] if points else "failed"))
+        if best:
+            res.update(step_time_s=best["step_time_s"], tokens_per_s=best["tokens_per_s"],
+                       tflops_per_gpu=best["tflops_per_gpu"], step_times_s=best["step_times_s"],
+                       peak_allocated_gib=best["peak_allocated_gib"], peak_reserved_gib=best["peak_reserved_gib"],
+                       peak_allocated_gib_per_rank=best["peak_allocated_gib_per_rank"],
+                       peak_reserved_gib_per_rank=best["peak_reserved_gib_per_rank"],
+                       num_micro_batches=best["config"]["num_micro_batches"], losses=best["losses"])
+        res["host_rss_peak_gib_per_rank"] = host_rss
+        res["host_rss_peak_gib"] = max(host_rss) if host_rss else None
+        sweep.write_json(args.json, res)
+
+    host_rss: list[float] = []
     oom = False
     try:
         model = build_model(config, device, args.offload)
@@ -157,73 +242,83 @@ def main() -> None:
     except Exception as e:
         if not is_oom(e):
             raise
-        oom = True
+        oom, n_params = True, 0
+    header["params"] = header["num_params"] = n_params
     if any_rank(oom, device):
-        status = "OOM"
-    else:
-        gen = torch.Generator(device=device)
+        save("OOM")
+        dist.destroy_process_group()
+        return
+
+    gen = torch.Generator(device=device)
+    for micro_batch, mode in points_todo:
+        num_micro = per_rank // micro_batch
+        cfg = {"micro_batch_per_rank": micro_batch, "num_micro_batches": num_micro, "grad_sync": mode,
+               "offload": args.offload, "grad_clip": args.grad_clip, "mem_cap_gb": args.mem_cap_gb,
+               "threads_per_rank": torch.get_num_threads(), "activation_checkpointing": True}
+        elapsed = agree_max(time.perf_counter() - t_start, device)
+        best = sweep.best_step(points, "fsdp2")
+        # The warm-up steps must fit at about the best step so far (the first point always runs);
+        # after them, the measured ones must fit at the warm-up's pace.
+        if points and not sweep.fits(elapsed, args.budget_s, args.warmup * best if best else 0.0):
+            points.append(sweep.point("fsdp2", cfg, True, status="not run (budget)"))
+            save()
+            continue
+        if use_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        warm, times, losses, status = [], [], [], "ok"
         for step in range(args.warmup + args.iterations):
             gen.manual_seed(1000 * step + rank)  # different data per rank and step
             try:
                 if use_cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                loss = train_step(model, opt, config.vocab_size, num_micro, args, device, gen)
+                loss = train_step(model, opt, config.vocab_size, micro_batch, num_micro, mode == "each",
+                                  args.seq_length, device, gen, args.grad_clip)
                 if use_cuda:
                     torch.cuda.synchronize()
-                if step >= args.warmup:
-                    step_times.append(time.perf_counter() - t0)
-                    losses.append(loss)
+                dt = time.perf_counter() - t0
             except Exception as e:
                 if not is_oom(e):
                     raise
                 oom = True
-                if args.json:  # this rank's word, in case its peers hang; rank 0 overwrites it if they do not
-                    with open(args.json, "w") as f:
-                        json.dump({"status": "OOM", "rank": rank, "step": step, "args": vars(args),
-                                   "torch": torch.__version__}, f, indent=2)
                 # A rank that OOMs inside a collective leaves its peers blocked there; they fall to the
                 # process-group timeout. Symmetric OOMs (same shapes on every rank) all arrive here.
+                opt.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
             if any_rank(oom, device):
-                status = "OOM"
+                status, oom = "OOM", False
                 break
-
-    mem = [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB] \
-        if use_cuda else [0.0, 0.0]
-    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
-    per_rank_stats = gather_floats(mem + [rss_gib], device)
-    all_times = gather_floats(step_times, device) if status == "ok" else []
-    if rank == 0:
-        result: dict[str, Any] = {
-            "status": status, "baseline": "fsdp2", "args": vars(args), "torch": torch.__version__,
-            "transformers": transformers.__version__, "world_size": world,
-            "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-            "params": n_params, "num_micro_batches": num_micro,
-            "peak_allocated_gib_per_rank": [s[0] for s in per_rank_stats],
-            "peak_reserved_gib_per_rank": [s[1] for s in per_rank_stats],
-            "host_rss_peak_gib_per_rank": [s[2] for s in per_rank_stats],
-        }
-        result["peak_allocated_gib"] = max(result["peak_allocated_gib_per_rank"])
-        result["peak_reserved_gib"] = max(result["peak_reserved_gib_per_rank"])
-        result["host_rss_peak_gib"] = max(result["host_rss_peak_gib_per_rank"])
-        line = f"fsdp2 model={args.model} world={world} offload={args.offload} status={status}"
-        if status == "ok":
-            times = [max(ts) for ts in zip(*all_times)]  # a step lasts until its slowest rank finishes
-            step_s = sum(times) / len(times)
-            n_embed = config.vocab_size * hidden
-            flops_per_token = 6 * (n_params - n_embed) + 6 * layers * args.seq_length * hidden
-            tokens_per_s = args.batch_size * args.seq_length / step_s
-            tflops = flops_per_token * tokens_per_s / world / 1e12
-            result.update(step_times_s=times, step_time_s=step_s, tokens_per_s=tokens_per_s,
-                          flops_per_token=flops_per_token, tflops_per_gpu=tflops, losses=losses)
-            line += f" step_s={step_s:.3f} tok/s={tokens_per_s:.1f} tflops/gpu={tflops:.2f} loss={losses[-1]:.4f}"
-        line += (f" peak_alloc_gib={result['peak_allocated_gib']:.2f} peak_reserved_gib={result['peak_reserved_gib']:.2f}"
-                 f" host_rss_gib={result['host_rss_peak_gib']:.2f}")
-        print(line, flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
+            dt = agree_max(dt, device)  # a step lasts until its slowest rank finishes
+            if step < args.warmup:
+                warm.append(dt)
+                if step == args.warmup - 1 and sweep.should_prune(dt, best, args.prune_factor):
+                    status = "pruned"
+                    break
+                if step == args.warmup - 1 and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
+                                                              args.iterations * dt):
+                    status = "not run (budget)"
+                    break
+            else:
+                times.append(dt)
+                losses.append(loss)
+        mem = [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB] \
+            if use_cuda else [0.0, 0.0]
+        rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
+        stats = gather_floats(mem + [rss_gib], device)
+        host_rss = [s[2] for s in stats]
+        points.append(sweep.point(
+            "fsdp2", cfg, True, status=status, warmup_s=warm, step_times_s=times if status == "ok" else [],
+            num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
+            peak_allocated_gib=max(s[0] for s in stats), peak_reserved_gib=max(s[1] for s in stats),
+            peak_allocated_gib_per_rank=[s[0] for s in stats], peak_reserved_gib_per_rank=[s[1] for s in stats],
+            losses=losses))
+        if rank == 0:
+            p = points[-1]
+            print(f"fsdp2 model={args.model} world={world} micro_batch={micro_batch} sync={mode} status={status} "
+                  f"warmup_s={[round(w, 2) for w in warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
+                  f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
+                  flush=True)
+        save()
     dist.destroy_process_group()
 
 

@@ -265,7 +265,8 @@ def main() -> None:
     p.add_argument("--num_chunks", type=int, default=16)
     p.add_argument("--num_stages", type=int, default=8)
     p.add_argument("--schedule", default="gpipe")
-    p.add_argument("--fsdp_micro_batch", type=int, default=2)
+    p.add_argument("--fsdp_micro_batch", type=int, default=32,
+                   help="fsdp2 rows: micro-batch per rank (the best known at 64 x 512 on 2 GPUs; bench/peers.py sweeps it)")
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations (the first steps also fault in host memory)")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)

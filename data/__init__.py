@@ -4,7 +4,7 @@ Also the bundled sample data (``data/sample/``) and the tiny-model generator. No
 knows about pipelines or ``torch.distributed``.
 """
 from data.batching import Batch, BatchStream, collate
-from data.dataset import DataError, detect_format, load_records
+from data.dataset import DataError, check_first_records, detect_format, load_records
 from data.tiny_model import ensure_tiny_model, is_complete_tiny_model
 from data.tokenization import (
     IGNORE_INDEX,
@@ -28,6 +28,7 @@ __all__ = [
     "PROMPT_TEMPLATE",
     "SAMPLE_TRAIN",
     "SAMPLE_VALIDATION",
+    "check_first_records",
     "collate",
     "detect_format",
     "encode_prompt",

@@ -125,12 +125,77 @@ def _load_files(source: str) -> datasets.Dataset:
         raise DataError(
             f"data source {source!r}: mixes file types {suffixes}; use files of one type"
         )
+    for f in files:
+        if os.path.getsize(f) == 0:
+            raise DataError(f"data source {source!r}: {f} is empty")
     try:
-        return datasets.load_dataset(builders.pop(), data_files=files, split="train")
+        with _quiet():
+            return datasets.load_dataset(builders.pop(), data_files=files, split="train")
     except Exception as e:  # datasets raises many types for unreadable files
+        # datasets does not say where a JSON Lines file breaks; find the line (only on failure:
+        # scanning a large file costs time a readable one should not pay).
+        where = next((w for w in map(_bad_json_line, files) if w), None)
         raise DataError(
+            f"data source {source!r}: {where}" if where else
             f"data source {source!r}: could not read {len(files)} file(s): {_first_line(e)}"
-        ) from e
+        ) from None
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No progress bars or logged errors from ``datasets``: a failure becomes one DataError line."""
+    from datasets.utils import logging as ds_logging
+
+    level, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _bad_json_line(path: str) -> str | None:
+    """'<path> line N: <problem>' for the first line of a JSON Lines file that is not a JSON
+    object, or None (also for other files, and for a .json file that is one JSON document)."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        head = fh.read(1)
+        if Path(path).suffix.lower() != ".jsonl" and head != "{":
+            return None
+        fh.seek(0)
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:
+                if Path(path).suffix.lower() != ".jsonl" and number == 1:
+                    return None  # a pretty-printed .json document spans lines
+                return f"{path} line {number} is not valid JSON ({e})"
+            if not isinstance(value, dict):
+                return f"{path} line {number} is a JSON {type(value).__name__}, not an object"
+    return None
+
+
+def check_first_records(dataset: datasets.Dataset, source: str, count: int = 8) -> None:
+    """There is a record, and one of the first ``count`` has its format's fields as text (a few
+    bad rows are skipped at tokenization; all bad means a wrong file or column).
+
+    Raises:
+        DataError: no records, or none of the first ``count`` usable.
+    """
+    if len(dataset) == 0:
+        raise DataError(f"data source {source!r} has no records")
+    fields = ("document", "summary") if detect_format(dataset.column_names) == XSUM else (TEXT,)
+    rows = list(dataset.select(range(min(count, len(dataset)))))
+    if not any(all(isinstance(row.get(f), str) and row.get(f).strip() for f in fields) for row in rows):
+        first = ", ".join(f"{f}={str(rows[0].get(f))[:40]!r}" for f in fields)
+        raise DataError(f"data source {source!r}: none of the first {len(rows)} records has {' and '.join(fields)} "
+                        f"as non-empty text (record 0: {first})")
 
 
 def _load_cached(name: str, split: str) -> datasets.Dataset:

@@ -59,18 +59,22 @@ def tokenize_records(
     seq_length: int,
     *,
     fmt: str | None = None,
+    stats: dict[str, int] | None = None,
 ) -> tuple[list[Example], int]:
     """Tokenize records into examples of at most ``seq_length`` tokens.
 
-    XSum truncation cuts the document first so that ``summary + eos`` fits, then the end of
-    the summary (dropping ``eos``) if the prompt alone leaves too little room. Text
-    truncation cuts the end.
+    XSum truncation cuts the document first so that ``summary + eos`` fits, but keeps at least
+    ``min_document_tokens(seq_length)`` of it (a summary trained on no document teaches
+    nothing about summarising) and then cuts the summary's end (and ``eos``). Text truncation
+    cuts the end.
 
     Args:
         records: a ``datasets.Dataset`` or any iterable of dict-like rows.
         tokenizer: a Hugging Face tokenizer with ``eos_token_id`` set (``bos`` is optional).
         seq_length: the longest example, in tokens.
         fmt: ``'xsum'`` or ``'text'``; detected from the columns (or first row) if None.
+        stats: if given, receives ``truncated`` (examples cut to ``seq_length``) and
+            ``summary_cut`` (XSum examples whose summary was cut to keep the document's minimum).
 
     Returns:
         ``(examples, num_skipped)``: rows with a missing, None, non-string or empty field, or
@@ -124,12 +128,19 @@ def tokenize_records(
             num_skipped += 1
     if chunk:
         flush()
+    if stats is not None:
+        stats.update(truncated=make.truncated, summary_cut=getattr(make, "summary_cut", 0))
     if not examples:
         raise DataError(
             f"no usable {fmt} records: all {num_skipped} were corrupt or had no trainable token "
             f"within seq_length={seq_length}"
         )
     return examples, num_skipped
+
+
+def min_document_tokens(seq_length: int) -> int:
+    """Document tokens an XSum example keeps however long its summary: a quarter of seq_length."""
+    return seq_length // 4
 
 
 class _XsumEncoder:
@@ -139,16 +150,22 @@ class _XsumEncoder:
         self.suffix = suffix
         self.eos = tokenizer.eos_token_id
         self.seq_length = seq_length
+        self.min_document = min_document_tokens(seq_length)
+        self.truncated = self.summary_cut = 0
 
     def __call__(self, document: list[int], summary: list[int]) -> Example | None:
         answer = summary + [self.eos]
         room = self.seq_length - len(self.head) - len(self.suffix) - len(answer)
-        document = document[: max(room, 0)]
-        prompt = self.head + document + self.suffix
-        # If the prompt alone is too long, this cuts the summary's end (and its eos).
+        keep = max(room, min(len(document), self.min_document))
+        prompt = self.head + document[:keep] + self.suffix
+        # A prompt longer than seq_length - 1 leaves no target: the record is skipped (_checked).
         input_ids = (prompt + answer)[: self.seq_length]
         labels = ([IGNORE_INDEX] * len(prompt) + answer)[: self.seq_length]
-        return _checked(input_ids, labels)
+        example = _checked(input_ids, labels)
+        if example is not None and (keep < len(document) or len(prompt) + len(answer) > self.seq_length):
+            self.truncated += 1
+            self.summary_cut += len(prompt) + len(answer) > self.seq_length
+        return example
 
 
 class _TextEncoder:
@@ -156,12 +173,16 @@ class _TextEncoder:
         self.bos = _bos(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.seq_length = seq_length
+        self.truncated = 0
 
     def __call__(self, text: list[int]) -> Example | None:
-        input_ids = (self.bos + text + [self.eos])[: self.seq_length]
+        full = self.bos + text + [self.eos]
+        input_ids = full[: self.seq_length]
         # bos is never a target (nothing precedes it); mask it so labels count targets.
         labels = [IGNORE_INDEX] * len(self.bos) + input_ids[len(self.bos):]
-        return _checked(input_ids, labels)
+        example = _checked(input_ids, labels)
+        self.truncated += example is not None and len(full) > self.seq_length
+        return example
 
 
 def _checked(input_ids: list[int], labels: list[int]) -> Example | None:

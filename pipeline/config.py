@@ -45,7 +45,10 @@ class TrainConfig:
     dataset: str = _f("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a "
                       "save_to_disk directory, .json/.jsonl/.parquet/.csv file(s), or a cached dataset name.")
     dataset_split: str = _f("train", "Split to train on.")
-    seq_length: int = _f(256, "Maximum tokens per sequence (longer records are truncated).")
+    seq_length: int = _f(256, "Maximum tokens per sequence (longer records are truncated; an XSum record keeps at "
+                         "least a quarter of seq_length of its document, else it is skipped).")
+    allow_long_sequences: bool = _f(False, "Allow seq_length above the model's max_position_embeddings (RoPE then "
+                                    "runs past the positions the model was trained on).")
     batch_size: int = _f(8, "Sequences per iteration (global batch).")
     num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
     # --- pipeline --------------------------------------------------------------------
@@ -111,10 +114,14 @@ class TrainConfig:
     comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
                                "an error naming the stalled action.")
     # --- outputs ---------------------------------------------------------------------
-    save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics.")
+    save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
+                       "holds an earlier run is refused unless resume or overwrite is set.")
+    overwrite: bool = _f(False, "Start afresh in a save_dir that holds an earlier run, replacing its model, "
+                         "metrics and results (its checkpoints stay until pruned by keep_checkpoints).")
     save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model.")
     save_params: bool = _f(False, "Also write the whole state dict to save_dir/params.pt.")
-    save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank.")
+    save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank "
+                           "(empty = save_dir/results.json).")
     # --- checkpoints and resume --------------------------------------------------------
     checkpoint_every: int = _f(0, "Save a training checkpoint (weights, AdamW state, data position) to "
                                "save_dir/checkpoints/step_N every N steps and at the end (0 = only when "
@@ -126,6 +133,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def results_path(self) -> str:
+        """Where the per-iteration results go: save_results, or save_dir/results.json."""
+        return self.save_results or os.path.join(self.save_dir, "results.json")
 
 
 def _fields() -> dict[str, dataclasses.Field]:
@@ -146,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Print the memory each GPU and the host need, the action lists and whether the run fits; "
                         "load no weights, train nothing.")
     for name, f in _fields().items():
-        help_ = f"{f.metadata['help']} (default: {f.default!r})"
+        # argparse %-formats help strings ("%(default)s"): a literal % must be doubled.
+        help_ = f"{f.metadata['help']} (default: {f.default!r})".replace("%", "%%")
         if f.type in ("bool", bool):
             p.add_argument(f"--{name}", dest=name, action="store_true", help=help_)
             p.add_argument(f"--{_negative_flag(name)}", dest=name, action="store_false", help=argparse.SUPPRESS)
@@ -180,7 +193,10 @@ def load_yaml(path: str) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {e}".replace("\n", " ")) from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must be a mapping of key: value, got {type(data).__name__}")
     return data

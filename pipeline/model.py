@@ -3,7 +3,7 @@
 Stage 0 holds the token embedding, the last stage the final norm and ``lm_head``; decoder
 layers are spread evenly. A stage's ``state_dict`` keys are exactly the Hugging Face keys
 (``model.layers.7.mlp.up_proj.weight``), so loading reads only the owned tensors from the
-safetensors files and saving writes a shard a stage.
+safetensors (or ``.bin``) files and saving writes a shard a stage.
 """
 from __future__ import annotations
 
@@ -155,26 +155,56 @@ def _stable_hash(text: str) -> int:
     return h
 
 
-def _safetensors_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file holding it, from the index or the single model.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: model_dir / v for k, v in weight_map.items()}
-    single = model_dir / "model.safetensors"
-    if single.exists():
+# Weight files a Hugging Face directory may hold, in the order transformers prefers them.
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_SINGLES = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from an index (safetensors or ``.bin``) or a single file.
+
+    Raises:
+        FileNotFoundError: the directory holds no weights this reads.
+        ValueError: an index that cannot be read.
+    """
+    model_dir = Path(model_dir)
+    for name in _INDEXES:
+        index = model_dir / name
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e})") from None
+            missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
+            if missing:
+                raise FileNotFoundError(f"{index.name} names {len(missing)} missing file(s) in {model_dir}, "
+                                        f"e.g. {missing[0]}")
+            return {k: model_dir / v for k, v in weight_map.items()}
+    for name in _SINGLES:
+        single = model_dir / name
+        if single.exists():
+            return {k: single for k in _tensor_names(single)}
+    raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors, pytorch_model.bin or their "
+                            f"sharded .index.json")
+
+
+def _tensor_names(path: Path) -> list[str]:
+    if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    return list(_load_bin(path))
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    # mmap: only the tensors a stage copies are read from disk; weights_only: a pickle runs no code.
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
 def load_weights_(stage: Stage, model_dir: Path) -> None:
     """Read only this stage's tensors from the checkpoint (upcast to the stage's dtype)."""
-    from safetensors import safe_open
-
-    files = _safetensors_files(model_dir)
+    files = weight_files(model_dir)
     wanted = dict(stage.named_parameters())
     missing = [k for k in wanted if k not in files]
     if missing:
@@ -184,12 +214,24 @@ def load_weights_(stage: Stage, model_dir: Path) -> None:
         by_file.setdefault(files[k], []).append(k)
     with torch.no_grad():
         for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for k in keys:
-                    t = f.get_tensor(k)
-                    if t.shape != wanted[k].shape:
-                        raise ValueError(f"{path.name}: {k} has shape {tuple(t.shape)}, model expects {tuple(wanted[k].shape)}")
-                    wanted[k].copy_(t)
+            for k, t in _read(path, keys):
+                if t.shape != wanted[k].shape:
+                    raise ValueError(f"{path.name}: {k} has shape {tuple(t.shape)}, model expects {tuple(wanted[k].shape)}")
+                wanted[k].copy_(t)
+
+
+def _read(path: Path, keys: list[str]):
+    """(name, tensor) for ``keys`` of one weight file, one tensor at a time."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            for k in keys:
+                yield k, f.get_tensor(k)
+    else:
+        tensors = _load_bin(path)
+        for k in keys:
+            yield k, tensors[k]
 
 
 def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
@@ -230,5 +272,5 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
 
 
-__all__ = ["PRESETS", "Stage", "build_stage", "causal_mask", "init_weights_", "load_weights_",
+__all__ = ["PRESETS", "Stage", "build_stage", "causal_mask", "init_weights_", "load_weights_", "weight_files",
            "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params", "stage_param_counts"]

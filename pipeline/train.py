@@ -69,12 +69,7 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         tok = Path(cfg.tokenizer) if cfg.tokenizer else _generated_model_dir(cfg)
     else:
         path = _generated_model_dir(cfg) if cfg.model == "generated" else Path(cfg.model)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model {cfg.model!r}: no config.json in {path} (give a Hugging Face model "
-                              f"directory or a preset: {', '.join(PRESETS)}, generated)")
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = _read_model_config(cfg.model, path)
         weights_dir = path
         tok = Path(cfg.tokenizer) if cfg.tokenizer else path
     hf_config = copy.deepcopy(hf_config)
@@ -98,9 +93,48 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if getattr(hf_config, "tie_word_embeddings", False) and cfg.num_stages > 1:
         raise ConfigError(f"model {cfg.model!r} ties lm_head to the embedding; pipelining it over "
                           f"{cfg.num_stages} stages is not supported yet (use an untied model)")
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if max_pos and cfg.seq_length > max_pos and not cfg.allow_long_sequences:
+        raise ConfigError(f"seq_length ({cfg.seq_length}) exceeds the model's max_position_embeddings ({max_pos}); "
+                          f"use seq_length <= {max_pos}, or --allow_long_sequences to train past it anyway")
     hf_config._attn_implementation = cfg.attn_implementation
     tok_dir = tok if (tok / "tokenizer_config.json").is_file() or (tok / "tokenizer.json").is_file() else None
+    if cfg.tokenizer and tok_dir is None:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json or tokenizer_config.json in {tok}")
     return ModelSource(hf_config, weights_dir, tok_dir)
+
+
+def _read_model_config(name: str, path: Path):
+    """The transformers config of the model directory ``path``, or a ConfigError saying what is wrong."""
+    if not path.exists():
+        raise ConfigError(f"model {name!r}: {path} does not exist (give a Hugging Face model directory "
+                          f"or a preset: {', '.join(PRESETS)}, generated)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model {name!r}: no config.json in {path} (give a Hugging Face model "
+                          f"directory or a preset: {', '.join(PRESETS)}, generated)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:  # an unknown model_type, or a broken config.json
+        model_type = _json_field(path / "config.json", "model_type")
+        if model_type is not None:
+            raise ConfigError(f"model {name!r} has model_type {model_type!r}, which this transformers cannot "
+                              "read; supported: llama, mistral, qwen2") from None
+        raise ConfigError(f"model {name!r}: cannot read {path / 'config.json'}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+
+
+def _json_field(path: Path, key: str):
+    import json
+
+    try:
+        value = json.loads(path.read_text())
+        return value.get(key) if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 
 
 def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -> None:
@@ -135,6 +169,59 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"({cfg.keep_checkpoints}) >= 1")
 
 
+def check_files(cfg: TrainConfig) -> None:
+    """Checks that read files (model, tokenizer, data, save_dir): run before any process group
+    exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
+    Rank 0 builds the generated model later, on first use: until then only its data is checked."""
+    from data import SAMPLE_TRAIN, DataError, check_first_records, load_records
+
+    generated_missing = (cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)) and \
+        not (_generated_model_dir(cfg) / "config.json").is_file()
+    source = None if generated_missing and cfg.model == "generated" else resolve_model(cfg)
+    if source is not None and source.weights_dir is not None:
+        from pipeline.model import weight_files
+
+        try:
+            weight_files(source.weights_dir)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"model {cfg.model!r}: {e}") from None
+    if source is not None and cfg.dataset != "synthetic" and not generated_missing:
+        if source.tokenizer_dir is None:
+            raise ConfigError(f"model {cfg.model!r} has no tokenizer (no tokenizer.json or tokenizer_config.json "
+                              f"in {cfg.tokenizer or cfg.model}); set tokenizer: <directory>")
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(source.tokenizer_dir)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
+            raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: "
+                              f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+    if cfg.dataset != "synthetic":
+        records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
+        check_first_records(records, cfg.dataset)
+    _check_save_dir(cfg)
+
+
+# What a run leaves in save_dir; any of them means save_dir holds an earlier run.
+_RUN_OUTPUTS = ("model", "metrics.jsonl", "results.json", "params.pt", checkpoint.CHECKPOINTS)
+
+
+def _check_save_dir(cfg: TrainConfig) -> None:
+    out = Path(cfg.save_dir)
+    found = [name for name in _RUN_OUTPUTS if (out / name).exists()]
+    if cfg.save_results and Path(cfg.save_results).exists() and not found:
+        found = [cfg.save_results]
+    if found and not (cfg.resume or cfg.overwrite):
+        raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); continue it with "
+                          "--resume latest, write elsewhere with --save_dir, or replace it with --overwrite")
+    probe = out
+    while not probe.exists() and probe != probe.parent:  # the directory that will hold save_dir
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"save_dir {str(out)!r} is not writable ({probe} is not a writable directory); "
+                          "give another --save_dir")
+
+
 # --- data -------------------------------------------------------------------------------------
 def build_stream(cfg: TrainConfig, source: ModelSource):
     from data import SAMPLE_TRAIN, BatchStream, load_records, tokenize_records
@@ -142,19 +229,23 @@ def build_stream(cfg: TrainConfig, source: ModelSource):
 
     if cfg.dataset == "synthetic":
         examples = synthetic_examples(max(cfg.batch_size * 4, 64), cfg.seq_length, source.config.vocab_size, cfg.seed)
-        return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed), 0
+        return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed), ""
     if source.tokenizer_dir is None:
         raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
-    examples, skipped = tokenize_records(records, tokenizer, cfg.seq_length)
+    stats: dict[str, int] = {}
+    examples, skipped = tokenize_records(records, tokenizer, cfg.seq_length, stats=stats)
     if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{source.config.vocab_size}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed), skipped
+    summary = (f"data: {len(examples)} records, {stats['truncated']} truncated to seq_length={cfg.seq_length}"
+               + (f" ({stats['summary_cut']} with the summary cut to keep a quarter of it for the document)"
+                  if stats["summary_cut"] else "") + f", {skipped} skipped (empty, corrupt or no target left)")
+    return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed), summary
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -206,9 +297,9 @@ class Trainer:
         self.start_iteration = self.resume_point.iteration if self.resume_point else 0
         self.stopped_by = 0  # the signal that ended the run early, if one did
         weights_dir = self.resume_point.path if self.resume_point else self.source.weights_dir
-        self.stream, skipped = build_stream(cfg, self.source)
-        if skipped:
-            self.log.info(f"data: skipped {skipped} unusable rows")
+        self.stream, data_line = build_stream(cfg, self.source)
+        if data_line:
+            self.log.info(data_line)
         self.eval_batches = build_eval_batches(cfg, self.source) if cfg.eval_every else []
         self.schedule = sched.build(cfg.schedule, S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
                                     prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages)
@@ -442,7 +533,7 @@ class Trainer:
             self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
                           f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")
         ignore = {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints", "save_dir", "save_model",
-                  "save_params", "save_results", "nproc", "master_port", "cuda_visible_devices", "debug_schedule"}
+                  "save_params", "save_results", "overwrite", "nproc", "master_port", "cuda_visible_devices", "debug_schedule"}
         now = cfg.to_dict()
         changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in st["config"].items()
                    if k in now and k not in ignore and now[k] != v]
@@ -477,20 +568,19 @@ class Trainer:
         if cfg.save_params and not self.stopped_by:
             checkpoint.save_params(out / "params.pt", self.stores, self.env)
             self.log.info(f"saved parameters to {out / 'params.pt'}")
-        if cfg.save_results:
-            per_rank = gather_objects(history)
-            if self.env.rank == 0:
-                rows = []
-                for i in range(len(history)):
-                    loss_row = per_rank[self.loss_rank][i]
-                    rows.append({**{k: loss_row[k] for k in ("iteration", "time_s", "tokens_per_s", "tflops_per_gpu",
-                                                              "loss", "grad_norm", "lr")},
-                                 "peak_mem_bytes": [h[i]["peak_mem_bytes"] for h in per_rank],
-                                 "per_rank": [{k: v for k, v in h[i].items() if k.endswith(("_bytes", "_seconds"))}
-                                              for h in per_rank]})
-                checkpoint.write_json_atomic(Path(cfg.save_results),
-                                             {"config": cfg.to_dict(), "world_size": self.env.world_size,
-                                              "iterations": rows})
+        per_rank = gather_objects(history)
+        if self.env.rank == 0:
+            rows = []
+            for i in range(len(history)):
+                loss_row = per_rank[self.loss_rank][i]
+                rows.append({**{k: loss_row[k] for k in ("iteration", "time_s", "tokens_per_s", "tflops_per_gpu",
+                                                          "loss", "grad_norm", "lr")},
+                             "peak_mem_bytes": [h[i]["peak_mem_bytes"] for h in per_rank],
+                             "per_rank": [{k: v for k, v in h[i].items() if k.endswith(("_bytes", "_seconds"))}
+                                          for h in per_rank]})
+            checkpoint.write_json_atomic(Path(cfg.results_path),
+                                         {"config": cfg.to_dict(), "world_size": self.env.world_size,
+                                          "iterations": rows})
         barrier()
 
 
@@ -536,4 +626,4 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     return history
 
 
-__all__ = ["Trainer", "check_config", "plan", "resolve_model", "train"]
+__all__ = ["Trainer", "check_config", "check_files", "plan", "resolve_model", "train"]

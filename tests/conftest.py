@@ -34,6 +34,26 @@ def _single_thread(monkeypatch):
     yield
 
 
+_SAVE_DIR: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _scratch_save_dir(tmp_path_factory):
+    """A fresh empty directory per test: tests write runs there, never into the user's outputs/run."""
+    _SAVE_DIR[:] = [tmp_path_factory.mktemp("save_dir")]
+    yield
+
+
+def scratch_save_dir() -> str:
+    """This test's scratch save_dir (see _scratch_save_dir); a fixture of wider scope, set up
+    before it, gets a directory of its own."""
+    if not _SAVE_DIR:
+        import tempfile
+
+        return tempfile.mkdtemp(prefix="mmoc-save_dir-")
+    return str(_SAVE_DIR[0])
+
+
 def env_without_dist() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -153,3 +153,131 @@ def test_failure_status():
     assert bench.failure("error: this configuration does not fit: it needs about 69.78 GiB on GPU rank 1", 1) \
         == "OOM (plan, before start)"
     assert bench.failure("RuntimeError: NCCL timeout", 1) == "failed (rc 1)"
+
+
+# --- peers: sweep bookkeeping, best-of-sweep selection and the table, on fake result files ---
+
+sweep = _load("sweep")
+peers = _load("peers")
+fsdp2 = _load("fsdp2_baseline")
+rp = _load("roundpipe_baseline")
+ds = _load("deepspeed_baseline")
+
+N7B = 6_738_415_616
+
+
+def _pt(system, step_times, status="ok", exact=True, **cfg):
+    return sweep.point(system, cfg, exact, status=status, warmup_s=[9.0], step_times_s=step_times,
+                       num_params=N7B, tokens_per_step=32768, num_gpus=2, peak_allocated_gib=30.0)
+
+
+def test_sweep_point_rates_and_budget_decisions():
+    p = _pt("deepspeed", [4.0, 6.0], micro_batch_per_rank=32)
+    assert p["step_time_s"] == 5.0 and p["tokens_per_s"] == 32768 / 5.0
+    assert p["tflops_per_gpu"] == pytest.approx(6 * N7B * 32768 / 5.0 / 2 / 1e12)
+    assert _pt("deepspeed", [], status="pruned")["step_time_s"] is None
+    assert sweep.fits(100, 200, 100) and not sweep.fits(100, 200, 101) and sweep.fits(1e9, None, 1e9)
+    assert sweep.should_prune(16.0, 10.0, 1.5) and not sweep.should_prune(15.0, 10.0, 1.5)
+    assert not sweep.should_prune(99.0, None, 1.5) and not sweep.should_prune(99.0, 1.0, 0)
+    assert sweep.parse_int_list("32,16, 8") == [32, 16, 8]
+    for bad in ("", "0", "a,1"):
+        with pytest.raises(SystemExit):
+            sweep.parse_int_list(bad)
+
+
+def test_best_by_system_ignores_unmeasured_points():
+    points = [_pt("roundpipe-async", [3.0], num_microbatch=8), _pt("roundpipe-sync", [5.0], num_microbatch=8),
+              _pt("roundpipe-async", [2.5], num_microbatch=4), _pt("roundpipe-sync", [], status="OOM"),
+              _pt("roundpipe-async", [], status="pruned"), _pt("roundpipe-sync", [1.0], status="failed: x")]
+    best = sweep.best_by_system(points)
+    assert best["roundpipe-async"]["config"] == {"num_microbatch": 4}
+    assert best["roundpipe-sync"]["step_time_s"] == 5.0
+    assert sweep.best_step(points, "fsdp2") is None
+
+
+def test_fsdp2_sweep_points():
+    assert fsdp2.sweep_points([32, 16, 8], ["deferred", "each"], 32) == \
+        [(32, "single"), (16, "deferred"), (16, "each"), (8, "deferred"), (8, "each")]
+    assert fsdp2.sweep_points([4, 4], ["each"], 32) == [(4, "each")]
+    with pytest.raises(ValueError, match="do not divide the 32"):
+        fsdp2.sweep_points([32, 12], ["each"], 32)
+    with pytest.raises(ValueError, match="unknown"):
+        fsdp2.sweep_points([8], ["never"], 32)
+    assert ds.accum_steps(64, 2, 8) == 4
+    with pytest.raises(ValueError):
+        ds.accum_steps(64, 2, 12)
+
+
+def test_roundpipe_points_and_keyword_adapter():
+    assert rp.parse_points("async:8,sync:4x2") == [("async", 8, 1), ("sync", 4, 2)]
+    for bad in ("async:0", "lazy:8", "sync:8x", "async8"):
+        with pytest.raises(SystemExit):
+            rp.parse_points(bad)
+
+    def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None):
+        return (config, inputs_embeds, attention_mask, past_key_values, position_ids)
+
+    adapted = rp.keyword_adapter(create_causal_mask, {"input_embeds": "inputs_embeds"})
+    # transformers 4's keywords, as RoundPipe 0.1.1's Llama preset passes them
+    assert adapted(config="c", input_embeds="e", attention_mask=None, cache_position="dropped",
+                   past_key_values=None, position_ids="p") == ("c", "e", None, None, "p")
+    assert rp.keyword_adapter(lambda **kw: kw, {"input_embeds": "inputs_embeds"})(input_embeds=1) == {"input_embeds": 1}
+
+
+def _write(path, obj):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep.write_json(path, obj)
+
+
+def test_peers_table_from_result_files(tmp_path):
+    header = {"num_params": N7B, "tokens_per_step": 32768, "num_gpus": 2}
+    _write(tmp_path / "peers" / "fsdp2.json", sweep.result({**header, "system": "fsdp2"}, [
+        _pt("fsdp2", [12.0], micro_batch_per_rank=32, grad_sync="single"),
+        _pt("fsdp2", [10.0], micro_batch_per_rank=16, grad_sync="deferred", num_micro_batches=2),
+        _pt("fsdp2", [], status="pruned", micro_batch_per_rank=4, grad_sync="each")]))
+    rp_points = [_pt("roundpipe-async", [3.0], exact=False, num_microbatch=8),
+                 _pt("roundpipe-async", [2.0], exact=False, num_microbatch=4),
+                 _pt("roundpipe-sync", [], status="OOM", exact=True, num_microbatch=8)]
+    _write(tmp_path / "peers" / "roundpipe.json", {**header, "system": "roundpipe", "points": rp_points})  # no "best"
+    _write(tmp_path / "bench" / "rows.json", {"rows": [
+        {"row": "pcie48-hybrid/s16", "model": "llama-2-7b", "status": "ok", "step_time_s": 2.75, "compute_s": 2.24,
+         "load_wait_s": 0.01, "offload_wait_s": 0.01, "optimizer_wait_s": 0.17, "other_s": 0.32,
+         "peak_allocated_gb": 34.0, "tokens_per_s": 11926.0, "resident_stages": "3/8"},
+        {"row": "pcie48-prefetch", "status": "not run (budget)"}]})
+    runs = {"deepspeed": {"peer": "deepspeed", "status": "failed (rc 1)"}}
+    rows = peers.collect(tmp_path, tmp_path / "bench", ["fsdp2", "deepspeed", "roundpipe"], runs, 2, 32768)
+    assert [r["system"] for r in rows] == ["mmoc-pipe pcie48-hybrid/s16", "mmoc-pipe pcie48-prefetch", "fsdp2",
+                                           "deepspeed", "roundpipe-async", "roundpipe-sync"]
+    fs = rows[2]
+    assert fs["step_time_s"] == 10.0 and fs["points"] == 3
+    assert fs["config"] == "micro_batch_per_rank=16, grad_sync=deferred"
+    assert rows[4]["step_time_s"] == 2.0 and rows[4]["exact"] is False
+    assert rows[0]["tflops_per_gpu"] == pytest.approx(6 * N7B * 32768 / 2.75 / 2 / 1e12)
+    lines = peers.table(rows).splitlines()
+    assert lines[0].startswith("| system | best config | s/step | peak GPU GiB | exact? | tokens/s | model TFLOP/s/GPU |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert lines[2].startswith("| mmoc-pipe pcie48-hybrid/s16 | 3/8 stages resident | 2.75 | 34.0 | yes | 11926 | ")
+    assert lines[2].endswith("| 2.24 | 0.01 | 0.01 | 0.17 | 0.32 |")
+    assert lines[3].startswith("| mmoc-pipe pcie48-prefetch | not run (budget) |")
+    assert lines[4].startswith("| fsdp2 | micro_batch_per_rank=16, grad_sync=deferred | 10.00 | 30.0 | yes | 3277 | ")
+    assert lines[4].endswith("| - | - | - | - | - |")
+    assert lines[5].startswith("| deepspeed | no result (failed (rc 1)) |")
+    assert lines[6].startswith("| roundpipe-async | num_microbatch=4 | 2.00 | 30.0 | no | ")
+    assert lines[7].startswith("| roundpipe-sync | no point measured (OOM) |")
+
+
+def test_peers_partial_run_and_budgets(tmp_path):
+    res = sweep.result({"num_params": N7B, "tokens_per_step": 32768, "num_gpus": 2},
+                       [_pt("deepspeed", [5.0], micro_batch_per_rank=32, gradient_accumulation_steps=1)])
+    rows = peers.peer_rows("deepspeed", res, {"status": "killed (budget)"})
+    assert rows[0]["config"] == "micro_batch_per_rank=32, gradient_accumulation_steps=1 (run killed (budget))"
+    assert peers.peer_rows("roundpipe", None, None) == [{"system": "roundpipe", "status": "not run"}]
+    assert peers.parse_budgets("roundpipe=400")["roundpipe"] == 400 and peers.parse_budgets("")["fsdp2"] == 150
+    with pytest.raises(SystemExit):
+        peers.parse_budgets("megatron=1")
+    cmd, env = peers.peer_command("roundpipe", peers_args := argparse.Namespace(
+        model="llama-2-7b", batch_size=64, seq_length=512, cap_gb=48.0, gpus=2, fsdp_micro_batches="32,16",
+        deepspeed_micro_batches="32", roundpipe_points="async:8"), tmp_path / "rp.json", 300)
+    assert "torch.distributed.run" not in cmd and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    cmd, env = peers.peer_command("deepspeed", peers_args, tmp_path / "ds.json", 300)
+    assert "--nproc_per_node=2" in cmd and env["NCCL_P2P_DISABLE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1

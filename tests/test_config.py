@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, env_without_dist
+from conftest import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import ConfigError, make_config, parse_args
 
 
@@ -61,6 +61,7 @@ def test_bad_types(values, message):
 
 
 def _main(args, nproc: int = 1):
+    args = ["--save_dir", scratch_save_dir(), *args]
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", *args]
     else:
@@ -78,7 +79,7 @@ def _error_lines(stderr: str) -> list[str]:
     (["--batch_size", "6", "--num_chunks", "4"], "batch_size (6) must be divisible by num_chunks (4)"),
     (["--seq_length", "1"], "seq_length (1) must be at least 2"),
     (["--device", "cuda"], "no CUDA GPU is visible"),
-    (["--model", "/nonexistent/model"], "no config.json in /nonexistent/model"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model does not exist"),
     (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl': no such file or directory"),
     (["--num_stages", "12"], "exceeds the model's decoder layers + 2"),
     (["--embedding_dim", "99"], "embedding_dim=99 contradicts the model's hidden_size=64"),
@@ -113,7 +114,8 @@ def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
         busy.listen()
         port = busy.getsockname()[1]
         env = {**env_without_dist(), "MASTER_PORT": str(port), "NPROC": "2"}
-        proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--model", str(tiny_model_dir)], cwd=ROOT, env=env,
+        proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--model", str(tiny_model_dir),
+                               "--save_dir", scratch_save_dir()], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2
     assert _error_lines(proc.stderr) == [f"error: master_port {port} is in use; set master_port in fine_tune.yaml "

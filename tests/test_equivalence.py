@@ -17,7 +17,7 @@ import torch
 
 from pipeline.config import make_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from conftest import ROOT, env_without_dist
+from conftest import ROOT, env_without_dist, scratch_save_dir
 
 ITERS = 3
 
@@ -26,7 +26,7 @@ def _cfg(model_dir, **kw):
     base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
                 num_iterations=ITERS, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
                 weight_decay=0.01, grad_clip=1.0, attn_implementation="eager", save_model=False,
-                save_metrics=False)  # in-process runs would write metrics.jsonl to the default save_dir
+                save_metrics=False, save_dir=scratch_save_dir())
     base.update(kw)
     return make_config(base)
 

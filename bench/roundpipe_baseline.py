@@ -1,0 +1,265 @@
+"""RoundPipe 0.1.1 full fine-tuning of a Llama model: a peer baseline for MMoC-Pipe's table.
+
+One process drives every visible GPU (RoundPipe's device threads; no torchrun, no NCCL: activations
+and parameters move through host memory). The model is RoundPipe's ``LlamaForCausalLM`` preset
+(``wrap_model_to_roundpipe(..., use_sequential_preset=True)``), bf16 parameters, fp32 optimizer
+copies (``optim_dtype=torch.float32``), RoundPipe's CPU Adam (``roundpipe.optim.Adam``, decoupled
+weight decay 0, i.e. AdamW), the gradient norm clipped to 1.0 inside the step function, its
+chunked fused LM-head loss (``return_logits=False``) and its stage recompute (activation
+checkpointing is built in). This follows the authors' benchmark (RoundPipe-artifact
+``roundpipe/train.py`` and ``train-sync.py``), on the same random-weight preset, global batch and
+sequence length as the other rows:
+
+    python3 bench/roundpipe_baseline.py --model llama-2-7b --batch_size 64 --seq_length 512 \
+        --mem_cap_gb 48 --points async:8,sync:8,async:4,sync:4 --json rp.json --budget_s 330
+
+One build serves both step modes: ``model.step(fn)`` (asynchronous, the default: the step runs on
+RoundPipe's optimizer thread while the next iteration computes with one-step-old parameters, so
+the run is not exact) and ``model.step(fn, is_async=False)`` (the update is applied before the next
+iteration: exact). A point ``MODE:N[xA]`` runs A ``forward_backward`` calls of N micro-batches each
+per optimizer step (A defaults to 1). Systems ``roundpipe-async`` / ``roundpipe-sync`` in the JSON.
+
+The memory cap: RoundPipe sizes its stages from the GPUs' free memory plus this process's
+reserved memory (``get_min_gpu_memory``, read when ``roundpipe`` is imported), so a ``torch.empty``
+in this process would count as available. A ballast subprocess takes (free - cap) on every GPU
+before this process touches CUDA and holds it until this process exits.
+
+transformers 5 renamed ``create_causal_mask(input_embeds=...)`` to ``inputs_embeds`` (and dropped
+``cache_position``); the preset's call goes through ``keyword_adapter``. Threads: one process, so
+``OMP_NUM_THREADS`` should be every core (RoundPipe's Adam is OpenMP C++, JIT-compiled on first use
+and cached; ``python3 -c "from roundpipe.optim.optim_builder import load_optim_function;
+load_optim_function('adam')"`` builds it ahead). Budget, pruning and the JSON as in ``bench/sweep.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep  # noqa: E402
+
+GIB = 2**30
+POINT_RE = re.compile(r"(async|sync):([1-9]\d*)(?:x([1-9]\d*))?")
+
+
+def parse_points(text: str) -> list[tuple[str, int, int]]:
+    """``"async:8,sync:4x2"`` -> ``[("async", 8, 1), ("sync", 4, 2)]``; a bad point exits with one line."""
+    points = []
+    for item in text.split(","):
+        m = POINT_RE.fullmatch(item.strip())
+        if m is None:
+            raise SystemExit(f"error: bad RoundPipe point {item!r}; expected MODE:N[xA] with MODE async or sync, "
+                             f"N micro-batches per forward_backward, A of them per step (e.g. async:8, sync:4x2)")
+        points.append((m[1], int(m[2]), int(m[3] or 1)))
+    return points
+
+
+def keyword_adapter(fn: Callable[..., Any], renames: dict[str, str]) -> Callable[..., Any]:
+    """``fn`` called with keywords renamed (old -> new, where ``fn`` has the new name and not the old)
+    and those ``fn`` does not take dropped: RoundPipe's Llama preset calls transformers 4's
+    ``create_causal_mask`` signature."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def adapted(*args: Any, **kwargs: Any) -> Any:
+        for old, new in renames.items():
+            if old in kwargs and old not in params and new in params:
+                kwargs[new] = kwargs.pop(old)
+        if not takes_any:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return fn(*args, **kwargs)
+
+    return adapted
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-2-7b")
+    p.add_argument("--batch_size", type=int, default=64, help="global sequences per optimizer step")
+    p.add_argument("--seq_length", type=int, default=512)
+    p.add_argument("--points", default="async:8,sync:8,async:4,sync:4,async:16,sync:16",
+                   help="MODE:N[xA] points in this order (see the docstring)")
+    p.add_argument("--iterations", type=int, default=3, help="measured optimizer steps per point")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured optimizer steps before them, per point "
+                   "(the first point gets one more: it compiles)")
+    p.add_argument("--mem_cap_gb", type=float, default=None, help="per-GPU cap, held by a ballast process")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--recompute_grain", choices=("stage", "layer"), default="stage")
+    p.add_argument("--budget_s", type=float, default=None)
+    p.add_argument("--prune_factor", type=float, default=1.5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--ballast", type=float, default=None, help=argparse.SUPPRESS)  # internal: the ballast child
+    return p.parse_args(argv)
+
+
+def ballast(cap_gb: float) -> None:
+    """Child: leave ``cap_gb`` GiB free on every visible GPU, say so, hold until stdin closes."""
+    import torch
+
+    held = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)  # after this process's own context
+        take = max(0, free - int(cap_gb * GIB))
+        held.append(torch.empty(take, dtype=torch.uint8, device=f"cuda:{i}"))
+        print(f"ballast: GPU {i} total {total / GIB:.1f} GiB, held {take / GIB:.1f} GiB, "
+              f"left {torch.cuda.mem_get_info(i)[0] / GIB:.1f} GiB", file=sys.stderr, flush=True)
+    print("ready", flush=True)
+    sys.stdin.read()  # returns at EOF: the parent exited or closed the pipe
+
+
+def start_ballast(cap_gb: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, __file__, "--ballast", str(cap_gb)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if line != "ready":
+        raise RuntimeError(f"the memory ballast did not start (said {line!r}, rc {proc.poll()})")
+    return proc
+
+
+def build_hf_model(model_name: str, seq_length: int):
+    """The random-weight preset in bf16, initialised on GPU 0 (fast) and moved to the host, where
+    RoundPipe keeps it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from fsdp2_baseline import llama_config
+
+    config = llama_config(model_name)
+    config.use_cache = False
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda:0"):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(default_dtype)
+    model = model.to("cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # RoundPipe counts this process's reserved memory as available
+    return model, config
+
+
+def main() -> None:
+    args = parse_args()
+    if args.ballast is not None:
+        ballast(args.ballast)
+        return
+    t_start = time.perf_counter()
+    points_todo = parse_points(args.points)
+    # Before anything touches CUDA: the ballast's context and allocation must be in place when
+    # roundpipe is imported (it reads the free memory then).
+    holder = start_ballast(args.mem_cap_gb) if args.mem_cap_gb is not None else None
+    import torch
+    import transformers
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    hf_model, config = build_hf_model(args.model, args.seq_length)
+    n_params = sum(p.numel() for p in hf_model.parameters())
+
+    import roundpipe
+    import roundpipe.models.llama as rp_llama
+    from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
+    from roundpipe.device import device_list
+    from roundpipe.optim import Adam
+
+    rp_llama.create_causal_mask = keyword_adapter(rp_llama.create_causal_mask, {"input_embeds": "inputs_embeds"})
+    num_gpus = len(device_list)
+    model = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
+                                    model_run_config=RoundPipeRunConfig(recompute_grain=args.recompute_grain))
+    params = list(model.optim_parameters())
+    optim = Adam(params, lr=args.lr, weight_decay=0.0, decoupled_weight_decay=True)
+
+    def step_fn() -> None:
+        # Runs on RoundPipe's optimizer thread, on the fp32 host copies and their gradients.
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optim.step()
+        optim.zero_grad()
+
+    tokens_per_step = args.batch_size * args.seq_length
+    header: dict[str, Any] = {
+        "system": "roundpipe", "args": vars(args), "torch": torch.__version__,
+        "roundpipe": getattr(roundpipe, "__version__", None), "transformers": transformers.__version__,
+        "num_gpus": num_gpus, "device": torch.cuda.get_device_name(0), "model": args.model, "num_params": n_params,
+        "tokens_per_step": tokens_per_step, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(), "build_s": time.perf_counter() - t_start,
+        "memory_cap": "ballast process" if holder else None,
+    }
+    print(f"roundpipe: built in {header['build_s']:.1f}s on {num_gpus} GPUs", flush=True)
+    points: list[dict] = []
+    gen = torch.Generator().manual_seed(0)
+    for index, (mode, num_micro, accum) in enumerate(points_todo):
+        system = f"roundpipe-{mode}"
+        cfg = {"step": mode, "num_microbatch": num_micro, "forward_backward_per_step": accum,
+               "recompute_grain": args.recompute_grain, "optim_dtype": "float32", "grad_clip": args.grad_clip,
+               "mem_cap_gb": args.mem_cap_gb, "omp_num_threads": header["omp_num_threads"]}
+        best = sweep.best_step(points, system)
+        if points and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
+                                     args.warmup * (best or sweep.best_step(points, "roundpipe-async") or 0.0)):
+            points.append(sweep.point(system, cfg, mode == "sync", status="not run (budget)"))
+            sweep.write_json(args.json, sweep.result(header, points))
+            continue
+        run_config = RoundPipeRunConfig(num_microbatch=num_micro)
+        warmup = args.warmup + (1 if index == 0 else 0)
+        for i in range(num_gpus):
+            torch.cuda.reset_peak_memory_stats(i)
+        warm, times, losses, status = [], [], [], "ok"
+        try:
+            for step in range(warmup + args.iterations):
+                ids = torch.randint(config.vocab_size, (args.batch_size, args.seq_length), generator=gen)
+                t0 = time.perf_counter()
+                total = 0.0
+                for chunk in ids.chunk(accum):
+                    loss = model.forward_backward(
+                        input_kwargs={"input_ids": chunk, "labels": chunk, "return_logits": False},
+                        loss_fn=lambda outputs, _: outputs.loss / num_micro / accum, run_config=run_config)
+                    total += float(loss)  # a host tensor already (RoundPipe synchronised on it)
+                model.step(step_fn, is_async=(mode == "async"))
+                dt = time.perf_counter() - t0
+                if step < warmup:
+                    warm.append(dt)
+                    if step == warmup - 1 and sweep.should_prune(dt, best, args.prune_factor):
+                        status = "pruned"
+                        break
+                    if step == warmup - 1 and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
+                                                             args.iterations * dt):
+                        status = "not run (budget)"
+                        break
+                else:
+                    times.append(dt)
+                    losses.append(total)
+        except Exception as e:  # noqa: BLE001 - one point failing must not lose the others
+            oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+            status = "OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:200]}"
+            print(f"roundpipe {system} N={num_micro} A={accum}: {status}", file=sys.stderr, flush=True)
+        peaks = [torch.cuda.max_memory_allocated(i) / GIB for i in range(num_gpus)]
+        reserved = [torch.cuda.max_memory_reserved(i) / GIB for i in range(num_gpus)]
+        points.append(sweep.point(
+            system, cfg, mode == "sync", status=status, warmup_s=warm, step_times_s=times if status == "ok" else [],
+            num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=num_gpus,
+            peak_allocated_gib=max(peaks), peak_reserved_gib=max(reserved), peak_allocated_gib_per_gpu=peaks,
+            host_rss_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, losses=losses))
+        p = points[-1]
+        print(f"{system} num_microbatch={num_micro} accum={accum} status={status} "
+              f"warmup_s={[round(w, 2) for w in warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
+              f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
+              flush=True)
+        sweep.write_json(args.json, sweep.result(header, points))
+        if status.startswith("failed"):
+            break  # RoundPipe's threads may be left mid-iteration: later points would measure nothing sound
+    if holder is not None:
+        holder.stdin.close()
+    sys.stdout.flush()
+    os._exit(0)  # RoundPipe's device and optimizer threads do not always let the interpreter exit
+
+
+if __name__ == "__main__":
+    main()
