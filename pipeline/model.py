@@ -69,10 +69,44 @@ def _arch_classes(config):
     return getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RMSNorm"), getattr(mod, f"{prefix}RotaryEmbedding")
 
 
-def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive [1, 1, T, T] mask. Needed for eager attention, where ``None`` means *non-causal*."""
-    mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype, device=device)
-    return torch.triu(mask, diagonal=1)[None, None]
+def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Additive [1, 1, T, T] mask. Needed for eager attention, where ``None`` means *non-causal*.
+    With ``window``, query i sees keys i - window + 1 .. i (Hugging Face's sliding window)."""
+    allowed = attend_mask(seq_len, device, window)
+    mask = torch.zeros((seq_len, seq_len), dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def attend_mask(seq_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Boolean [T, T], True where query i may attend key j: j <= i, and j > i - window with a
+    window (transformers' ``sliding_window_causal_mask_function``)."""
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+def layer_windows(config) -> list[int | None]:
+    """The attention window of every decoder layer (None: full causal), as the Hugging Face model
+    of ``config.model_type`` masks it: Mistral applies ``sliding_window`` to every layer; Qwen2
+    applies it to the layers ``layer_types`` marks "sliding_attention" (``sliding_window`` is
+    already None there unless ``use_sliding_window``); Llama has no window."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return [window] * n
+    if config.model_type == "qwen2":
+        types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+        if "sliding_attention" in types[:n] and window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None "
+                             "(set use_sliding_window and sliding_window, or make every layer full_attention)")
+        return [window if t == "sliding_attention" else None for t in types[:n]]
+    return [None] * n
 
 
 class _Body(nn.Module):
@@ -87,16 +121,29 @@ class Stage(nn.Module):
         super().__init__()
         layer_cls, norm_cls, rope_cls = _arch_classes(config)
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
+        self.tied = bool(getattr(config, "tie_word_embeddings", False)) and self.is_first and self.is_last
         self.attn_implementation = config._attn_implementation or "eager"
         self.checkpointing = checkpointing
         self.model = _Body()
         if self.is_first:
             self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.model.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in layer_ids})
+        windows = layer_windows(config)
+        self.windows = [windows[i] for i in layer_ids]
         if self.is_last:
             self.model.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if getattr(config, "tie_word_embeddings", False) and not self.is_first:
+                raise ValueError("tied embeddings need the embedding and lm_head in one stage (num_stages 1)")
+        self.tie_weights()
         self.rotary_emb = rope_cls(config=config)  # buffers only, not persistent
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, one Parameter under both modules: named_parameters() (and
+        so the store, the optimizer and the saved shard) sees only model.embed_tokens.weight,
+        as in Hugging Face. Called again after ``to_empty``, which gives each module a new one."""
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.is_first else x
@@ -104,11 +151,9 @@ class Stage(nn.Module):
             seq_len = h.shape[1]
             position_ids = torch.arange(seq_len, device=h.device)[None]
             position_embeddings = self.rotary_emb(h, position_ids)
-            # sdpa (and flash) treat a None mask as causal and then use their fast causal kernels;
-            # every other implementation gets the explicit mask.
-            mask = None if self.attn_implementation in ("sdpa", "flash_attention_2") else \
-                causal_mask(seq_len, h.dtype, h.device)
-            for layer in self.model.layers.values():
+            masks = {w: self._mask(seq_len, w, h) for w in set(self.windows)}
+            for layer, window in zip(self.model.layers.values(), self.windows):
+                mask = masks[window]
                 if self.checkpointing and torch.is_grad_enabled():
                     run = functools.partial(layer, attention_mask=mask, position_ids=position_ids,
                                             position_embeddings=position_embeddings)
@@ -127,6 +172,18 @@ class Stage(nn.Module):
             # (vocab floats a token, 32x the hidden state for Llama-2 7B) until its backward.
             return checkpoint(self._loss, h, targets, use_reentrant=False)
         return self._loss(h, targets)
+
+    def _mask(self, seq_len: int, window: int | None, h: torch.Tensor) -> torch.Tensor | None:
+        """The attention mask of layers with ``window`` (None: full causal)."""
+        if self.attn_implementation == "flash_attention_2":
+            return None  # the layer hands its own sliding_window to the kernel
+        if window is not None and window >= seq_len:
+            window = None  # a window covering the sequence masks nothing more than causality
+        if self.attn_implementation == "sdpa":
+            # None makes sdpa run its causal kernel; a window needs the explicit boolean mask
+            # (what transformers' sdpa_mask builds: True = attend).
+            return None if window is None else attend_mask(seq_len, h.device, window)[None, None]
+        return causal_mask(seq_len, h.dtype, h.device, window)  # eager: None would mean non-causal
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over predicted tokens of the cross-entropy (-100 targets predict nothing)."""
@@ -240,6 +297,7 @@ def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_
     with torch.device("meta"):
         stage = Stage(config, index, num_stages, layer_ids, checkpointing)
     stage = stage.to_empty(device="cpu")
+    stage.tie_weights()
     _, _, rope_cls = _arch_classes(config)
     stage.rotary_emb = rope_cls(config=config)  # meta init left its buffers empty
     if model_dir is None:
@@ -254,10 +312,15 @@ def stage_num_params(config, layer_ids: range, first: bool, last: bool) -> int:
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
-    bias = 1 if getattr(config, "attention_bias", False) else 0
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2 + bias * (heads + 2 * kv) * head_dim
-    per_layer = attn + 3 * h * f + 2 * h
-    return len(layer_ids) * per_layer + (v * h if first else 0) + ((v * h + h) if last else 0)
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    if config.model_type == "qwen2":  # q, k and v always carry a bias, o_proj none
+        attn += (heads + 2 * kv) * head_dim
+    elif getattr(config, "attention_bias", False):  # Llama: all four projections
+        attn += (heads + 2 * kv) * head_dim + h
+    mlp = 3 * h * f + ((2 * f + h) if getattr(config, "mlp_bias", False) else 0)
+    per_layer = attn + mlp + 2 * h
+    tied = getattr(config, "tie_word_embeddings", False) and first  # one matrix for both uses
+    return len(layer_ids) * per_layer + (v * h if first else 0) + ((v * h * (not tied) + h) if last else 0)
 
 
 def stage_param_counts(config, num_stages: int) -> list[int]:
@@ -268,9 +331,10 @@ def stage_param_counts(config, num_stages: int) -> list[int]:
 
 def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
-    n = stage_num_params(config, range(num_layers), True, True) - config.vocab_size * config.hidden_size
+    n = stage_num_params(config, range(num_layers), False, True)  # the layers and the head, not the lookup
     return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
 
 
-__all__ = ["PRESETS", "Stage", "build_stage", "causal_mask", "init_weights_", "load_weights_", "weight_files",
-           "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params", "stage_param_counts"]
+__all__ = ["PRESETS", "Stage", "attend_mask", "build_stage", "causal_mask", "init_weights_", "layer_windows",
+           "load_weights_", "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params",
+           "stage_param_counts"]

@@ -23,7 +23,8 @@ from pipeline.dist import DistEnv, Log, barrier, broadcast_object, cap_gpu_memor
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
-from pipeline.model import PRESETS, build_stage, model_flops_per_token, partition_layers, preset_config
+from pipeline.model import (PRESETS, build_stage, layer_windows, model_flops_per_token, partition_layers,
+                            preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
 from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.timeline import Timeline, write_run_timeline
@@ -91,8 +92,16 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
                           f"({hf_config.num_hidden_layers} + 2); use fewer stages")
     if getattr(hf_config, "tie_word_embeddings", False) and cfg.num_stages > 1:
-        raise ConfigError(f"model {cfg.model!r} ties lm_head to the embedding; pipelining it over "
-                          f"{cfg.num_stages} stages is not supported yet (use an untied model)")
+        # The shared matrix would be two copies in two stages, each trained on half its gradient.
+        raise ConfigError(f"model {cfg.model!r} ties lm_head to the embedding (tie_word_embeddings): it trains "
+                          f"only with num_stages 1 (one process), not {cfg.num_stages} stages")
+    types = getattr(hf_config, "layer_types", None)
+    if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
+        hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
+    try:
+        layer_windows(hf_config)
+    except ValueError as e:
+        raise ConfigError(f"model {cfg.model!r}: {e}") from None
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_pos and cfg.seq_length > max_pos and not cfg.allow_long_sequences:
         raise ConfigError(f"seq_length ({cfg.seq_length}) exceeds the model's max_position_embeddings ({max_pos}); "

@@ -40,7 +40,8 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # saved once, as the embedding
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}
 
 
 def in_process_trainer(cfg: TrainConfig):

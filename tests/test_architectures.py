@@ -1,0 +1,206 @@
+"""The configurations people fine-tune today, each as a tiny model generated here: Llama-3
+(GQA, llama3 rope scaling), Qwen2.5 (qkv bias; tied embeddings in the small sizes), Qwen2 with
+sliding-window layers, Mistral with a sliding window shorter than the sequence. Stage forwards
+equal the Hugging Face forward, pipeline training equals plain Hugging Face training, and tied
+embeddings over several stages stop with one error line."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, make_config
+from pipeline.model import build_stage, partition_layers, stage_num_params
+from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+
+WINDOW = 32
+SEQ = 96  # three windows: a mask that ignores the window shows in every layer past position 32
+
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+ARCHS = {
+    # Llama-3.x: GQA, llama3 rope scaling, theta 500000; untied like 3.1-8B
+    "llama3": ("LlamaConfig", dict(rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0, tie_word_embeddings=False)),
+    # Llama-3.2-1B: the same, with the head tied to the embedding
+    "llama3_tied": ("LlamaConfig", dict(rope_scaling=_LLAMA3_ROPE, rope_theta=500000.0, tie_word_embeddings=True)),
+    # Qwen2.5-0.5B: qkv bias, tied, no sliding window
+    "qwen2_tied": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)),
+    # Qwen2 with sliding layers: the last two of four
+    "qwen2_sliding": ("Qwen2Config", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=WINDOW,
+                                          max_window_layers=2)),
+    # Mistral-7B-v0.1 style: every layer windowed
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False, rope_theta=10000.0)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def make_model(arch: str, root: str) -> Path:
+    """A randomly initialised tiny model of ``arch`` saved as a Hugging Face directory."""
+    import transformers
+
+    cls_name, extra = ARCHS[arch]
+    path = Path(root) / arch
+    if not (path / "config.json").is_file():
+        config = getattr(transformers, cls_name)(**_BASE, **extra)
+        torch.manual_seed(7)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # HF's init leaves the norms at 1 and biases at 0: make them matter
+            for name, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("arch_models"))
+
+
+def _hf(path: Path, impl: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
+
+
+def _cfg(path: Path, **kw):
+    base = dict(model=str(path), dataset="synthetic", seq_length=SEQ, batch_size=4, num_chunks=2, num_iterations=3,
+                num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1, weight_decay=0.01,
+                grad_clip=1.0, attn_implementation="eager", save_model=False, save_metrics=False)
+    base.update(kw)
+    return make_config(base)
+
+
+def _pipeline_forward(path: Path, config, x: torch.Tensor, num_stages: int, full_causal: bool = False) -> torch.Tensor:
+    parts = partition_layers(config.num_hidden_layers, num_stages)
+    h = x
+    with torch.no_grad():
+        for s in range(num_stages):
+            stage = build_stage(config, s, num_stages, parts[s], model_dir=path, seed=0).eval()
+            if full_causal:  # the bug this guards against: every layer masked plain causal
+                stage.windows = [None] * len(stage.windows)
+            h = stage(h)
+    return h
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch,num_stages", [("llama3", 3), ("llama3_tied", 1), ("qwen2_tied", 1),
+                                             ("qwen2_sliding", 3), ("mistral", 1), ("mistral", 3)])
+def test_stage_forward_equals_hf(models_root, arch, num_stages, impl):
+    path = make_model(arch, models_root)
+    hf = _hf(path, impl)
+    x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        ref = hf(x).logits
+    torch.testing.assert_close(_pipeline_forward(path, hf.config, x, num_stages), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2_sliding"])
+def test_the_window_is_what_makes_it_equal(models_root, arch, impl):
+    """Without the window (plain causal masks) the stages no longer match: the test above sees it."""
+    path = make_model(arch, models_root)
+    hf = _hf(path, impl)
+    x = torch.randint(3, hf.config.vocab_size, (1, SEQ))
+    with torch.no_grad():
+        ref = hf(x).logits
+    full = _pipeline_forward(path, hf.config, x, 2, full_causal=True)
+    assert not torch.allclose(full[:, WINDOW:], ref[:, WINDOW:], atol=1e-4)
+    torch.testing.assert_close(full[:, :WINDOW], ref[:, :WINDOW], rtol=1e-5, atol=1e-5)  # inside one window: same
+
+
+def test_stage_param_counts(models_root):
+    for arch in ARCHS:
+        path = make_model(arch, models_root)
+        config = _hf(path, "sdpa").config
+        stage = build_stage(config, 0, 1, range(config.num_hidden_layers), model_dir=path, seed=0)
+        actual = sum(p.numel() for p in stage.parameters())
+        assert actual == stage_num_params(config, range(config.num_hidden_layers), True, True), arch
+
+
+# --- training equals plain Hugging Face training ---------------------------------------------
+def _train(cfg):
+    trainer = in_process_trainer(cfg)
+    history = trainer.train()
+    return [h["loss"] for h in history], trainer_masters(trainer)
+
+
+@pytest.mark.parametrize("arch,impl,kw", [
+    ("mistral", "eager", dict(schedule="interleaved")),
+    ("mistral", "sdpa", dict(schedule="1f1b", seq_length=160, use_offload=True)),
+    ("qwen2_sliding", "eager", dict(schedule="gpipe", use_offload=True)),
+    ("qwen2_sliding", "sdpa", dict(schedule="interleaved")),
+    ("llama3", "sdpa", dict(schedule="interleaved", use_offload=True)),
+    ("llama3_tied", "eager", dict(num_stages=1, schedule="gpipe")),
+    ("qwen2_tied", "sdpa", dict(num_stages=1, schedule="1f1b", use_offload=True)),
+    ("qwen2_tied", "eager", dict(num_stages=1, schedule="gpipe", use_offload=True, activation_checkpointing=True)),
+])
+def test_training_matches_hf(models_root, arch, impl, kw):
+    cfg = _cfg(make_model(arch, models_root), attn_implementation=impl, **kw)
+    losses, params = _train(cfg)
+    assert_same_training(losses, params, *reference_train(cfg, cfg.model))
+
+
+# --- tied embeddings --------------------------------------------------------------------------
+def _with_head_saved(src: Path, dst: Path) -> Path:
+    """A copy of the tied model whose checkpoint also stores lm_head.weight (as some exporters do)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
+    path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "with_head")
+    cfg = _cfg(path, num_stages=1, schedule="gpipe", save_dir=str(tmp_path / "out"), save_model=True)
+    trainer = in_process_trainer(cfg)
+    stage = trainer.stages[0]
+    assert stage.lm_head.weight is stage.model.embed_tokens.weight
+    history = trainer.train()
+    trainer.save(history)
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer),
+                         *reference_train(cfg, make_model("qwen2_tied", models_root)))
+    out = tmp_path / "out" / "model"
+    saved = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved  # one saved tensor
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = _hf(out, "sdpa")
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(hf.model.embed_tokens.weight, trainer_masters(trainer)["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("arch", ["llama3_tied", "qwen2_tied"])
+def test_tied_over_several_stages_is_refused(models_root, arch):
+    from pipeline.train import resolve_model
+
+    cfg = _cfg(make_model(arch, models_root), num_stages=2)
+    with pytest.raises(ConfigError, match=r"ties lm_head to the embedding .* only with num_stages 1") as e:
+        resolve_model(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
+    from pipeline.train import resolve_model
+
+    src = make_model("qwen2_sliding", models_root)
+    dst = tmp_path / "bad"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dst / "config.json").read_text())
+    config.update(use_sliding_window=False)  # sliding_window becomes None, layer_types still say sliding
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="sliding_attention layers but sliding_window is None"):
+        resolve_model(_cfg(dst))
