@@ -94,24 +94,31 @@ def test_xsum_labels_mask_prompt_tiny_tokenizer(tiny_tokenizer):
 def test_truncation_cuts_document_and_keeps_summary():
     tok, summary = CharTokenizer(), "the summary"
     fixed = 1 + len(_PROMPT_PREFIX) + len(_PROMPT_SUFFIX)
-    seq_length = fixed + 10 + len(summary) + 1
+    seq_length = fixed + 40 + len(summary) + 1  # 40 > seq_length // 4: the minimum does not bind
     [example], _ = tokenize_records(
         [{"document": "d" * 500, "summary": summary}], tok, seq_length
     )
     assert len(example) == seq_length
     assert example.input_ids == (
-        [BOS] + chars(_PROMPT_PREFIX + "d" * 10 + _PROMPT_SUFFIX + summary) + [EOS]
+        [BOS] + chars(_PROMPT_PREFIX + "d" * 40 + _PROMPT_SUFFIX + summary) + [EOS]
     )
     assert example.labels[-len(summary) - 1 :] == chars(summary) + [EOS]
-    assert example.labels[: -len(summary) - 1] == [IGNORE_INDEX] * (fixed + 10)
+    assert example.labels[: -len(summary) - 1] == [IGNORE_INDEX] * (fixed + 40)
 
 
-def test_truncation_cuts_summary_when_prompt_fills_sequence():
+def test_truncation_keeps_the_document_and_cuts_the_summary():
+    """A summary that fills seq_length is cut, not the whole document: at least seq_length // 4
+    document tokens stay (here all 3); a record with no room left for a target is skipped."""
     tok = CharTokenizer()
     fixed = 1 + len(_PROMPT_PREFIX) + len(_PROMPT_SUFFIX)
-    [example], _ = tokenize_records([{"document": "doc", "summary": "summary"}], tok, fixed + 3)
-    assert example.input_ids == [BOS] + chars(_PROMPT_PREFIX + _PROMPT_SUFFIX + "sum")
-    assert example.labels == [IGNORE_INDEX] * fixed + chars("sum")  # no eos: it was cut
+    stats: dict[str, int] = {}
+    rows = [{"document": "doc", "summary": "summary"}, {"document": "doc", "summary": "s" * 300}]
+    [example], skipped = tokenize_records(rows[:1], tok, fixed + 6, stats=stats)
+    assert example.input_ids == [BOS] + chars(_PROMPT_PREFIX + "doc" + _PROMPT_SUFFIX + "sum")
+    assert example.labels == [IGNORE_INDEX] * (fixed + 3) + chars("sum")  # no eos: it was cut
+    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 1}
+    with pytest.raises(DataError, match="no usable xsum records: all 2"):
+        tokenize_records(rows, tok, fixed + 3)  # the prompt alone fills it
 
 
 def test_no_trainable_token_is_skipped_and_empty_result_is_error():
