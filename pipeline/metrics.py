@@ -8,8 +8,9 @@ ranks take part in the summary's gather of peak memory and otherwise only warn. 
 * ``metrics.jsonl``: one JSON object per line, ``"kind"`` is ``"train"`` (every step),
   ``"eval"`` (every evaluation, with ``"split"``) or ``"summary"`` (the last line).
   Non-finite numbers are written as ``null`` so every line is strict JSON.
-* ``metrics.png``: two panels over the steps, loss (train line, eval squares) on top and
-  tokens/s below; the y-axis minimum and maximum are printed at the panel's corners.
+* ``metrics.png``: a matplotlib figure of titled panels over the steps: training and validation
+  loss, throughput (tokens/s, from zero), step time, and the gradient norm, peak memory and
+  learning rate where the rows have them; skipped steps are shaded red in every panel.
 """
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ def summary_line(row: dict) -> str:
     if row.get("eval_loss") is not None:
         line += f"; final eval loss {row['eval_loss']:.4f} ppl {row['eval_perplexity']:.2f}"
     return line
+
+
+def steady_means(rows: Sequence[dict]) -> tuple[float, float]:
+    """Mean step time (s) and tokens/s over the steps after the first, which pays for warm-up
+    (allocations, caches); over the one step when there is only one."""
+    steady = rows[1:] or rows
+    step_time = sum(r["step_time_s"] for r in steady)
+    return step_time / max(1, len(steady)), sum(r["tokens"] for r in steady) / step_time if step_time > 0 else 0.0
 
 
 def perplexity(loss: float) -> float:
@@ -193,11 +202,9 @@ class Metrics:
         total = time.perf_counter() - self.t0
         summary = None
         if self.speaks:
-            steady = self.rows[1:] or self.rows  # the first step pays for warm-up (allocations, caches)
-            step_time = sum(r["step_time_s"] for r in steady)
+            mean_step, mean_tps = steady_means(self.rows)
             summary = {"kind": "summary", "num_steps": len(self.rows), "total_time_s": total,
-                       "mean_step_time_s": step_time / max(1, len(steady)),
-                       "mean_tokens_per_s": sum(r["tokens"] for r in steady) / step_time if step_time > 0 else 0.0,
+                       "mean_step_time_s": mean_step, "mean_tokens_per_s": mean_tps,
                        "skipped_steps": sum(1 for r in self.rows if r.get("skipped")),
                        "peak_mem_bytes_per_rank": per_rank}
             if self.evals:
@@ -224,113 +231,126 @@ class Metrics:
             self.bar = None
 
 
+
+
 # --- the plot -------------------------------------------------------------------------------
-_LOSS, _EVAL, _TPS = (31, 119, 180), (214, 39, 40), (44, 160, 44)
-_AXIS, _GRID, _TEXT = (90, 90, 90), (228, 228, 228), (40, 40, 40)
-# 3x5 bitmap glyphs, one string of 15 bits per character (rows top to bottom).
-_GLYPHS = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "-": "000000111000000",
-    "e": "000111111100111", "+": "000010111010000", " ": "000000000000000", "n": "000110101101101",
-    "a": "000011101101011", "i": "010000010010010", "f": "011010111010010",
-}
+_TRAIN, _EVAL, _SKIP, _MEAN = "tab:blue", "tab:red", "tab:red", "0.35"
+# Panels after the loss: (row key, title, y label, factor applied to the values).
+_PANELS = (
+    ("tokens_per_s", "Throughput (whole pipeline)", "tokens / s", 1.0),
+    ("step_time_s", "Step time (wall clock)", "seconds per step", 1.0),
+    ("grad_norm", "Gradient norm (global L2, before clipping)", "L2 norm", 1.0),
+    ("peak_mem_bytes", "Peak memory of the logging rank", "GiB (GPU: allocated, CPU: RSS)", 1 / GIB),
+    ("lr", "Learning rate", "learning rate", 1.0),
+)
+_PANEL_W, _PANEL_H = 600, 300  # pixels per panel; two panels a row
 
 
-def plot_size(width: int = 800, height: int = 600) -> tuple[int, int]:
-    """(width, height) in pixels of the PNG ``write_plot_png`` draws."""
-    return width, height
+def _values(rows: Sequence[dict], key: str, factor: float = 1.0) -> list[float]:
+    """``key`` of every row as floats; missing and non-finite values become NaN (a gap in the line)."""
+    out = []
+    for r in rows:
+        v = r.get(key)
+        out.append(float(v) * factor if isinstance(v, (int, float)) and math.isfinite(v) else math.nan)
+    return out
+
+
+def _has(rows: Sequence[dict], key: str) -> bool:
+    return any(not math.isnan(v) for v in _values(rows, key))
+
+
+def plot_size(rows: Sequence[dict], width: int = 2 * _PANEL_W) -> tuple[int, int]:
+    """(width, height) in pixels of the figure ``write_plot_png`` draws for ``rows``."""
+    num_panels = 2 + sum(1 for key, *_ in _PANELS[1:] if _has(rows, key))  # loss and throughput always
+    return width, 60 + _PANEL_H * math.ceil(num_panels / 2)
 
 
 def write_plot_png(path: str | Path, rows: Sequence[dict], evals: Sequence[dict] = (), *,
-                   width: int = 800, height: int = 600) -> tuple[int, int]:
-    """Draw loss (top) and tokens/s (bottom) over the steps; returns the image size.
+                   width: int = 2 * _PANEL_W) -> tuple[int, int]:
+    """Draw the run's metrics over the steps and save them as a PNG; returns its size in pixels.
 
-    Pure numpy pixels encoded by the timeline module's PNG writer (no matplotlib here).
+    Panels: loss (training line, validation squares, with a legend), throughput in tokens/s
+    (y from zero, dashed mean after the first step), and step time, gradient norm, peak memory
+    and learning rate when the rows have them. Skipped steps are shaded red.
+
+    Args:
+        path: the PNG to write.
+        rows: ``"train"`` rows (``step``, ``loss``, ``tokens_per_s`` at least).
+        evals: ``"eval"`` rows (``step``, ``loss``).
+        width: image width in pixels; the height follows from the number of panels.
     """
-    import numpy as np
+    # The Agg canvas directly, not pyplot: no global backend or figure state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
-    from pipeline.timeline import _png_bytes
+    size = plot_size(rows, width)
+    keys = [p for p in _PANELS if p[0] == "tokens_per_s" or _has(rows, p[0])]
+    fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    num_rows = size[1] // _PANEL_H
+    axes = fig.subplots(num_rows, 2, squeeze=False).ravel()
+    steps = [r["step"] for r in rows]
+    skipped = [r["step"] for r in rows if r.get("skipped")]
+    marker = "o" if len(rows) <= 60 else None  # with few steps the points are the data
+    all_steps = steps + [e["step"] for e in evals]
+    x_lo, x_hi = (min(all_steps), max(all_steps)) if all_steps else (0, 1)
+    pad = max(0.5, 0.02 * (x_hi - x_lo))
 
-    img = np.full((height, width, 3), 255, dtype=np.uint8)
-    steps = [r["step"] for r in rows] + [e["step"] for e in evals]
-    x_lo, x_hi = min(steps), max(steps)
-    margin_l, margin_r, gap = 66, 16, 24
-    panel_h = (height - 3 * gap) // 2
-    panels = [(gap, [([(r["step"], r["loss"]) for r in rows], _LOSS, False),
-                     ([(e["step"], e["loss"]) for e in evals], _EVAL, True)]),
-              (2 * gap + panel_h, [([(r["step"], r["tokens_per_s"]) for r in rows], _TPS, False)])]
-    for top, series in panels:
-        box = (margin_l, top, width - margin_r, top + panel_h)  # x0, y0, x1, y1
-        ys = [y for pts, _, _ in series for _, y in pts if y is not None and math.isfinite(y)]
-        y_lo, y_hi = (min(ys), max(ys)) if ys else (0.0, 1.0)
-        if y_hi - y_lo < 1e-12:
-            y_lo, y_hi = y_lo - 0.5, y_hi + 0.5
-        _frame(img, box)
-        for pts, colour, markers in series:
-            _series(img, box, pts, (x_lo, x_hi), (y_lo, y_hi), colour, markers)
-        _text(img, _num(y_hi), 4, box[1])
-        _text(img, _num(y_lo), 4, box[3] - 10)
-        _text(img, _num(x_lo), box[0], box[3] + 4)
-        label = _num(x_hi)
-        _text(img, label, box[2] - 8 * len(label), box[3] + 4)
-    Path(path).write_bytes(_png_bytes(img))
-    return width, height
+    ax = axes[0]
+    loss = _values(rows, "loss")
+    ax.plot(steps, loss, color=_TRAIN, marker=marker, markersize=3, lw=1.5,
+            label="training loss" + _last(loss))
+    if evals:
+        ev = _values(evals, "loss")
+        ax.plot([e["step"] for e in evals], ev, color=_EVAL, marker="s", markersize=6, lw=1, ls="--",
+                label="validation loss" + _last(ev))
+    ax.set_title("Loss (mean cross-entropy per trained token)")
+    ax.set_ylabel("loss (nats / token)")
+    handles, _ = ax.get_legend_handles_labels()
+    if skipped:
+        handles.append(Patch(color=_SKIP, alpha=0.15, label="skipped step (non-finite loss or norm)"))
+    ax.legend(handles=handles, loc="upper right", fontsize=9, title_fontsize=8,
+              title=None if evals else "no validation in this run (eval_every 0)")
 
-
-def _num(v: float) -> str:
-    if not math.isfinite(v):
-        return "nan"
-    if v == int(v) and abs(v) < 1e6:
-        return str(int(v))
-    return f"{v:.4g}"
-
-
-def _frame(img, box) -> None:
-    x0, y0, x1, y1 = box
-    for k in range(1, 4):  # three horizontal grid lines
-        img[y0 + k * (y1 - y0) // 4, x0:x1] = _GRID
-    img[y0:y1 + 1, x0] = img[y0:y1 + 1, x1] = _AXIS
-    img[y0, x0:x1 + 1] = img[y1, x0:x1 + 1] = _AXIS
-
-
-def _series(img, box, pts, xr, yr, colour, markers: bool) -> None:
-    """A line through the finite points (a gap at a non-finite one), or square markers."""
-    x0, y0, x1, y1 = box
-    pad = 4
-
-    def to_px(x: float, y: float) -> tuple[int, int]:
-        px = x0 + pad + (x - xr[0]) / max(xr[1] - xr[0], 1e-12) * (x1 - x0 - 2 * pad)
-        py = y1 - pad - (y - yr[0]) / (yr[1] - yr[0]) * (y1 - y0 - 2 * pad)
-        return int(round(px)), int(round(py))
-
-    prev = None
-    for x, y in pts:
-        if y is None or not math.isfinite(y):
-            prev = None
-            continue
-        p = to_px(x, y)
-        if markers:
-            img[p[1] - 3:p[1] + 4, p[0] - 3:p[0] + 4] = colour
-        elif prev is not None:
-            n = max(abs(p[0] - prev[0]), abs(p[1] - prev[1])) + 1
-            for t in range(n + 1):  # dense enough that consecutive pixels touch
-                px = prev[0] + (p[0] - prev[0]) * t // max(n, 1)
-                py = prev[1] + (p[1] - prev[1]) * t // max(n, 1)
-                img[py:py + 2, px:px + 2] = colour  # 2 px thick
+    mean_step, mean_tps = steady_means(rows) if rows and all("tokens" in r and "step_time_s" in r
+                                                             for r in rows) else (math.nan, math.nan)
+    for ax, (key, title, ylabel, factor) in zip(axes[1:], keys):
+        vals = _values(rows, key, factor)
+        ax.plot(steps, vals, color=_TRAIN, marker=marker, markersize=3, lw=1.5)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0, top=max([v for v in vals if not math.isnan(v)], default=1.0) * 1.15 or 1.0)
+        mean = {"tokens_per_s": mean_tps, "step_time_s": mean_step}.get(key, math.nan)
+        if math.isfinite(mean) and len(rows) > 1:
+            unit = "tokens/s" if key == "tokens_per_s" else "s"
+            ax.axhline(mean, color=_MEAN, ls="--", lw=1, label=f"mean after step 1: {mean:.4g} {unit}")
+            ax.legend(loc="lower right", fontsize=9)
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    for ax in axes[len(keys) + 1:]:
+        ax.set_visible(False)
+    for ax in axes[:len(keys) + 1]:
+        ax.set_xlim(x_lo - pad, x_hi + pad)
+        if x_hi - x_lo < 4:  # a locator would put ticks between the steps
+            ax.set_xticks(range(x_lo, x_hi + 1))
         else:
-            img[p[1]:p[1] + 2, p[0]:p[0] + 2] = colour  # a lone point stays visible
-        prev = p
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        for s in skipped:
+            ax.axvspan(s - 0.5, s + 0.5, color=_SKIP, alpha=0.15, lw=0)
+    title = f"Training metrics: {len(rows)} step{'s' if len(rows) != 1 else ''}"
+    if math.isfinite(mean_tps) and len(rows) > 1:
+        title += f", {mean_tps:.4g} tokens/s and {mean_step:.3g} s per step after the first"
+    if skipped:
+        title += f", {len(skipped)} skipped"
+    fig.suptitle(title, fontsize=13)
+    fig.savefig(path, dpi=100)  # no bbox_inches="tight": the image keeps exactly ``size``
+    return size
 
 
-def _text(img, text: str, x: int, y: int, scale: int = 2) -> None:
-    """Draw ``text`` (digits, '.', '-', 'e', 'nan', 'inf') with its top-left corner at (x, y)."""
-    h, w, _ = img.shape
-    for i, ch in enumerate(text):
-        bits = _GLYPHS.get(ch, _GLYPHS[" "])
-        for k, bit in enumerate(bits):
-            if bit == "1":
-                r, c = divmod(k, 3)
-                py, px = y + r * scale, x + i * 4 * scale + c * scale
-                if 0 <= py < h - scale and 0 <= px < w - scale:
-                    img[py:py + scale, px:px + scale] = _TEXT
+def _last(values: list[float]) -> str:
+    finite = [v for v in values if not math.isnan(v)]
+    return f" (last {finite[-1]:.4f})" if finite else ""

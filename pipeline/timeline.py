@@ -1,4 +1,5 @@
-"""Record when each action of a rank ran, and write the result as a Chrome trace or a Gantt PNG.
+"""Record when each action of a rank ran, and write the result as a Chrome trace or a Gantt PNG
+(matplotlib: measured and predicted timelines in two panels over one time axis).
 
 The executor calls ``begin(action)`` / ``end(action)`` around every action. On the CPU that
 is wall-clock time. On CUDA a pair of timing events is recorded on the action's stream (the
@@ -13,9 +14,7 @@ timelines are written by the same functions.
 from __future__ import annotations
 
 import json
-import struct
 import time
-import zlib
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -28,16 +27,18 @@ LANE_OF_OP = {
     Op.SEND_F: "comm", Op.RECV_F: "comm", Op.SEND_B: "comm", Op.RECV_B: "comm", Op.NORM: "comm",
     Op.STEP: "optimizer",
 }
-# Box colours of the Gantt chart (RGB); ops not listed (SEND, RECV, DROP) are not drawn.
-COLOURS = {
-    "F": (76, 159, 112), "B": (224, 122, 63), "L": (59, 125, 216), "O": (155, 89, 182),
-    "S": (110, 110, 110), "NORM": (212, 172, 13),
+# How the timeline PNG draws an op: (colour, legend label); DROP is not drawn (it frees memory at once).
+_COMM = ("#17becf", "send / recv (activations, gradients)")
+STYLE = {
+    "F": ("#2ca02c", "forward (F)"), "B": ("#ff7f0e", "backward (B)"),
+    "L": ("#1f77b4", "load: host to GPU (L)"), "O": ("#9467bd", "offload: GPU to host (O)"),
+    "S": ("#8c8c8c", "optimizer step (S)"), "NORM": ("#e6c229", "gradient-norm all-reduce (NORM)"),
+    "SEND_F": _COMM, "RECV_F": _COMM, "SEND_B": _COMM, "RECV_B": _COMM,
 }
-# Where in a rank's row a lane is drawn: (top, bottom) as fractions of the row height.
-_BAND = {"load": (0.08, 0.3), "offload": (0.08, 0.3), "compute": (0.34, 0.72), "comm": (0.76, 0.92),
-         "optimizer": (0.76, 0.92)}
-_BG, _GRID = (255, 255, 255), (225, 225, 225)
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The rows of a rank's block, top to bottom, with their names; lanes map onto them.
+ROWS = (("copy", "load / offload"), ("compute", "compute"), ("comm", "communication"), ("optimizer", "optimizer"))
+_ROW_OF_LANE = {"load": "copy", "offload": "copy", "compute": "compute", "comm": "comm", "optimizer": "optimizer"}
+_ROW_PX, _GAP_PX = 22, 10  # pixels of one row, and between two ranks' blocks
 
 
 class Timeline:
@@ -180,104 +181,123 @@ def read_chrome_trace(path: str | Path) -> list[dict]:
     return events
 
 
-def gantt_size(num_ranks: int, width: int = 1200, row_height: int = 40) -> tuple[int, int]:
-    """(width, height) in pixels of the PNG ``write_gantt_png`` draws for ``num_ranks`` rows."""
-    return width, 2 * _margin(row_height) + num_ranks * row_height
+def _row_of(e: dict) -> str | None:
+    """Which row of a rank's block an event is drawn in (None: not drawn)."""
+    return _ROW_OF_LANE[_lane(e)] if e["op"] in STYLE else None
 
 
-def _margin(row_height: int) -> int:
-    return max(4, row_height // 2)
+def _shown_rows(panels: list[list[dict]]) -> list[str]:
+    used = {_row_of(e) for events in panels for e in events}
+    return [row for row, _ in ROWS if row in used] or ["compute"]
 
 
-def write_gantt_png(path: str | Path, all_ranks_events: Iterable[dict] | Mapping[int, Iterable[dict]], *,
-                    width: int = 1200, row_height: int = 40, backend: str = "auto") -> tuple[int, int]:
-    """Draw one row per rank (GPU): loads / offloads on top, F / B in the middle, optimizer
-    steps and NORM at the bottom. Returns the image size, ``gantt_size(num_ranks, ...)``.
+def timeline_size(num_ranks: int, num_rows: int, num_panels: int = 2, width: int = 1400) -> tuple[int, int]:
+    """(width, height) in pixels of the PNG ``write_timeline_png`` draws: ``num_rows`` rows
+    (of ``ROWS``) for each of ``num_ranks`` ranks in each of ``num_panels`` panels."""
+    panel = 70 + num_ranks * (num_rows * _ROW_PX + _GAP_PX)
+    return width, 130 + num_panels * panel
 
-    ``backend``: "matplotlib" (labelled axes), "numpy" (boxes only, no text, needs nothing
-    beyond numpy), or "auto" (matplotlib when importable).
+
+def write_timeline_png(path: str | Path, measured: Iterable[dict] | Mapping[int, Iterable[dict]],
+                       predicted: Iterable[dict] | Mapping[int, Iterable[dict]] | None = None, *,
+                       ranks: Iterable[int] | None = None, width: int = 1400) -> tuple[int, int]:
+    """Draw one iteration as a Gantt chart, one block of rows per rank, and save it as a PNG.
+
+    With ``predicted`` there are two panels sharing the time axis: measured on top, the cost
+    model's prediction below. Each panel's time starts at 0 at its first action, in ms; a
+    dashed line marks where the iteration ends (its last action other than an optimizer step:
+    steps may run on, overlapping the next iteration). Boxes wide enough carry the action
+    (``2F0``: stage 2, forward, micro-batch 0).
+
+    Args:
+        path: the PNG to write.
+        measured: the recorded events (``Timeline.events()`` of every rank).
+        predicted: the cost model's events (``Prediction.events()``), or None for one panel.
+        ranks: the ranks to draw a block for, so that a rank with no actions still gets its
+            (empty) block; default: the ranks that have events.
+        width: image width in pixels; the height follows from the ranks and rows.
+
+    Returns:
+        The image size in pixels, ``timeline_size(...)``.
     """
-    events = _flatten(all_ranks_events)
-    ranks = sorted({e["rank"] for e in events})
-    size = gantt_size(len(ranks), width, row_height)
-    if backend not in ("auto", "matplotlib", "numpy"):
-        raise ValueError(f"backend {backend!r}: choose 'auto', 'matplotlib' or 'numpy'")
-    if backend in ("auto", "matplotlib"):
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError:
-            if backend == "matplotlib":
-                raise
-        else:
-            _gantt_matplotlib(Path(path), events, ranks, size, row_height, Figure, FigureCanvasAgg)
-            return size
-    Path(path).write_bytes(_png_bytes(_gantt_pixels(events, ranks, size, row_height)))
-    return size
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-
-def _boxes(events: list[dict], ranks: list[int], size: tuple[int, int], row_height: int):
-    """(op, x0, x1, y0, y1) pixel boxes; time runs over the inner width."""
-    width, _ = size
-    margin = _margin(row_height)
-    t0 = min((e["start"] for e in events), default=0.0)
-    t1 = max((e["end"] for e in events), default=1.0)
-    scale = (width - 2 * margin) / max(t1 - t0, 1e-12)
-    for e in events:
-        if e["op"] not in COLOURS:
-            continue
-        top, bottom = _BAND[_lane(e)]
-        y = margin + ranks.index(e["rank"]) * row_height
-        x0 = margin + int((e["start"] - t0) * scale)
-        x1 = max(x0 + 1, margin + int((e["end"] - t0) * scale))  # at least one pixel wide
-        yield e["op"], x0, x1, y + int(top * row_height), y + max(int(bottom * row_height), int(top * row_height) + 1)
-
-
-def _gantt_pixels(events: list[dict], ranks: list[int], size: tuple[int, int], row_height: int):
-    import numpy as np
-
-    width, height = size
-    img = np.empty((height, width, 3), dtype=np.uint8)
-    img[:] = _BG
-    margin = _margin(row_height)
-    for i in range(len(ranks) + 1):
-        img[min(margin + i * row_height, height - 1), margin:width - margin] = _GRID
-    for op, x0, x1, y0, y1 in _boxes(events, ranks, size, row_height):
-        img[y0:y1, x0:min(x1, width)] = COLOURS[op]
-    return img
-
-
-def _png_bytes(img) -> bytes:
-    """Encode an (H, W, 3) uint8 array as an RGB PNG (filter 0 on every scanline)."""
-    import numpy as np
-
-    h, w, _ = img.shape
-    raw = np.concatenate([np.zeros((h, 1), dtype=np.uint8), img.reshape(h, w * 3)], axis=1).tobytes()
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, no interlace
-    return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
-
-
-def _gantt_matplotlib(path: Path, events, ranks, size, row_height, Figure, FigureCanvasAgg) -> None:
-    width, height = size
-    fig = Figure(figsize=(width / 100, height / 100), dpi=100)
+    panels = [("Measured (one recorded iteration)", _flatten(measured))]
+    if predicted is not None:
+        panels.append(("Cost model, fed the measured op durations (steady state)", _flatten(predicted)))
+    ranks = sorted(set(ranks or ()) | {e["rank"] for _, events in panels for e in events})
+    rows = _shown_rows([events for _, events in panels])
+    size = timeline_size(len(ranks), len(rows), len(panels), width)
+    block = len(rows) + _GAP_PX / _ROW_PX  # y units of one rank's block; one unit is one row
+    fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((0.06, 0.12, 0.92, 0.84))
-    t0 = min((e["start"] for e in events), default=0.0)
-    for e in events:
-        if e["op"] not in COLOURS:
-            continue
-        top, bottom = _BAND[_lane(e)]
-        y = ranks.index(e["rank"])
-        ax.broken_barh([(e["start"] - t0, max(e["end"] - e["start"], 1e-9))], (y + top, bottom - top),
-                       facecolors=tuple(c / 255 for c in COLOURS[e["op"]]))
-    ax.set_ylim(len(ranks), 0)
-    ax.set_yticks([i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
-    ax.set_xlabel("seconds")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    x_max = max([(e["end"] - min(x["start"] for x in events)) * 1e3 for _, events in panels for e in events],
+                default=1.0)
+    ms_per_px = x_max / (0.86 * width)  # about: the axes take most of the width
+    spans = [measured_step_time(events) for _, events in panels]
+    for ax, (title, events), span in zip(axes, panels, spans):
+        t0 = min((e["start"] for e in events), default=0.0)
+        for e in events:
+            row = _row_of(e)
+            if row is None:
+                continue
+            colour, _ = STYLE[e["op"]]
+            x, w = (e["start"] - t0) * 1e3, max(e["end"] - e["start"], 0.0) * 1e3
+            y = ranks.index(e["rank"]) * block + rows.index(row)
+            # At least a pixel wide: an instant action stays visible. A white edge parts neighbours,
+            # but would wash out a box a few pixels wide.
+            ax.broken_barh([(x, max(w, ms_per_px))], (y + 0.1, 0.8), facecolors=colour, edgecolor="white",
+                           linewidth=0.4 if w > 4 * ms_per_px else 0)
+            if w / ms_per_px > 6.2 * len(e["name"]) + 4:
+                ax.text(x + w / 2, y + 0.5, e["name"], ha="center", va="center", fontsize=7,
+                        color="black" if e["op"] in ("S", "NORM", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+                        else "white", clip_on=True)
+        for i, r in enumerate(ranks):
+            if not any(e["rank"] == r and _row_of(e) for e in events):
+                ax.text(x_max / 2, i * block + len(rows) / 2, f"rank {r}: no actions", ha="center", va="center",
+                        fontsize=9, color="0.45", style="italic")
+            if i:
+                ax.axhline(i * block - _GAP_PX / _ROW_PX / 2, color="0.75", lw=0.8)
+        if events:
+            ax.axvline(span * 1e3, color="black", ls="--", lw=1.2)
+        if panels[0][0] != title and spans[0] > 0:
+            title += f": {span * 1e3:.1f} ms, {(span - spans[0]) / spans[0]:+.1%} vs measured"
+        elif events:
+            title += f": {span * 1e3:.1f} ms"
+        ax.set_title(title, loc="left", fontsize=11)
+        ax.set_ylim(len(ranks) * block - _GAP_PX / _ROW_PX, 0)  # rank 0 on top
+        ax.set_yticks([i * block + len(rows) / 2 for i in range(len(ranks))], [f"rank {r}" for r in ranks],
+                      fontsize=10, fontweight="bold")
+        ax.tick_params(axis="y", length=0)
+        lanes = ax.twinx()  # the row names on the right, the rank names on the left
+        lanes.set_ylim(ax.get_ylim())
+        lanes.set_yticks([i * block + k + 0.5 for i in range(len(ranks)) for k in range(len(rows))],
+                         [dict(ROWS)[row] for _ in ranks for row in rows], fontsize=8, color="0.3")
+        lanes.tick_params(axis="y", length=0)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_xlim(0, x_max * 1.01)
+    axes[-1].set_xlabel("time since the iteration's first action (ms)")
+    for ax in axes[:-1]:
+        ax.tick_params(axis="x", labelbottom=True)  # each panel keeps its time labels
+    drawn = {e["op"] for _, events in panels for e in events if _row_of(e)}
+    labels = {}  # one entry per label: the four send / recv ops share one
+    for op, (colour, label) in STYLE.items():
+        if op in drawn:
+            labels.setdefault(label, colour)
+    handles = [Patch(color=c, label=label) for label, c in labels.items()]
+    if drawn:
+        handles.append(Line2D([], [], color="black", ls="--", lw=1.2,
+                              label="iteration end (optimizer steps may run on)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(4, len(handles)), fontsize=9,
+               title="box text: stage, action, micro-batch (2F0 = stage 2, forward, micro-batch 0)", title_fontsize=8)
+    fig.suptitle(f"One training iteration, {len(ranks)} rank{'s' if len(ranks) != 1 else ''}: what each rank "
+                 f"ran and when", fontsize=13)
     fig.savefig(path, dpi=100)  # no bbox_inches="tight": the image keeps exactly ``size``
+    return size
 
 
 # --- one recorded iteration: measured vs predicted -------------------------------------------------
@@ -345,23 +365,21 @@ def _median(values: list[float]) -> float:
 def write_run_timeline(save_dir: str | Path, events: list[dict], schedule: Mapping[int, list[Action]],
                        mapping: list[int], stage_bytes: list[int], rank_groups: list[int] | None = None
                        ) -> tuple[dict[str, Path], str]:
-    """Write ``timeline.json`` / ``timeline.png`` (measured) and ``timeline_predicted.json`` /
-    ``timeline_predicted.png`` (``calibrated_prediction``) into ``save_dir``.
+    """Write ``timeline.json`` (measured), ``timeline_predicted.json`` (``calibrated_prediction``)
+    and ``timeline.png`` (both, measured above the prediction) into ``save_dir``.
 
-    Returns the paths and one log line with both step times and the prediction error.
+    Returns the paths and one log line with both step times, the prediction error and every
+    file written.
     """
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"timeline": write_chrome_trace(out / "timeline.json", events)}
-    write_gantt_png(out / "timeline.png", events)
-    paths["gantt"] = out / "timeline.png"
     measured = measured_step_time(events)
     pred = calibrated_prediction(events, schedule, mapping, stage_bytes, rank_groups)
-    paths["predicted"] = write_chrome_trace(out / "timeline_predicted.json", pred.events())
-    write_gantt_png(out / "timeline_predicted.png", pred.events())
-    paths["predicted_gantt"] = out / "timeline_predicted.png"
+    paths = {"timeline": write_chrome_trace(out / "timeline.json", events),
+             "predicted": write_chrome_trace(out / "timeline_predicted.json", pred.events()),
+             "gantt": out / "timeline.png"}
+    write_timeline_png(paths["gantt"], events, pred.events(), ranks=schedule)
     err = (pred.host_end - measured) / measured if measured > 0 else 0.0
     line = (f"timeline: measured step {measured:.4f}s, cost model (measured op durations, steady state) "
-            f"{pred.host_end:.4f}s, prediction error {err:+.1%}; wrote {paths['timeline']}, {paths['gantt']}, "
-            f"{paths['predicted']}")
+            f"{pred.host_end:.4f}s, prediction error {err:+.1%}; wrote {', '.join(str(p) for p in paths.values())}")
     return paths, line

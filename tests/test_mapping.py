@@ -2,21 +2,20 @@
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 
 import schedule as sched
 from offload.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
-from pipeline.timeline import (COLOURS, PNG_SIGNATURE, Timeline, gantt_size, read_chrome_trace, write_chrome_trace,
-                               write_gantt_png)
+from pipeline.timeline import (STYLE, Timeline, read_chrome_trace, timeline_size, write_chrome_trace,
+                               write_run_timeline, write_timeline_png)
 from schedule.costmodel import predict, predict_steady
 from schedule.ir import Action, Op
 from schedule.mapping import manual_mapping, plan_mapping
+from test_metrics import distinct_colours, png_size
 
 DATA = Path(__file__).parent / "data"
 GB = 1e9
@@ -334,54 +333,39 @@ def test_chrome_trace(tmp_path):
     assert by_name["0S"]["tid"] == lanes["optimizer"]
 
 
-def _png_chunks(data: bytes) -> dict[bytes, bytes]:
-    """Chunks of a PNG (IDAT concatenated), checking the signature and every CRC."""
-    assert data[:8] == PNG_SIGNATURE
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,), tag = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(tag + body) & 0xFFFFFFFF
-        chunks[tag] = chunks.get(tag, b"") + body
-        pos += 12 + n
-    assert b"IEND" in chunks
-    return chunks
+def test_timeline_png_measured_over_predicted(tmp_path):
+    measured = _fake_events()
+    predicted = [{**e, "start": e["start"] - 100.0, "end": e["end"] - 99.0} for e in measured]  # a slower model
+    path = tmp_path / "timeline.png"
+    # Rank 2 has no actions: it still gets its (empty, labelled) block.
+    size = write_timeline_png(path, measured, predicted, ranks=[0, 1, 2])
+    assert size == timeline_size(3, 4, 2) == png_size(path)  # rows: load / offload, compute, comm, optimizer
+    assert 20_000 < path.stat().st_size < 300_000
+    assert distinct_colours(path) > 50  # boxes, text and axes, not a blank canvas
+    from PIL import Image
+
+    with Image.open(path) as img:
+        present = {c for _, c in img.convert("RGB").getcolors(maxcolors=1 << 20)}
+    for op in ("F", "B", "L", "O", "S", "NORM", "RECV_F"):  # every op's box is drawn in its legend colour
+        hex_colour = STYLE[op][0]
+        assert tuple(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)) in present, op
+    # One panel (no prediction), ranks as a mapping; only the rows in use are drawn.
+    size = write_timeline_png(tmp_path / "one.png",
+                              {0: [e for e in measured if e["rank"] == 0 and e["op"] in ("F", "B")]})
+    assert size == timeline_size(1, 1, 1) == png_size(tmp_path / "one.png")
+    # Nothing recorded at all: an empty block per rank, still a picture.
+    assert write_timeline_png(tmp_path / "empty.png", [], [], ranks=[0]) == png_size(tmp_path / "empty.png")
 
 
-def _png_size(data: bytes) -> tuple[int, int]:
-    return struct.unpack(">II", _png_chunks(data)[b"IHDR"][:8])
-
-
-def _read_png(data: bytes):
-    """Pixels of a PNG from our own encoder: 8-bit RGB, filter 0 on every scanline."""
-    import numpy as np
-
-    chunks = _png_chunks(data)
-    w, h, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, colour) == (8, 2)
-    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(h, 1 + 3 * w)
-    assert not raw[:, 0].any()
-    return (w, h), raw[:, 1:].reshape(h, w, 3)
-
-
-def test_gantt_png_numpy(tmp_path):
-    path = tmp_path / "gantt.png"
-    size = write_gantt_png(path, _fake_events(), width=700, row_height=40, backend="numpy")
-    assert size == gantt_size(2, 700, 40) == (700, 2 * 20 + 2 * 40)
-    (w, h), img = _read_png(path.read_bytes())
-    assert (w, h) == size
-    # Time 0..7 s spans x = 20..680; rank 0's backward (3..5 s) sits mid-row, mid-time.
-    x, y = 20 + int(4.0 / 7 * 660), 20 + int(0.5 * 40)
-    assert tuple(img[y, x]) == COLOURS["B"]
-    assert tuple(img[20 + int(0.2 * 40), 20 + int(0.5 / 7 * 660)]) == COLOURS["L"]
-    assert tuple(img[h - 2, w - 2]) == (255, 255, 255)
-
-
-def test_gantt_png_auto_backend(tmp_path):
-    path = tmp_path / "gantt.png"
-    events = {r: [e for e in _fake_events() if e["rank"] == r] for r in (0, 1)}
-    size = write_gantt_png(path, events, width=640, row_height=30)  # matplotlib if installed, else numpy
-    assert _png_size(path.read_bytes()) == size == gantt_size(2, 640, 30)
+def test_run_timeline_writes_and_names_every_file(tmp_path):
+    program = sched.build("1f1b", 2, 4, [0, 1], offload=True, prefetch=True, clip=True)
+    measured = predict(program, [0, 1], [0, 1], [0, 0], COMPUTE, [GB, GB], 100.0, 20.0, step_s=0.05).events()
+    paths, line = write_run_timeline(tmp_path, measured, program, [0, 1], [GB, GB])
+    assert sorted(p.name for p in paths.values()) == ["timeline.json", "timeline.png", "timeline_predicted.json"]
+    assert line.startswith("timeline: measured step 1.6500s, cost model (measured op durations, steady state) ")
+    assert line.endswith("wrote " + ", ".join(str(p) for p in paths.values()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+    assert png_size(paths["gantt"]) == timeline_size(2, 4, 2)
 
 
 def test_cpu_timeline_and_prediction_share_the_writers(tmp_path):
@@ -399,4 +383,4 @@ def test_cpu_timeline_and_prediction_share_the_writers(tmp_path):
     pred = predict(TWO, [0, 1], [0, 1], [0, 0], COMPUTE, [10 * GB, 10 * GB], 100.0, 20.0)
     trace = json.loads(write_chrome_trace(tmp_path / "t.json", pred.events() + events).read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 3}
-    assert write_gantt_png(tmp_path / "p.png", pred.events(), backend="numpy") == gantt_size(2)
+    assert write_timeline_png(tmp_path / "p.png", events, pred.events()) == png_size(tmp_path / "p.png")

@@ -3,22 +3,20 @@
 L1 (one process holding several stages): the validation loss equals a single-process Hugging
 Face computation on the same batches; a NaN step is reported and skipped (weights and AdamW
 state unchanged), training goes on, and too many in a row stop it. The files a run writes
-(metrics.jsonl, metrics.png) are checked here too. L2: the same validation check over torchrun.
+(metrics.jsonl, metrics.png) are checked here too; ``png_size`` is shared with the timeline tests.
+L2: the same validation check over torchrun.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-import struct
-import zlib
 
 import pytest
 import torch
 
 from pipeline.config import make_config
-from pipeline.metrics import SkipGuard, TrainingError, write_plot_png
-from pipeline.timeline import PNG_SIGNATURE
+from pipeline.metrics import SkipGuard, TrainingError, plot_size, write_plot_png
 from reference import in_process_trainer, trainer_masters
 
 EVAL_BATCHES = 3
@@ -33,21 +31,22 @@ def _cfg(model_dir, tmp_path, **kw):
     return make_config(base)
 
 
-def _read_png(path) -> tuple[int, int]:
-    """(width, height) of an 8-bit RGB PNG, after checking its chunks and pixel data size."""
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(tag + body) & 0xFFFFFFFF
-        chunks[tag] = body
-        pos += 12 + n
-    w, h, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, colour) == (8, 2) and b"IEND" in chunks
-    assert len(zlib.decompress(chunks[b"IDAT"])) == h * (1 + 3 * w)
-    return w, h
+def png_size(path) -> tuple[int, int]:
+    """(width, height) of a PNG, after Pillow (matplotlib's own dependency) decoded all of it."""
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        img.load()  # decodes every pixel: a truncated or corrupt file raises here
+        return img.size
+
+
+def distinct_colours(path) -> int:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return len(img.convert("RGB").getcolors(maxcolors=1 << 20))
 
 
 def hf_eval_loss(model_dir, params, cfg) -> float:
@@ -104,7 +103,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
     assert summary["mean_step_time_s"] == pytest.approx(rows[1]["step_time_s"])  # the first step is left out
     assert len(summary["peak_mem_bytes_per_rank"]) == 1 and summary["peak_mem_bytes_per_rank"][0] > 0
     assert summary["eval_loss"] == ev["loss"]
-    assert _read_png(tmp_path / "metrics.png") == (800, 600)
+    assert png_size(tmp_path / "metrics.png") == plot_size(rows[:2]) == (1200, 960)  # all six panels
 
 
 def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
@@ -205,12 +204,33 @@ def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
 
 
 # --- the plot -----------------------------------------------------------------------------------
+def _train_rows(n: int) -> list[dict]:
+    return [{"kind": "train", "step": i, "loss": 3 / i, "grad_norm": 1 + 1 / i, "lr": 1e-4, "tokens": 512,
+             "tokens_per_s": 500.0 + i, "tflops_per_gpu": 0.01, "step_time_s": 1.0, "peak_mem_bytes": 2**29,
+             "skipped": False} for i in range(1, n + 1)]
+
+
 def test_plot_is_a_valid_png(tmp_path):
-    rows = [{"step": i, "loss": 3 / i if i != 4 else float("nan"), "tokens_per_s": 100.0 + i} for i in range(1, 9)]
-    size = write_plot_png(tmp_path / "p.png", rows, [{"step": 8, "loss": 0.5}], width=320, height=200)
-    assert size == (320, 200) == _read_png(tmp_path / "p.png")
-    write_plot_png(tmp_path / "one.png", rows[:1])  # one step, no eval: still a picture
-    assert _read_png(tmp_path / "one.png") == (800, 600)
+    rows = _train_rows(12)
+    rows[3].update(loss=math.nan, grad_norm=math.inf, skipped=True)  # a gap and a red band, not a crash
+    evals = [{"step": 6, "loss": 0.6}, {"step": 12, "loss": 0.4}]
+    path = tmp_path / "metrics.png"
+    size = write_plot_png(path, rows, evals)
+    # Loss, throughput, step time, gradient norm, memory, learning rate: two panels a row.
+    assert size == plot_size(rows) == (1200, 960) == png_size(path)
+    assert 30_000 < path.stat().st_size < 300_000
+    assert distinct_colours(path) > 50  # lines, text and axes, not a blank canvas
+
+
+def test_plot_edge_cases(tmp_path):
+    # One iteration, no validation.
+    assert write_plot_png(tmp_path / "one.png", _train_rows(1)) == png_size(tmp_path / "one.png") == (1200, 960)
+    # Only the keys the plot needs: the panels of missing keys are left out.
+    rows = [{"step": i, "loss": 3 / i, "tokens_per_s": 100.0 + i} for i in range(1, 9)]
+    assert write_plot_png(tmp_path / "min.png", rows, width=800) == png_size(tmp_path / "min.png") == (800, 360)
+    # A resumed run's rows start past step 1; every loss non-finite.
+    rows = [{**r, "step": r["step"] + 40, "loss": math.nan} for r in _train_rows(3)]
+    assert write_plot_png(tmp_path / "nan.png", rows, [{"step": 43, "loss": 2.0}]) == png_size(tmp_path / "nan.png")
 
 
 # --- several processes --------------------------------------------------------------------------
@@ -228,7 +248,7 @@ def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert ev[0]["loss"] == pytest.approx(hf_eval_loss(tiny_model_dir, params, cfg), rel=1e-5)
     assert len(rows[-1]["peak_mem_bytes_per_rank"]) == 2  # gathered from both ranks
-    assert _read_png(tmp_path / "metrics.png") == (800, 600)
+    assert png_size(tmp_path / "metrics.png") == (1200, 960)
     assert not [line for line in proc.stdout.splitlines() if line.startswith("[rank")]  # only the loss rank speaks
 
 
