@@ -204,3 +204,19 @@ def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="sliding_attention layers but sliding_window is None"):
         resolve_model(_cfg(dst))
+
+
+# --- several processes ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,impl", [("mistral", "eager"), ("qwen2_sliding", "sdpa")])
+def test_torchrun_sliding_window_matches_hf(models_root, tmp_path, arch, impl):
+    """2 processes x 2 stages: the windowed layers sit on both ranks."""
+    from test_equivalence import _flags, run_torchrun
+
+    cfg = _cfg(make_model(arch, models_root), attn_implementation=impl, schedule="interleaved", num_stages=4,
+               save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
+    proc = run_torchrun(2, _flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
+    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
+    assert_same_training(losses, params, *reference_train(cfg, cfg.model))
