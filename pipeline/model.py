@@ -277,6 +277,21 @@ def load_weights_(stage: Stage, model_dir: Path) -> None:
                 wanted[k].copy_(t)
 
 
+def check_tied_checkpoint(model_dir: Path) -> None:
+    """Raise ValueError if ``model_dir``'s config ties the head to the embedding but its
+    checkpoint stores an lm_head.weight that differs: transformers then loads the two apart
+    (it ties only equal copies), which one shared matrix could not reproduce."""
+    files = weight_files(model_dir)
+    if "lm_head.weight" not in files:
+        return
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    tensors = {k: t for name in names for k, t in _read(files[name], [name])}
+    if not torch.equal(*(tensors[k] for k in names)):
+        raise ValueError(f"config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from "
+                         "model.embed_tokens.weight (transformers would train them apart); set "
+                         "tie_word_embeddings to false in config.json to train them as two matrices")
+
+
 def _read(path: Path, keys: list[str]):
     """(name, tensor) for ``keys`` of one weight file, one tensor at a time."""
     if path.suffix == ".safetensors":
@@ -335,6 +350,6 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
 
 
-__all__ = ["PRESETS", "Stage", "attend_mask", "build_stage", "causal_mask", "init_weights_", "layer_windows",
-           "load_weights_", "model_flops_per_token", "partition_layers", "preset_config", "stage_num_params",
-           "stage_param_counts"]
+__all__ = ["PRESETS", "Stage", "attend_mask", "build_stage", "causal_mask", "check_tied_checkpoint", "init_weights_",
+           "layer_windows", "load_weights_", "model_flops_per_token", "partition_layers", "preset_config",
+           "stage_num_params", "stage_param_counts"]

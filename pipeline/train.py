@@ -23,8 +23,8 @@ from pipeline.dist import DistEnv, Log, barrier, broadcast_object, cap_gpu_memor
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard
-from pipeline.model import (PRESETS, build_stage, layer_windows, model_flops_per_token, partition_layers,
-                            preset_config)
+from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
+                            partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
 from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.timeline import Timeline, write_run_timeline
@@ -100,6 +100,8 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
     try:
         layer_windows(hf_config)
+        if getattr(hf_config, "tie_word_embeddings", False) and weights_dir is not None:
+            check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
     max_pos = getattr(hf_config, "max_position_embeddings", None)

@@ -148,7 +148,7 @@ def test_training_matches_hf(models_root, arch, impl, kw):
 
 
 # --- tied embeddings --------------------------------------------------------------------------
-def _with_head_saved(src: Path, dst: Path) -> Path:
+def _with_head_saved(src: Path, dst: Path, noise: float = 0.0) -> Path:
     """A copy of the tied model whose checkpoint also stores lm_head.weight (as some exporters do)."""
     from safetensors.torch import load_file, save_file
 
@@ -157,7 +157,8 @@ def _with_head_saved(src: Path, dst: Path) -> Path:
         if f.suffix != ".safetensors":
             (dst / f.name).write_bytes(f.read_bytes())
     tensors = load_file(str(src / "model.safetensors"))
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed + noise * torch.randn_like(embed)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -179,6 +180,16 @@ def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
     hf = _hf(out, "sdpa")
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(hf.model.embed_tokens.weight, trainer_masters(trainer)["model.embed_tokens.weight"])
+
+
+def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path):
+    """transformers loads a tied model whose checkpoint holds a different lm_head.weight untied."""
+    from pipeline.train import resolve_model
+
+    path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "other_head", noise=0.01)
+    with pytest.raises(ConfigError, match="lm_head.weight differs from model.embed_tokens.weight") as e:
+        resolve_model(_cfg(path, num_stages=1))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("arch", ["llama3_tied", "qwen2_tied"])
