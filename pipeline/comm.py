@@ -1,9 +1,11 @@
 """Point-to-point channels between pipeline ranks.
 
-Each directed pair of ranks gets one process group per kind of message ('F' activations,
-'B' gradients). A channel then carries messages one way only, in the order both sides
-issue them, which is exactly what the schedule validator checks (FIFO per channel). With
-NCCL this also keeps a send on one channel from queueing behind a receive on another.
+Each ordered pair of ranks that exchanges tensors gets one process group, which carries
+activations and gradients from the first rank to the second (``schedule.ir.channel``). A
+channel then carries messages one way only, in the order both sides issue them, which is
+exactly what the schedule validator checks (FIFO per channel). With NCCL a send never queues
+behind a receive of the same rank (they are on different groups); activations and gradients
+share a group because the device would not keep them apart anyway.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-Channel = tuple[str, int, int]  # (kind, src rank, dst rank)
+from schedule.ir import Channel
 
 
 def channels_for(mapping: list[int]) -> list[Channel]:
@@ -21,8 +23,8 @@ def channels_for(mapping: list[int]) -> list[Channel]:
     for s in range(len(mapping) - 1):
         a, b = mapping[s], mapping[s + 1]
         if a != b:
-            keys.add(("F", a, b))
-            keys.add(("B", b, a))
+            keys.add((a, b))  # activations of stage s, and gradients of stage s + 1 the other way
+            keys.add((b, a))
     return sorted(keys)
 
 
@@ -34,15 +36,13 @@ class P2P:
         self.groups = {}
         # new_group's own default is 30 min whatever the default group's: pass the run's timeout on
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        for key in channels_for(mapping):
-            _, src, dst = key
-            members = [src, dst] if src < dst else [dst, src]
-            group = dist.new_group(members, timeout=timeout)  # collective: every rank calls
+        for src, dst in channels_for(mapping):
+            group = dist.new_group(sorted((src, dst)), timeout=timeout)  # collective: every rank calls
             if self.rank in (src, dst):
-                self.groups[key] = group
+                self.groups[(src, dst)] = group
 
-    def send(self, kind: str, tensor: torch.Tensor, dst: int):
-        return dist.isend(tensor, dst=dst, group=self.groups[(kind, self.rank, dst)])
+    def send(self, tensor: torch.Tensor, dst: int):
+        return dist.isend(tensor, dst=dst, group=self.groups[(self.rank, dst)])
 
-    def recv(self, kind: str, tensor: torch.Tensor, src: int):
-        return dist.irecv(tensor, src=src, group=self.groups[(kind, src, self.rank)])
+    def recv(self, tensor: torch.Tensor, src: int):
+        return dist.irecv(tensor, src=src, group=self.groups[(src, self.rank)])

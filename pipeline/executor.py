@@ -211,19 +211,19 @@ class Executor:
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
         t = self.outputs[(a.stage, a.mb)].detach()
-        self.sends.append((self.p2p.send("F", t, self.mapping[a.stage + 1]), t))
+        self.sends.append((self.p2p.send(t, self.mapping[a.stage + 1]), t))
 
     def _send_b(self, a: Action) -> None:
         t = self.grads_out.pop((a.stage, a.mb))
-        self.sends.append((self.p2p.send("B", t, self.mapping[a.stage - 1]), t))
+        self.sends.append((self.p2p.send(t, self.mapping[a.stage - 1]), t))
 
     def _recv_f(self, a: Action) -> None:
         buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
-        self.recvs[(Op.RECV_F, a.stage, a.mb)] = (buf, self.p2p.recv("F", buf, self.mapping[a.stage - 1]))
+        self.recvs[(Op.RECV_F, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[a.stage - 1]))
 
     def _recv_b(self, a: Action) -> None:
         buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
-        self.recvs[(Op.RECV_B, a.stage, a.mb)] = (buf, self.p2p.recv("B", buf, self.mapping[a.stage + 1]))
+        self.recvs[(Op.RECV_B, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[a.stage + 1]))
 
     # --- parameters and optimizer -------------------------------------------------------
     def _load(self, a: Action) -> None:

@@ -120,16 +120,27 @@ def peer_recv(send: Action) -> Action:
     raise ValueError(f"peer_recv needs a SEND_F or SEND_B action, got {send}")
 
 
-def channel(a: Action, mapping: list[int]) -> tuple[int, int, str]:
-    """``(src_rank, dst_rank, kind)`` of a SEND or RECV; kind 'F' carries activations, 'B' gradients."""
+Channel = tuple[int, int]  # (src rank, dst rank)
+
+
+def channel(a: Action, mapping: list[int]) -> Channel:
+    """``(src_rank, dst_rank)`` of a SEND or RECV.
+
+    Activations and gradients from one rank to another share one FIFO channel. On GPUs the
+    NCCL kernels of one device need not progress independently of each other (CUDA promises no
+    concurrency between streams), so messages between a pair of ranks behave as one queue even
+    on separate communicators: a receive posted ahead of the message that is really next on the
+    link waits behind it. A 1F1B program that received its first gradient before the activations
+    already sent hung 2-GPU runs whose 16 MiB messages exceed NCCL's buffers; the executor sends
+    both kinds on one communicator per rank pair, and the lowering posts receives in send order."""
     if a.op is Op.SEND_F:
-        return mapping[a.stage], mapping[a.stage + 1], "F"
+        return mapping[a.stage], mapping[a.stage + 1]
     if a.op is Op.SEND_B:
-        return mapping[a.stage], mapping[a.stage - 1], "B"
+        return mapping[a.stage], mapping[a.stage - 1]
     if a.op is Op.RECV_F:
-        return mapping[a.stage - 1], mapping[a.stage], "F"
+        return mapping[a.stage - 1], mapping[a.stage]
     if a.op is Op.RECV_B:
-        return mapping[a.stage + 1], mapping[a.stage], "B"
+        return mapping[a.stage + 1], mapping[a.stage]
     raise ValueError(f"channel needs a SEND or RECV action, got {a}")
 
 

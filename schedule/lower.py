@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from schedule.generate import generate, generate_forward
-from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, channel, peer_recv, remote_producer, stages_of
+from schedule.ir import COMPUTE_OPS, Action, Channel, Op, Schedule, channel, peer_recv, remote_producer, stages_of
 from schedule.validate import validate
 
 
@@ -41,7 +41,7 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
 
     A SEND goes right after the compute that produces the tensor. A RECV goes right before
     the compute that consumes it, then moves earlier where needed so that on every channel
-    ``(src, dst, kind)`` receives are posted in the order of the sends (the channels are FIFO).
+    ``(src, dst)`` receives are posted in the order of the sends (the channels are FIFO).
     Neighbouring stages on one rank pass the tensor locally, with no communication.
     """
     base: Schedule = {}
@@ -52,7 +52,7 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
             if a.op in COMPUTE_OPS and _remote_consumer(a, mapping):
                 base[r].append(send_of(a))
     # Per channel, the RECV each SEND expects, in the order the sends are issued.
-    send_seq: dict[tuple[int, int, str], list[Action]] = {}
+    send_seq: dict[Channel, list[Action]] = {}
     for r in sorted(base):
         for a in base[r]:
             if a.op in (Op.SEND_F, Op.SEND_B):

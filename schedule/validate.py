@@ -4,8 +4,8 @@ executor that finds channel-order mismatches and deadlocks.
 Executor contract modelled here (each rank runs its list strictly in order):
 
 * SEND/RECV are non-blocking when issued. Messages travel on FIFO channels keyed
-  ``(src_rank, dst_rank, kind)``, kind 'F' (activations) or 'B' (gradients): the k-th SEND
-  on a channel matches the k-th RECV on it, and both must name the same tensor.
+  ``(src_rank, dst_rank)``, activations and gradients alike (see ``schedule.ir.channel``):
+  the k-th SEND on a channel matches the k-th RECV on it, and both must name the same tensor.
 * A RECV completes once its SEND has been issued and every earlier message on the channel
   completed; a SEND completes once its RECV has been posted (rendezvous).
 * F(s, m) / B(s, m) block until the RECV they consume has completed.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, NoReturn
 
-from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Op, Schedule, channel,
+from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Channel, Op, Schedule, channel,
                          offloaded_stages, peer_recv, producer, remote_producer)
 
 # What a forward-only (evaluation) program must not contain.
@@ -319,23 +319,23 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
     clock = {r: 0.0 for r in ranks}
     timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}
     done: dict[Action, float] = {}
-    sends: dict[tuple[int, int, str], list[_Msg]] = {}
-    recvs: dict[tuple[int, int, str], list[_Msg]] = {}
-    recv_slot: dict[tuple[int, Action], tuple[tuple[int, int, str], int]] = {}
-    recv_done: dict[tuple[int, int, str], list[float]] = {}
+    sends: dict[Channel, list[_Msg]] = {}
+    recvs: dict[Channel, list[_Msg]] = {}
+    recv_slot: dict[tuple[int, Action], tuple[Channel, int]] = {}
+    recv_done: dict[Channel, list[float]] = {}
     norm_at: dict[int, float] = {}
     finished: set[int] = set()
 
-    def check_pair(ch: tuple[int, int, str], k: int) -> None:
+    def check_pair(ch: Channel, k: int) -> None:
         if k < len(sends.get(ch, [])) and k < len(recvs.get(ch, [])):
             s, v = sends[ch][k], recvs[ch][k]
             if peer_recv(s.action) != v.action:
-                _fail(schedule, f"channel rank {ch[0]} -> rank {ch[1]} ({ch[2]}), message #{k}: rank {s.rank} sends "
+                _fail(schedule, f"channel rank {ch[0]} -> rank {ch[1]}, message #{k}: rank {s.rank} sends "
                                 f"{s.action} (step {s.step}) but rank {v.rank} posts {v.action} (step {v.step}) as "
                                 f"its receive #{k}; receives must be posted in the order of the sends "
                                 f"(expected {peer_recv(s.action)})", [(s.rank, s.step), (v.rank, v.step)])
 
-    def completion(ch: tuple[int, int, str], k: int) -> float | None:
+    def completion(ch: Channel, k: int) -> float | None:
         times = recv_done.setdefault(ch, [])
         while len(times) <= k:
             j = len(times)
@@ -344,7 +344,7 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
             times.append(max(sends[ch][j].time, recvs[ch][j].time, times[-1] if times else 0.0))
         return times[k]
 
-    def pending_sends(r: int) -> list[tuple[tuple[int, int, str], _Msg]]:
+    def pending_sends(r: int) -> list[tuple[Channel, _Msg]]:
         return [(ch, m) for ch, ms in sends.items() for k, m in enumerate(ms)
                 if m.rank == r and k >= len(recvs.get(ch, []))]
 
@@ -433,14 +433,14 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                     why = ("its SEND has not been issued" if k >= len(sends.get(ch, []))
                            else "an earlier message on the channel has not completed")
                     lines.append(f"rank {r} step {pc[r]}: {a} waits for {_recv_for(a)} (message #{k} on channel "
-                                 f"rank {ch[0]} -> rank {ch[1]} ({ch[2]})): {why}")
+                                 f"rank {ch[0]} -> rank {ch[1]}): {why}")
             marks.append((r, pc[r]))
         _fail(schedule, "deadlock: no rank can progress\n  " + "\n  ".join(lines), marks)
     for ch, vs in recvs.items():
         if len(vs) > len(sends.get(ch, [])):
             v = vs[len(sends.get(ch, []))]
             _fail(schedule, f"rank {v.rank} step {v.step}: {v.action} is never matched by a SEND on channel rank "
-                            f"{ch[0]} -> rank {ch[1]} ({ch[2]})", [(v.rank, v.step)])
+                            f"{ch[0]} -> rank {ch[1]}", [(v.rank, v.step)])
 
     makespan = max(clock.values(), default=0.0)
     busy = sum(e - s for acts in timeline.values() for s, e, a in acts if a.op in COMPUTE_OPS)

@@ -15,6 +15,7 @@ from schedule import (
     format_schedule,
     generate,
     list_schedule,
+    peer_recv,
     resident_stages,
     round_robin,
     simulate,
@@ -366,6 +367,41 @@ def test_reject_swapped_channel_order():
     acts.insert(0, Action.parse("1RECV_F1"))
     message = _check_rejected(sched, [0, 1], 2, 4, "receives must be posted in the order of the sends")
     assert "0SEND_F0" in message and "1RECV_F1" in message and message.count(">>") == 2
+
+
+def _1f1b_receives_by_kind(num_stages: int, num_microbatches: int) -> tuple[dict, list[int]]:
+    """The 1F1B program as lowered when activations and gradients were separate FIFOs: each
+    receive right before its consumer. This is the program that hung 2-GPU runs."""
+    mapping = round_robin(num_stages, 2)
+    sched = build("1f1b", num_stages, num_microbatches, mapping, offload=False, prefetch=False, clip=False)
+    for acts in sched.values():
+        recvs = [a for a in acts if a.op in (Op.RECV_F, Op.RECV_B)]
+        for r in recvs:
+            acts.remove(r)
+        for r in recvs:
+            consumer = Action(r.stage, Op.FORWARD if r.op is Op.RECV_F else Op.BACKWARD, r.mb)
+            acts.insert(acts.index(consumer), r)
+    return sched, mapping
+
+
+def test_reject_gradient_received_ahead_of_sent_activations():
+    """Rank 1 has sent stage 1's activation of micro-batch 3 when it sends its first gradient;
+    rank 0 posts the gradient's receive first. On one FIFO per rank pair the gradient waits
+    behind the activation, which waits for a receive rank 0 posts after the gradient's backward."""
+    sched, mapping = _1f1b_receives_by_kind(4, 4)
+    message = _check_rejected(sched, mapping, 4, 4, "channel rank 1 -> rank 0, message #3")
+    assert "rank 1 sends 1SEND_F3" in message and "rank 0 posts 2RECV_B0" in message
+    assert ">>1SEND_F3<<" in message and ">>2RECV_B0<<" in message
+
+
+def test_lowering_posts_activations_and_gradients_in_one_send_order():
+    mapping = round_robin(8, 2)
+    sched = build("1f1b", 8, 16, mapping, offload=False, prefetch=False, clip=False)
+    from_rank_1 = [a for a in sched[0] if a.op in (Op.RECV_F, Op.RECV_B)]
+    sent_by_1 = [peer_recv(a) for a in sched[1] if a.op in (Op.SEND_F, Op.SEND_B)]
+    assert from_rank_1 == sent_by_1
+    # the activations of stage 5 (sent in rank 1's warm-up) are received before the first gradient
+    assert from_rank_1.index(Action.parse("6RECV_F15")) < from_rank_1.index(Action.parse("6RECV_B0"))
 
 
 def test_reject_mutual_recv_deadlock():
