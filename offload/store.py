@@ -418,8 +418,11 @@ class StageStore:
             self.master_grad[lo:lo + GRAD_CHUNK].copy_(chunk, non_blocking=True)
 
     def _squared_norm(self) -> torch.Tensor:
+        """On the optimizer thread (offload, the rank's share of the cores) or the main thread
+        (resident, torchrun's one): ``vector_norm`` sums the same way for any thread count, where
+        ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently."""
         g = self._grads_ready()
-        return torch.dot(g, g)
+        return torch.linalg.vector_norm(g).square()
 
     def _note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
         if self.streams.cuda:

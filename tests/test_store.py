@@ -119,10 +119,34 @@ def test_failed_step_reaches_the_compute_instead_of_hanging(monkeypatch):
     workers.loader.shutdown()
 
 
+def test_squared_norm_does_not_depend_on_the_thread_count():
+    """The offloaded stage's norm is taken on the optimizer thread (the rank's share of the
+    cores), the resident one's on the main thread (torchrun's ``OMP_NUM_THREADS=1``): the sum
+    must not be split by thread, else clipping differs in the last bit between the two (with
+    ``torch.dot``, MKL's, it did: the bf16 comparison below failed under ``OMP_NUM_THREADS=1``)."""
+    torch.manual_seed(0)
+    st = StageStore(nn.Linear(300, 400), device=CPU, compute_dtype=torch.float32, offload=False,
+                    optim=OptimSettings(fused=True), streams=Streams(CPU), pool=BufferPool(CPU))
+    st.master_grad.copy_(torch.randn(st.numel) * torch.rand(st.numel) * 10)  # 120k: above torch's grain
+    norms = {}
+
+    def take(n: int) -> None:
+        torch.set_num_threads(n)  # this thread's pool only, as pin_current_thread does
+        norms[n] = st._squared_norm()
+
+    for n in (1, 2, 3, 4):
+        t = threading.Thread(target=take, args=(n,))
+        t.start()
+        t.join(timeout=60)
+    assert len(norms) == 4 and all(torch.equal(norms[1], v) for v in norms.values()), norms
+    assert torch.allclose(norms[1], torch.dot(st.master_grad, st.master_grad), rtol=1e-5)
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, prefetch):
     """In bf16 the offloaded stages' loads convert the masters (first load after a step) or copy
-    the refreshed ``work`` (later loads); resident stages convert on the device. Same numbers."""
+    the refreshed ``work`` (later loads); resident stages convert on the device. Same numbers,
+    whatever the main thread's and the optimizer thread's thread counts (the norm test above)."""
     monkeypatch.setattr(store_mod, "CHUNK", 4096)
     runs = []
     for offload in (False, True):
