@@ -5,8 +5,8 @@
 # fill it; wheels.sh's extra arguments add DeepSpeed's and RoundPipe's small needs, see
 # bench/README.md). BUDGET_S (default 530) bounds everything after the install; the parts run in
 # order, each within its share and never past what is left:
-#   OURS_ROWS (default "pcie48-hybrid/s16,pcie48-prefetch"; a delayed-update row is added when
-#   main.py accepts --delayed_update) within OURS_BUDGET_S (default 160),
+#   OURS_ROWS (default "pcie48-hybrid/s16,pcie48-prefetch,pcie48-delayed") within OURS_BUDGET_S
+#   (default 160),
 #   then PEERS (default "fsdp2,deepspeed,roundpipe") within what is left, each within its
 #   PEER_BUDGETS share (bench/peers.py --peer_budgets, e.g. "fsdp2=150,deepspeed=170,roundpipe=330").
 # The CPU optimizers of DeepSpeed and RoundPipe JIT-compile (g++/ninja) in the background during
@@ -56,10 +56,7 @@ wait $j1 $j2
 tail -n 2 "$out/jit_deepspeed.log" "$out/jit_roundpipe.log"
 echo "prelude done at $(( $(date +%s) - t0 ))s"
 
-rows=${OURS_ROWS-pcie48-hybrid/s16,pcie48-prefetch}
-if [ -z "${OURS_ROWS+x}" ] && python3 main.py --help 2>/dev/null | grep -q -- '--delayed_update'; then
-  echo "main.py accepts --delayed_update, but offload_bench has no row for it yet: not run"
-fi
+rows=${OURS_ROWS-pcie48-hybrid/s16,pcie48-prefetch,pcie48-delayed}
 ours=${OURS_BUDGET_S:-160}; [ "$ours" -gt "$(left)" ] && ours=$(left)
 if [ -n "$rows" ] && [ "$ours" -ge 60 ]; then
   python3 bench/offload_bench.py --gpus 2 --rows "$rows" --iterations 5 --warmup 2 --budget_s "$ours" \

@@ -203,8 +203,12 @@ class StageStore:
     """Parameters, gradients and AdamW state of one stage; see the module docstring."""
 
     def __init__(self, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype, offload: bool,
-                 optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None):
+                 optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None,
+                 delayed: bool = False):
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
+        # delayed update (offload only): ``work`` keeps the weights from before the last step, so
+        # the next iteration computes with them while that step runs (see ``step``)
+        self.delayed = delayed and offload
         self.streams, self.pool = streams, pool
         self.workers = workers if offload else None
         named = list(module.named_parameters())
@@ -236,7 +240,8 @@ class StageStore:
 
         same_dtype = compute_dtype == torch.float32
         if offload:
-            self.work = self.master if same_dtype else torch.empty(self.numel, dtype=compute_dtype, pin_memory=pin)
+            own_copy = not same_dtype or self.delayed  # delayed: the masters move on while ``work`` stays
+            self.work = torch.empty(self.numel, dtype=compute_dtype, pin_memory=pin) if own_copy else self.master
             self.dev = self.grad = None
             self.work.copy_(self.master)
         else:  # resident: device copies live for the whole run
@@ -251,6 +256,7 @@ class StageStore:
         # of a step not yet loaded from: it changed the masters since ``work`` was refreshed
         self._progress: StepProgress | None = None
         self._refresh_future: Future | None = None  # optimizer thread: ``work`` from the masters
+        self._work_reads: list = []  # delayed: load-stream ends of this iteration's copies out of ``work``
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
 
@@ -361,6 +367,8 @@ class StageStore:
             span = self._load_future.result()  # host wait: only when the copy is not issued yet
             t1 = time.perf_counter()
             self._load_future = None
+            if self.delayed:
+                self._work_reads.append(span.end)
             stepped = min(t1, span.step_done) - t0 if span.step_done is not None else 0.0
             if clock is not None:
                 clock.add("optimizer_wait", max(0.0, stepped))
@@ -392,6 +400,10 @@ class StageStore:
         with ``norm`` the optimizer thread takes their squared norm once they have landed."""
         if not self.offload:
             return
+        if self.delayed and self._step_future is not None:
+            # host wait: the last iteration's step may still read ``master_grad``, which this copy
+            # overwrites (without the delay every load of this iteration already waited for it)
+            self._step_future.result()
         done = self.streams.event("compute")
         with self.streams.on("offload"):
             self.streams.wait("offload", done)  # the backward that wrote the grads is done
@@ -461,7 +473,13 @@ class StageStore:
         ``grad_scale``, the inverse) instead of a separate pass over them. Returns a future of
         the step's wall-clock ``(start, end)``."""
         fused = self.optimizer.defaults.get("fused")
-        progress = StepProgress() if self.offload and fused else None
+        # Delayed, no load follows the step: the next iteration's loads copy ``work``, refreshed
+        # here to the masters as they are before this step (the last step's result), once this
+        # iteration's loads have read the weights before that.
+        progress = StepProgress() if self.offload and fused and not self.delayed else None
+        if self.delayed:
+            reads, self._work_reads = self._work_reads, []
+            self._refresh_future = self._run_on_optimizer(self._refresh_work, reads)
 
         def run() -> tuple[float, float]:
             start = time.perf_counter()
@@ -479,7 +497,7 @@ class StageStore:
                         group["lr"] = lr
                     self.optimizer.step()
                 if self.offload:
-                    if progress is None and self.work is not self.master:
+                    if progress is None and self.work is not self.master and not self.delayed:
                         self.work.copy_(self.master)  # not chunked: the next load copies ``work``
                 else:
                     if self.dev is not self.master:
@@ -518,8 +536,12 @@ class StageStore:
                     progress.advance(done + hi)
                 done += p.numel()
 
-    def _refresh_work(self) -> None:
-        """``work`` from the masters (fp32 -> compute dtype), for the loads after the first."""
+    def _refresh_work(self, reads: tuple = ()) -> None:
+        """``work`` from the masters (fp32 -> compute dtype), for the loads after the first;
+        first the copies out of ``work`` that ``reads`` end (load-stream events) must be done."""
+        for end in reads:
+            if hasattr(end, "synchronize"):
+                end.synchronize()  # host sync (optimizer thread): a load still reads the old ``work``
         self.work.copy_(self.master)
 
     def _run_on_optimizer(self, fn, *args) -> Future:

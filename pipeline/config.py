@@ -90,6 +90,10 @@ class TrainConfig:
     adam_beta2: float = _f(0.95, "AdamW beta2.")
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
     grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).")
+    delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
+                              "CPU AdamW step overlaps the next iteration instead of delaying it (ZeRO-Offload's "
+                              "delayed parameter update): the gradients are one update stale. Needs use_offload; "
+                              "every stage is offloaded (resident_stages 0); no eval_every, checkpoints or resume.")
     seed: int = _f(0, "Seed for data order and random initialisation.")
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
                     choices=DTYPES)

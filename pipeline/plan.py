@@ -77,7 +77,9 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
     if not cfg.use_offload:
         return dataclasses.replace(cfg, resident_stages=0), ""
     device = device_type(cfg)
-    if cfg.resident_stages >= 0:
+    if cfg.delayed_update:
+        k, why = 0, "delayed_update"
+    elif cfg.resident_stages >= 0:
         k, why = cfg.resident_stages, "as set"
     elif device != "cuda":
         k, why = 0, "auto: no GPU"

@@ -164,6 +164,16 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
     per_rank = cfg.num_stages // world_size
+    if cfg.delayed_update:
+        # Each of these would see or save the weights between the two that the delay keeps apart.
+        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
+                                       (f"resident_stages {cfg.resident_stages}", cfg.resident_stages > 0),
+                                       (f"eval_every {cfg.eval_every}", cfg.eval_every > 0),
+                                       (f"checkpoint_every {cfg.checkpoint_every}", cfg.checkpoint_every > 0),
+                                       (f"resume {cfg.resume!r}", bool(cfg.resume))) if on]
+        if clash:
+            raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
+                              f"checkpoints or resume; got {', '.join(clash)}")
     if not -1 <= cfg.resident_stages <= per_rank:
         raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
                           f"(the stages per process)")
@@ -367,7 +377,7 @@ class Trainer:
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
             self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype,
                                         offload=s in self.offloaded, optim=optim_settings(cfg, fused=True),
-                                        streams=streams, pool=pool, workers=workers)
+                                        streams=streams, pool=pool, workers=workers, delayed=cfg.delayed_update)
             self.stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
         self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "
