@@ -4,13 +4,16 @@ Also the bundled sample data (``data/sample/``) and the tiny-model generator. No
 knows about pipelines or ``torch.distributed``.
 """
 from data.batching import Batch, BatchStream, collate
-from data.dataset import DataError, check_first_records, detect_format, load_records
+from data.dataset import FORMATS, DataError, check_first_records, detect_format, load_records
 from data.tiny_model import ensure_tiny_model, is_complete_tiny_model
 from data.tokenization import (
+    ALPACA_TEMPLATE,
+    ALPACA_TEMPLATE_NO_INPUT,
     IGNORE_INDEX,
     PROMPT_TEMPLATE,
     Example,
     encode_prompt,
+    format_alpaca_prompt,
     format_prompt,
     tokenize_records,
 )
@@ -20,6 +23,9 @@ SAMPLE_TRAIN = SAMPLE_DIR / TRAIN_FILE
 SAMPLE_VALIDATION = SAMPLE_DIR / VALIDATION_FILE
 
 __all__ = [
+    "ALPACA_TEMPLATE",
+    "ALPACA_TEMPLATE_NO_INPUT",
+    "FORMATS",
     "Batch",
     "BatchStream",
     "DataError",
@@ -33,6 +39,7 @@ __all__ = [
     "detect_format",
     "encode_prompt",
     "ensure_tiny_model",
+    "format_alpaca_prompt",
     "format_prompt",
     "is_complete_tiny_model",
     "load_records",

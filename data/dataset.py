@@ -1,7 +1,7 @@
 """Loading raw records: a ``save_to_disk`` directory, local data files, or a cached dataset.
 
 Whatever the source, the result is a ``datasets.Dataset`` whose columns match one of the
-two formats the tokenizer understands (see ``detect_format``). Every failure is a
+formats the tokenizer understands (see ``detect_format`` and docs/data.md). Every failure is a
 ``DataError`` naming the source, what was found and what is expected.
 """
 from __future__ import annotations
@@ -10,12 +10,15 @@ import glob
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import datasets
 
 XSUM = "xsum"
+CHAT = "chat"
+ALPACA = "alpaca"
 TEXT = "text"
+FORMATS = (XSUM, CHAT, ALPACA, TEXT)
 
 # Extension -> the packaged ``datasets`` builder that reads it.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -33,20 +36,74 @@ class DataError(ValueError):
 
 
 def detect_format(column_names: Iterable[str]) -> str:
-    """Return ``'xsum'`` for ``document`` + ``summary`` columns, ``'text'`` for ``text``.
+    """The record format of these columns (the first record's keys), checked in this order:
+    ``'xsum'`` (``document`` + ``summary``), ``'chat'`` (``messages``), ``'alpaca'``
+    (``instruction`` + ``output``, ``input`` optional), ``'text'`` (``text``).
 
     Raises:
-        DataError: neither set of columns is present.
+        DataError: no format's columns are present; the message lists the formats.
     """
     names = set(column_names)
     if {"document", "summary"} <= names:
         return XSUM
+    if "messages" in names:
+        return CHAT
+    if {"instruction", "output"} <= names:
+        return ALPACA
     if "text" in names:
         return TEXT
     raise DataError(
         f"columns {sorted(names)} match no known format: "
-        "need 'document' and 'summary' (XSum style) or 'text'"
+        "need 'document' and 'summary' (XSum style), 'messages' (chat: a list of {role, content}), "
+        "'instruction' and 'output' (Alpaca style, 'input' optional) or 'text'"
     )
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def chat_messages(row: Any) -> list[dict[str, Any]] | None:
+    """The ``messages`` of a chat record ready for a chat template, or None if the record is
+    unusable: not a non-empty list of mappings with a string ``role`` and string ``content``, or
+    without an assistant message with non-empty content. Keys whose value is None are dropped
+    (``datasets`` fills a key missing from some messages with None, and templates test
+    ``is defined``)."""
+    messages = row.get("messages") if hasattr(row, "get") else None
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return None
+    out = []
+    for message in messages:
+        if not hasattr(message, "items"):
+            return None
+        message = {k: v for k, v in message.items() if v is not None}
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            return None
+        out.append(message)
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        return None
+    return out
+
+
+def record_fields(fmt: str, row: Any) -> list[str] | None:
+    """The text fields of an XSum, Alpaca or text record, in the order
+    ``(document, summary)``, ``(instruction, input, output)`` (``input`` is ``''`` when missing or
+    None) or ``(text,)``; None if the record is unusable (a field missing, None, not a string or
+    blank; a present ``input`` that is not a string)."""
+    if not hasattr(row, "get"):
+        return None
+    if fmt == ALPACA:
+        given = row.get("input")
+        values = [row.get("instruction"), "" if given is None else given, row.get("output")]
+        ok = _text(values[0]) and isinstance(values[1], str) and _text(values[2])
+        return values if ok else None
+    values = [row.get(f) for f in (("document", "summary") if fmt == XSUM else (TEXT,))]
+    return values if all(_text(v) for v in values) else None
+
+
+def usable(fmt: str, row: Any) -> bool:
+    """Whether ``row`` holds the fields ``fmt`` trains on (see ``record_fields``, ``chat_messages``)."""
+    return (chat_messages(row) if fmt == CHAT else record_fields(fmt, row)) is not None
 
 
 def load_records(source: str, split: str = "train") -> datasets.Dataset:
@@ -181,21 +238,30 @@ def _bad_json_line(path: str) -> str | None:
     return None
 
 
+_NEEDS = {
+    XSUM: "document and summary as non-empty text",
+    CHAT: "messages as a list of {role, content} with text content and an assistant turn",
+    ALPACA: "instruction and output as non-empty text (and input, if present, as text)",
+    TEXT: "text as non-empty text",
+}
+_SHOWN = {XSUM: ("document", "summary"), CHAT: ("messages",), ALPACA: ("instruction", "output"), TEXT: (TEXT,)}
+
+
 def check_first_records(dataset: datasets.Dataset, source: str, count: int = 8) -> None:
-    """There is a record, and one of the first ``count`` has its format's fields as text (a few
-    bad rows are skipped at tokenization; all bad means a wrong file or column).
+    """There is a record, and one of the first ``count`` has its format's fields (a few bad rows
+    are skipped at tokenization; all bad means a wrong file or column).
 
     Raises:
         DataError: no records, or none of the first ``count`` usable.
     """
     if len(dataset) == 0:
         raise DataError(f"data source {source!r} has no records")
-    fields = ("document", "summary") if detect_format(dataset.column_names) == XSUM else (TEXT,)
+    fmt = detect_format(dataset.column_names)
     rows = list(dataset.select(range(min(count, len(dataset)))))
-    if not any(all(isinstance(row.get(f), str) and row.get(f).strip() for f in fields) for row in rows):
-        first = ", ".join(f"{f}={str(rows[0].get(f))[:40]!r}" for f in fields)
-        raise DataError(f"data source {source!r}: none of the first {len(rows)} records has {' and '.join(fields)} "
-                        f"as non-empty text (record 0: {first})")
+    if not any(usable(fmt, row) for row in rows):
+        first = ", ".join(f"{f}={str(rows[0].get(f))[:40]!r}" for f in _SHOWN[fmt])
+        raise DataError(f"data source {source!r}: none of the first {len(rows)} records has {_NEEDS[fmt]} "
+                        f"(record 0: {first})")
 
 
 def _load_cached(name: str, split: str) -> datasets.Dataset:

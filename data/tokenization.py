@@ -1,9 +1,12 @@
 """Records -> token ids with labels, truncated to ``seq_length``.
 
 XSum records become ``bos + prompt(document) + summary + eos`` and only ``summary + eos``
-is trained; text records become ``bos + text + eos`` and every token after ``bos`` is
-trained. Labels follow the Hugging Face convention: aligned with ``input_ids``, ``-100``
-where nothing is trained (the model shifts them itself).
+is trained; Alpaca records become ``bos + prompt(instruction, input) + output + eos`` and only
+``output + eos`` is trained; chat records are rendered with the tokenizer's chat template and
+only the assistant turns are trained; text records become ``bos + text + eos`` and every token
+after ``bos`` is trained (docs/data.md has the exact rules). Labels follow the Hugging Face
+convention: aligned with ``input_ids``, ``-100`` where nothing is trained (the model shifts them
+itself).
 
 (The module is not called ``tokenize.py`` so that running a script from ``data/`` cannot
 shadow the standard library's ``tokenize``, which ``inspect`` and ``linecache`` import.)
@@ -14,11 +17,32 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from data.dataset import TEXT, XSUM, DataError, detect_format
+from data.dataset import (
+    ALPACA,
+    CHAT,
+    FORMATS,
+    TEXT,
+    XSUM,
+    DataError,
+    _first_line,
+    chat_messages,
+    detect_format,
+    record_fields,
+)
 
 IGNORE_INDEX = -100
 PROMPT_TEMPLATE = "Summarize the following article.\n\n{document}\n\nSummary: "
 _PROMPT_PREFIX, _PROMPT_SUFFIX = PROMPT_TEMPLATE.split("{document}")
+# The Stanford Alpaca prompts (with and without an input), as its training code writes them.
+ALPACA_TEMPLATE = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_TEMPLATE_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
 _CHUNK_SIZE = 1024  # records per batched tokenizer call
 
 
@@ -29,6 +53,9 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
 
     def __call__(self, text: list[str], add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
+
+    # Chat records also need ``chat_template`` (a Jinja string), ``apply_chat_template(messages,
+    # tokenize=False, add_generation_prompt=...)`` and ``return_offsets_mapping=True`` in __call__.
 
 
 @dataclass(frozen=True)
@@ -45,6 +72,13 @@ class Example:
 def format_prompt(document: str) -> str:
     """The prompt text put before a summary."""
     return PROMPT_TEMPLATE.format(document=document)
+
+
+def format_alpaca_prompt(instruction: str, input: str = "") -> str:
+    """The prompt text put before an Alpaca output (the no-input prompt when ``input`` is blank)."""
+    if input.strip():
+        return ALPACA_TEMPLATE.format(instruction=instruction, input=input)
+    return ALPACA_TEMPLATE_NO_INPUT.format(instruction=instruction)
 
 
 def encode_prompt(tokenizer: Tokenizer, document: str) -> list[int]:
@@ -65,23 +99,27 @@ def tokenize_records(
 
     XSum truncation cuts the document first so that ``summary + eos`` fits, but keeps at least
     ``min_document_tokens(seq_length)`` of it (a summary trained on no document teaches
-    nothing about summarising) and then cuts the summary's end (and ``eos``). Text truncation
-    cuts the end.
+    nothing about summarising) and then cuts the summary's end (and ``eos``). Chat, Alpaca and
+    text truncation cuts the end.
 
     Args:
         records: a ``datasets.Dataset`` or any iterable of dict-like rows.
-        tokenizer: a Hugging Face tokenizer with ``eos_token_id`` set (``bos`` is optional).
+        tokenizer: a Hugging Face tokenizer with ``eos_token_id`` set (``bos`` is optional); for
+            chat records a fast tokenizer with a chat template.
         seq_length: the longest example, in tokens.
-        fmt: ``'xsum'`` or ``'text'``; detected from the columns (or first row) if None.
+        fmt: ``'xsum'``, ``'chat'``, ``'alpaca'`` or ``'text'``; detected from the columns (or
+            first row) if None.
         stats: if given, receives ``truncated`` (examples cut to ``seq_length``) and
             ``summary_cut`` (XSum examples whose summary was cut to keep the document's minimum).
 
     Returns:
-        ``(examples, num_skipped)``: rows with a missing, None, non-string or empty field, or
-        with no trainable token left after truncation, are skipped and counted.
+        ``(examples, num_skipped)``: rows with a missing, None, non-string or empty field (see
+        ``record_fields`` and ``chat_messages``), rows the chat template refuses, and rows with no
+        trainable token left after truncation are skipped and counted.
 
     Raises:
-        DataError: no example survives, or the columns match no format.
+        DataError: no example survives, the columns match no format, a chat record's tokenizer
+            has no chat template, or the template rewrites earlier turns (see ``_ChatEncoder``).
         ValueError: ``seq_length`` < 2 or the tokenizer has no eos token.
     """
     if seq_length < 2:
@@ -96,22 +134,17 @@ def tokenize_records(
             columns = [] if first is None else list(first)
             rows = itertools.chain([] if first is None else [first], rows)
         fmt = detect_format(columns)
-    if fmt not in (XSUM, TEXT):
-        raise ValueError(f"fmt ({fmt!r}) must be {XSUM!r} or {TEXT!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt ({fmt!r}) must be one of {list(FORMATS)}")
 
-    fields = ("document", "summary") if fmt == XSUM else ("text",)
-    encoder = _XsumEncoder if fmt == XSUM else _TextEncoder
-    make = encoder(tokenizer, seq_length)
+    make = _ENCODERS[fmt](tokenizer, seq_length)
     examples: list[Example] = []
     num_skipped = 0
-    chunk: list[list[str]] = []
+    chunk: list[Any] = []
 
     def flush() -> None:
         nonlocal num_skipped
-        # One batched call per field: the fast tokenizer parallelises over the chunk.
-        encoded = [_encode(tokenizer, [row[i] for row in chunk]) for i in range(len(fields))]
-        for ids in zip(*encoded):
-            example = make(*ids)
+        for example in make.encode(chunk):
             if example is None:
                 num_skipped += 1
             else:
@@ -119,21 +152,22 @@ def tokenize_records(
         chunk.clear()
 
     for row in rows:
-        values = [row.get(f) if hasattr(row, "get") else None for f in fields]
-        if all(isinstance(v, str) and v.strip() for v in values):
-            chunk.append(values)
-            if len(chunk) == _CHUNK_SIZE:
-                flush()
-        else:
+        item = make.prepare(row)
+        if item is None:
             num_skipped += 1
+            continue
+        chunk.append(item)
+        if len(chunk) == _CHUNK_SIZE:
+            flush()
     if chunk:
         flush()
     if stats is not None:
         stats.update(truncated=make.truncated, summary_cut=getattr(make, "summary_cut", 0))
     if not examples:
+        failure = getattr(make, "first_failure", None)
         raise DataError(
             f"no usable {fmt} records: all {num_skipped} were corrupt or had no trainable token "
-            f"within seq_length={seq_length}"
+            f"within seq_length={seq_length}" + (f"; {failure}" if failure else "")
         )
     return examples, num_skipped
 
@@ -143,9 +177,27 @@ def min_document_tokens(seq_length: int) -> int:
     return seq_length // 4
 
 
-class _XsumEncoder:
+class _FieldEncoder:
+    """Shared by the formats made of text fields: ``prepare`` picks a row's fields (None: skip
+    it), ``encode`` tokenizes a chunk with one batched call per field (the fast tokenizer
+    parallelises over the chunk) and builds each example with ``self(*ids)``."""
+
+    fmt: str
+
+    def prepare(self, row: Any) -> list[str] | None:
+        return record_fields(self.fmt, row)
+
+    def encode(self, chunk: list[list[str]]) -> list[Example | None]:
+        encoded = [_encode(self.tokenizer, [item[i] for item in chunk]) for i in range(len(chunk[0]))]
+        return [self(*ids) for ids in zip(*encoded)]
+
+
+class _XsumEncoder(_FieldEncoder):
+    fmt = XSUM
+
     def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
         prefix, suffix = _encode(tokenizer, [_PROMPT_PREFIX, _PROMPT_SUFFIX])
+        self.tokenizer = tokenizer
         self.head = _bos(tokenizer) + prefix
         self.suffix = suffix
         self.eos = tokenizer.eos_token_id
@@ -168,8 +220,38 @@ class _XsumEncoder:
         return example
 
 
-class _TextEncoder:
+class _AlpacaEncoder(_FieldEncoder):
+    """``bos + prompt + output + eos``, only ``output + eos`` trained, cut from the end."""
+
+    fmt = ALPACA
+
     def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.bos = _bos(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self.seq_length = seq_length
+        self.truncated = 0
+
+    def prepare(self, row: Any) -> list[str] | None:
+        fields = record_fields(ALPACA, row)
+        # The prompt is tokenized whole and the output on its own, as generation sees them.
+        return None if fields is None else [format_alpaca_prompt(fields[0], fields[1]), fields[2]]
+
+    def __call__(self, prompt: list[int], output: list[int]) -> Example | None:
+        prompt = self.bos + prompt
+        answer = output + [self.eos]
+        input_ids = (prompt + answer)[: self.seq_length]
+        labels = ([IGNORE_INDEX] * len(prompt) + answer)[: self.seq_length]
+        example = _checked(input_ids, labels)
+        self.truncated += example is not None and len(prompt) + len(answer) > self.seq_length
+        return example
+
+
+class _TextEncoder(_FieldEncoder):
+    fmt = TEXT
+
+    def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
+        self.tokenizer = tokenizer
         self.bos = _bos(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.seq_length = seq_length
@@ -183,6 +265,97 @@ class _TextEncoder:
         example = _checked(input_ids, labels)
         self.truncated += example is not None and len(full) > self.seq_length
         return example
+
+
+class _ChatEncoder:
+    """Chat records: the chat template's text, tokenized once; loss on the assistant spans.
+
+    The span of assistant message ``i`` is found by rendering prefixes: it starts where
+    ``render(messages[:i], add_generation_prompt=True)`` ends and ends where
+    ``render(messages[:i + 1])`` ends, so it holds the message's content and whatever the
+    template closes the turn with (end-of-turn token, separator). A token carries loss when its
+    characters overlap a span (the offsets of a fast tokenizer). Each prefix must be a prefix of
+    the next rendering; a template that rewrites earlier turns (e.g. drops their reasoning)
+    breaks that, and is refused with a DataError rather than trained on wrong spans.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "'messages' (chat) records need a tokenizer with a chat template and this one has none; "
+                "use the chat/instruct model's tokenizer (tokenizer: <directory>) or put a Jinja template "
+                "in chat_template.jinja next to its tokenizer.json"
+            )
+        self.tokenizer = tokenizer
+        self.seq_length = seq_length
+        self.truncated = 0
+        self.first_failure: str | None = None
+        self.seen = 0
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def prepare(self, row: Any) -> tuple[str, list[tuple[int, int]]] | None:
+        index, self.seen = self.seen, self.seen + 1
+        messages = chat_messages(row)
+        if messages is None:
+            return None
+        try:
+            text = self.render(messages)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self.render(messages[:i], add_generation_prompt=True)
+                through = self.render(messages[: i + 1])
+                if not (through.startswith(before) and text.startswith(through)):
+                    raise DataError(
+                        f"chat record {index}: the chat template renders the conversation up to message {i} "
+                        "differently from the whole conversation (it rewrites earlier turns), so the assistant "
+                        "tokens cannot be found; use a template whose renderings of a conversation's prefixes "
+                        "are prefixes of its rendering"
+                    )
+                spans.append((len(before), len(through)))
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception and Jinja errors alike
+            if self.first_failure is None:
+                self.first_failure = f"the chat template failed on record {index}: {_first_line(e)}"
+            return None
+        return text, spans
+
+    def encode(self, chunk: list[tuple[str, list[tuple[int, int]]]]) -> list[Example | None]:
+        try:
+            encoded = self.tokenizer(
+                [text for text, _ in chunk], add_special_tokens=False, return_offsets_mapping=True
+            )
+        except NotImplementedError:
+            raise DataError("'messages' (chat) records need a fast tokenizer (with offsets); "
+                            "load the model's tokenizer.json (use_fast)") from None
+        out = []
+        for (_, spans), ids, offsets in zip(chunk, encoded["input_ids"], encoded["offset_mapping"]):
+            labels = [
+                token if any(_overlaps(start, end, a, b) for a, b in spans) else IGNORE_INDEX
+                for token, (start, end) in zip(ids, offsets)
+            ]
+            # Cut from the end; a record with no assistant token left is skipped (_checked).
+            example = _checked(list(ids[: self.seq_length]), labels[: self.seq_length])
+            self.truncated += example is not None and len(ids) > self.seq_length
+            out.append(example)
+        return out
+
+
+def _overlaps(start: int, end: int, a: int, b: int) -> bool:
+    """Whether the characters [start, end) of a token meet the span [a, b) (an empty token
+    range counts where it sits)."""
+    if start == end:
+        return a <= start < b
+    return start < b and end > a
+
+
+_ENCODERS = {XSUM: _XsumEncoder, CHAT: _ChatEncoder, ALPACA: _AlpacaEncoder, TEXT: _TextEncoder}
 
 
 def _checked(input_ids: list[int], labels: list[int]) -> Example | None:
