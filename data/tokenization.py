@@ -274,9 +274,11 @@ class _ChatEncoder:
     ``render(messages[:i], add_generation_prompt=True)`` ends and ends where
     ``render(messages[:i + 1])`` ends, so it holds the message's content and whatever the
     template closes the turn with (end-of-turn token, separator). A token carries loss when its
-    characters overlap a span (the offsets of a fast tokenizer). Each prefix must be a prefix of
-    the next rendering; a template that rewrites earlier turns (e.g. drops their reasoning)
-    breaks that, and is refused with a DataError rather than trained on wrong spans.
+    characters overlap a span (the offsets of a fast tokenizer). Each prefix should be a prefix of
+    the whole rendering; for a template that renders the last turn differently (Qwen3 adds an
+    empty think block), the turn is found in the whole by its content (``_rewritten_span``); a
+    template whose turns are found neither way is refused with a DataError rather than trained
+    on wrong spans.
     """
 
     def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
@@ -310,14 +312,19 @@ class _ChatEncoder:
                     continue
                 before = self.render(messages[:i], add_generation_prompt=True)
                 through = self.render(messages[: i + 1])
-                if not (through.startswith(before) and text.startswith(through)):
+                if through.startswith(before) and text.startswith(through):
+                    spans.append((len(before), len(through)))
+                    continue
+                span = _rewritten_span(text, before, through, message["content"])
+                if span is None:
                     raise DataError(
                         f"chat record {index}: the chat template renders the conversation up to message {i} "
-                        "differently from the whole conversation (it rewrites earlier turns), so the assistant "
-                        "tokens cannot be found; use a template whose renderings of a conversation's prefixes "
-                        "are prefixes of its rendering"
+                        "differently from the whole conversation (it rewrites earlier turns), and the turn's "
+                        "content and end are not found in the whole either, so the assistant tokens cannot be "
+                        "found; use a template whose renderings of a conversation's prefixes are prefixes of its "
+                        "rendering"
                     )
-                spans.append((len(before), len(through)))
+                spans.append(span)
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - a template's raise_exception and Jinja errors alike
@@ -345,6 +352,27 @@ class _ChatEncoder:
             self.truncated += example is not None and len(ids) > self.seq_length
             out.append(example)
         return out
+
+
+def _rewritten_span(text: str, before: str, through: str, content: str) -> tuple[int, int] | None:
+    """The span of an assistant turn that the template renders one way as the last turn
+    (``through``) and another way inside the whole conversation (``text``), as Qwen3's template
+    adds an empty ``<think></think>`` block to the last turn only; None if it cannot be found.
+
+    The whole must start with the generation prompt (``before``); after it, the turn's content
+    must follow, preceded by at most a tail of what the last-turn rendering puts before it, and
+    followed by what the last-turn rendering closes the turn with."""
+    body = content.strip()
+    if not body or not text.startswith(before) or not through.startswith(before):
+        return None
+    delta = through[len(before):]
+    j = delta.rfind(body)
+    k = text.find(body, len(before))
+    if j < 0 or k < 0 or not delta[:j].endswith(text[len(before):k]):
+        return None
+    close = delta[j + len(body):]
+    end = k + len(body)
+    return (len(before), end + len(close)) if text.startswith(close, end) else None
 
 
 def _overlaps(start: int, end: int, a: int, b: int) -> bool:

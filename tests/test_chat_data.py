@@ -151,9 +151,25 @@ def test_tokenizer_without_chat_template_is_one_line_error(tok):
     assert "\n" not in str(info.value)
 
 
+def test_template_that_renders_the_last_turn_differently(tok):
+    """Qwen3's template puts an empty think block before the last assistant turn only: an earlier
+    turn is found in the whole rendering by its content and end, and trained as rendered there."""
+    think = TEMPLATE.replace(
+        "{{ '<|' + m['role'] + '|>\\n' + m['content'] }}",
+        "{{ '<|' + m['role'] + '|>\\n' }}{% if m['role'] == 'assistant' and loop.last %}{{ '<think></think>' }}"
+        "{% endif %}{{ m['content'] }}",
+    )
+    assert think != TEMPLATE
+    [example], _ = tokenize_records([{"messages": CHAT}], _with_template(tok, think), 256)
+    assert layout(tok, example) == (
+        "<s><|system|>\nBe brief.\n<|user|>\nWho won?\n<|assistant|>\n[Swansea won.</s>\n]"
+        "<|user|>\nBy how much?\n<|assistant|>\n[<think></think>Three goals to one.</s>\n]"
+    )
+
+
 def test_template_that_rewrites_earlier_turns_is_refused(tok):
-    """A template that renders the last assistant turn differently from earlier ones (as
-    reasoning templates drop earlier thinking) would put loss on wrong tokens: refused."""
+    """A template that closes the last assistant turn differently from earlier ones would put
+    loss on wrong tokens: refused."""
     last_only = TEMPLATE.replace("{{ eos_token }}", "{% if loop.last %}{{ eos_token }}{% endif %}")
     with pytest.raises(DataError, match=r"chat record 0: .* message 2 differently .* rewrites earlier turns"):
         tokenize_records([{"messages": CHAT}], _with_template(tok, last_only), 256)
