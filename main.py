@@ -39,6 +39,22 @@ def _interrupted() -> int:
     return 130
 
 
+def start_line(cfg, path: str | None, env) -> str:
+    """What this run is: the settings that differ from the defaults, one per line, and where the
+    processes meet (torchrun --standalone picks the port itself)."""
+    from pipeline.config import TrainConfig
+
+    defaults = TrainConfig().to_dict()
+    changed = [f"  {k}: {v!r}" if isinstance(v, str) else f"  {k}: {v}"
+               for k, v in cfg.to_dict().items() if v != defaults[k]]
+    where = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ['MASTER_PORT']}" \
+        if "MASTER_PORT" in os.environ else "no rendezvous (one process)"
+    head = (f"run: {env.world_size} process{'es' if env.world_size > 1 else ''}, rendezvous {where}; "
+            f"config {path or '(no file)'} + flags, {len(changed)} setting{'s' if len(changed) != 1 else ''} "
+            f"differ from the defaults{':' if changed else ''}")
+    return "\n".join([head] + changed)
+
+
 def main(argv: list[str] | None = None) -> int:
     from data import DataError
     from pipeline.config import ConfigError, parse_args
@@ -64,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "check":
         return 0
     if env.rank == 0:
-        print(f"config ({path or 'defaults'} + flags): " + " ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),
-              flush=True)
+        print(start_line(cfg, path, env), flush=True)
     init_distributed(env, pick_device(cfg.device, env), timeout_s=cfg.comm_timeout_s)
     try:
         train(cfg, env)

@@ -33,6 +33,10 @@ if [ "$NPROC" = "0" ]; then
   NPROC=$("$PY" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
 
+# --plan needs no processes: one Python plans for the NPROC that torchrun would start.
+for arg in "$@"; do
+  case "$arg" in --plan|--dry_run) exec "$PY" main.py --config "$CONFIG" --nproc "$NPROC" "$@" ;; esac
+done
 # Bad settings fail here, with one line, before any process group exists.
 WORLD_SIZE=$NPROC "$PY" main.py --config "$CONFIG" --check_only "$@"
 if ! "$PY" -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$MASTER_PORT" 2>/dev/null; then

@@ -299,7 +299,9 @@ def choose_mapping(
         return fixed(f"mapping manual: rank r on the r-th GPU of CUDA_VISIBLE_DEVICES={gpus}, stage s on "
                      f"rank s % {num_ranks}; planner not run")
     why_not = None
-    if rank_groups is None:
+    if mode == "auto" and not has_gpus:
+        why_not = "no GPUs"  # nothing to place: no advice about GPU topologies
+    elif rank_groups is None:
         why_not = "GPU topology unknown (nvidia-smi and sysfs gave nothing; set topology: <file>)"
     elif len(rank_groups) != num_ranks:
         why_not = f"topology describes {len(rank_groups)} GPUs for {num_ranks} ranks"

@@ -1,0 +1,36 @@
+"""What a run prints before it starts: the settings that differ from the defaults and where
+the processes meet; no GPU advice on a CPU machine; --plan without torchrun."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT, env_without_dist
+from main import start_line
+from pipeline.config import make_config
+from pipeline.dist import DistEnv
+from schedule.mapping import choose_mapping
+
+
+def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29611")
+    cfg = make_config({"batch_size": 16, "schedule": "1f1b"})
+    lines = start_line(cfg, "fine_tune.yaml", DistEnv(0, 2, 0, 2)).splitlines()
+    assert lines[0].startswith("run: 2 processes, rendezvous 127.0.0.1:29611; config fine_tune.yaml + flags, "
+                               "2 settings differ from the defaults:")
+    assert lines[1:] == ["  batch_size: 16", "  schedule: '1f1b'"]
+
+
+def test_no_topology_advice_without_gpus():
+    choice = choose_mapping("auto", num_stages=4, num_ranks=2, rank_groups=None, stage_bytes=None,
+                            has_gpus=False, offload=True)
+    assert choice.reason == "mapping auto -> round_robin: no GPUs"
+
+
+def test_plan_through_train_sh_runs_no_torchrun(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--plan", "--save_dir", str(tmp_path)], cwd=ROOT,
+                          env={**env_without_dist(), "NPROC": "2"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("host:") == 1 and "torch.distributed" not in proc.stderr
+    assert "rank 1 actions" in proc.stdout and "rank 2 actions" not in proc.stdout
