@@ -13,12 +13,13 @@ from typing import Any
 
 import yaml
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from schedule.generate import SCHEDULE_NAMES
+from schedule.mapping import MAPPING_MODES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("sdpa", "eager")
-MAPPINGS = ("auto", "cross", "round_robin", "sequential", "manual")  # = schedule.mapping.MAPPING_MODES
 
 
 class ConfigError(ValueError):
@@ -53,7 +54,7 @@ class TrainConfig:
     num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
     # --- pipeline --------------------------------------------------------------------
     num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages).")
-    schedule: str = _f("gpipe", "Pipeline schedule.", choices=SCHEDULES)
+    schedule: str = _f("gpipe", "Pipeline schedule.", choices=SCHEDULE_NAMES)
     use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
     use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
     resident_stages: int = _f(-1, "With use_offload: stages per GPU that stay on it, AdamW state included (their "
@@ -70,7 +71,7 @@ class TrainConfig:
     mapping: str = _f("auto", "Stage -> rank placement: auto (planner when there are GPUs, offload and a known "
                       "topology, else round_robin), cross (planner; error without a topology), round_robin = "
                       "sequential (stage s on rank s % N), manual (round_robin over CUDA_VISIBLE_DEVICES as given).",
-                      choices=MAPPINGS)
+                      choices=MAPPING_MODES)
     topology: str = _f("", "YAML/JSON file of GPU root groups overriding discovery ({gpus: [{index, root, numa, "
                        "bandwidth_gbps}]}); ranks use its GPUs in CUDA_VISIBLE_DEVICES order.")
     plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.")

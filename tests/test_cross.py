@@ -57,9 +57,10 @@ def _choose(mode, groups, **kw):
 
 
 def test_modes():
-    from pipeline.config import MAPPINGS
+    from pipeline.config import TrainConfig
 
-    assert MAPPING_MODES == MAPPINGS == ("auto", "cross", "round_robin", "sequential", "manual")
+    field = TrainConfig.__dataclass_fields__["mapping"]
+    assert MAPPING_MODES == field.metadata["choices"] == ("auto", "cross", "round_robin", "sequential", "manual")
     rr = sched.round_robin(8, 4)
     for mode in ("round_robin", "sequential"):
         c = _choose(mode, [0, 0, 1, 1])
