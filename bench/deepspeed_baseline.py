@@ -148,7 +148,7 @@ def main() -> None:
         engine.set_train_micro_batch_size(micro_batch)
         engine.set_train_batch_size(args.batch_size)
         torch.cuda.reset_peak_memory_stats(device)
-        warm, times, losses, status = [], [], [], "ok"
+        steps, status = sweep.Steps(args.warmup, args.iterations, best, args.prune_factor, args.budget_s, t_start), "ok"
         for step in range(args.warmup + args.iterations):
             gen.manual_seed(1000 * step + rank)
             try:
@@ -176,31 +176,24 @@ def main() -> None:
                 status, oom = "OOM", False
                 break
             dt = agree_max(dt, device)
-            if step < args.warmup:
-                warm.append(dt)
-                if step == args.warmup - 1 and sweep.should_prune(dt, best, args.prune_factor):
-                    status = "pruned"
-                    break
-                if step == args.warmup - 1 and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
-                                                              args.iterations * dt):
-                    status = "not run (budget)"
-                    break
-            else:
-                times.append(dt)
-                losses.append(loss_value)
+            stop = steps.add(step, dt, loss_value, time.perf_counter())
+            if stop:
+                status = stop
+                break
         rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
         stats = gather_floats([torch.cuda.max_memory_allocated(device) / GIB,
                                torch.cuda.max_memory_reserved(device) / GIB, rss_gib], device)
         points.append(sweep.point(
-            "deepspeed", cfg, True, status=status, warmup_s=warm, step_times_s=times if status == "ok" else [],
+            "deepspeed", cfg, True, status=status, warmup_s=steps.warm,
+            step_times_s=steps.times if status == "ok" else [],
             num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
             peak_allocated_gib=max(s[0] for s in stats), peak_reserved_gib=max(s[1] for s in stats),
             peak_allocated_gib_per_rank=[s[0] for s in stats], host_rss_peak_gib_per_rank=[s[2] for s in stats],
-            losses=losses))
+            losses=steps.losses))
         if rank == 0:
             p = points[-1]
             print(f"deepspeed micro_batch={micro_batch} accum={accum} status={status} "
-                  f"warmup_s={[round(w, 2) for w in warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
+                  f"warmup_s={[round(w, 2) for w in steps.warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
                   f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
                   flush=True)
             sweep.write_json(args.json, sweep.result(header, points))

@@ -22,7 +22,6 @@ rates and peaks are the best point's.
 Without CUDA it runs on gloo in float32 (``--model tiny``) so it can be checked on a CPU machine.
 """
 import argparse
-import json
 import os
 import resource
 import sys
@@ -265,7 +264,8 @@ def main() -> None:
             continue
         if use_cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        warm, times, losses, status = [], [], [], "ok"
+        steps = sweep.Steps(args.warmup, args.iterations, best, args.prune_factor, args.budget_s, t_start)
+        status = "ok"
         for step in range(args.warmup + args.iterations):
             gen.manual_seed(1000 * step + rank)  # different data per rank and step
             try:
@@ -289,33 +289,26 @@ def main() -> None:
                 status, oom = "OOM", False
                 break
             dt = agree_max(dt, device)  # a step lasts until its slowest rank finishes
-            if step < args.warmup:
-                warm.append(dt)
-                if step == args.warmup - 1 and sweep.should_prune(dt, best, args.prune_factor):
-                    status = "pruned"
-                    break
-                if step == args.warmup - 1 and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
-                                                              args.iterations * dt):
-                    status = "not run (budget)"
-                    break
-            else:
-                times.append(dt)
-                losses.append(loss)
+            stop = steps.add(step, dt, loss, time.perf_counter())
+            if stop:
+                status = stop
+                break
         mem = [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB] \
             if use_cuda else [0.0, 0.0]
         rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
         stats = gather_floats(mem + [rss_gib], device)
         host_rss = [s[2] for s in stats]
         points.append(sweep.point(
-            "fsdp2", cfg, True, status=status, warmup_s=warm, step_times_s=times if status == "ok" else [],
+            "fsdp2", cfg, True, status=status, warmup_s=steps.warm,
+            step_times_s=steps.times if status == "ok" else [],
             num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
             peak_allocated_gib=max(s[0] for s in stats), peak_reserved_gib=max(s[1] for s in stats),
             peak_allocated_gib_per_rank=[s[0] for s in stats], peak_reserved_gib_per_rank=[s[1] for s in stats],
-            losses=losses))
+            losses=steps.losses))
         if rank == 0:
             p = points[-1]
             print(f"fsdp2 model={args.model} world={world} micro_batch={micro_batch} sync={mode} status={status} "
-                  f"warmup_s={[round(w, 2) for w in warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
+                  f"warmup_s={[round(w, 2) for w in steps.warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
                   f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
                   flush=True)
         save()

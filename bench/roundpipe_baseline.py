@@ -211,7 +211,8 @@ def main() -> None:
         warmup = args.warmup + (1 if index == 0 else 0)
         for i in range(num_gpus):
             torch.cuda.reset_peak_memory_stats(i)
-        warm, times, losses, status = [], [], [], "ok"
+        steps = sweep.Steps(warmup, args.iterations, best, args.prune_factor, args.budget_s, t_start)
+        status = "ok"
         try:
             for step in range(warmup + args.iterations):
                 ids = torch.randint(config.vocab_size, (args.batch_size, args.seq_length), generator=gen)
@@ -224,18 +225,10 @@ def main() -> None:
                     total += float(loss)  # a host tensor already (RoundPipe synchronised on it)
                 model.step(step_fn, is_async=(mode == "async"))
                 dt = time.perf_counter() - t0
-                if step < warmup:
-                    warm.append(dt)
-                    if step == warmup - 1 and sweep.should_prune(dt, best, args.prune_factor):
-                        status = "pruned"
-                        break
-                    if step == warmup - 1 and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
-                                                             args.iterations * dt):
-                        status = "not run (budget)"
-                        break
-                else:
-                    times.append(dt)
-                    losses.append(total)
+                stop = steps.add(step, dt, total, time.perf_counter())
+                if stop:
+                    status = stop
+                    break
         except Exception as e:  # noqa: BLE001 - one point failing must not lose the others
             oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
             status = "OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:200]}"
@@ -243,13 +236,14 @@ def main() -> None:
         peaks = [torch.cuda.max_memory_allocated(i) / GIB for i in range(num_gpus)]
         reserved = [torch.cuda.max_memory_reserved(i) / GIB for i in range(num_gpus)]
         points.append(sweep.point(
-            system, cfg, mode == "sync", status=status, warmup_s=warm, step_times_s=times if status == "ok" else [],
+            system, cfg, mode == "sync", status=status, warmup_s=steps.warm,
+            step_times_s=steps.times if status == "ok" else [],
             num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=num_gpus,
             peak_allocated_gib=max(peaks), peak_reserved_gib=max(reserved), peak_allocated_gib_per_gpu=peaks,
-            host_rss_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, losses=losses))
+            host_rss_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, losses=steps.losses))
         p = points[-1]
         print(f"{system} num_microbatch={num_micro} accum={accum} status={status} "
-              f"warmup_s={[round(w, 2) for w in warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
+              f"warmup_s={[round(w, 2) for w in steps.warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
               f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
               flush=True)
         sweep.write_json(args.json, sweep.result(header, points))

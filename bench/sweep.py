@@ -42,6 +42,35 @@ def should_prune(warmup_s: float, best_step_s: float | None, factor: float) -> b
     return factor > 0 and best_step_s is not None and warmup_s > factor * best_step_s
 
 
+class Steps:
+    """One point's step times: ``warmup`` warm-up steps, then the measured ones (and their losses).
+    After the last warm-up step the point stops early when it is clearly slower than the best so
+    far (``should_prune``) or its measured steps would not fit the budget at the warm-up's pace."""
+
+    def __init__(self, warmup: int, iterations: int, best_s: float | None, prune_factor: float,
+                 budget_s: float | None, started_at: float) -> None:
+        self.warmup, self.iterations, self.best_s, self.prune_factor = warmup, iterations, best_s, prune_factor
+        self.budget_s, self.started_at = budget_s, started_at
+        self.warm: list[float] = []
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def add(self, step: int, dt: float, loss: float, now: float) -> str | None:
+        """Record step ``step`` (0-based) of ``dt`` seconds at time ``now`` (the clock of
+        ``started_at``); returns the status to stop with (``pruned``, ``not run (budget)``), else None."""
+        if step >= self.warmup:
+            self.times.append(dt)
+            self.losses.append(loss)
+            return None
+        self.warm.append(dt)
+        if step == self.warmup - 1:
+            if should_prune(dt, self.best_s, self.prune_factor):
+                return "pruned"
+            if not fits(now - self.started_at, self.budget_s, self.iterations * dt):
+                return "not run (budget)"
+        return None
+
+
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 

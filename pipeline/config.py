@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             typ = {"int": int, "float": float, "str": str}[f.type]
             p.add_argument(f"--{name}", dest=name, type=typ, choices=f.metadata.get("choices"), help=help_)
-    p.add_argument("--model_path", dest="model", type=str, help=argparse.SUPPRESS)  # the reference system's name
+    p.add_argument("--model_path", dest="model", type=str, help=argparse.SUPPRESS)  # an older name of --model, still accepted
     return p
 
 

@@ -281,3 +281,14 @@ def test_peers_partial_run_and_budgets(tmp_path):
     assert "torch.distributed.run" not in cmd and env["CUDA_VISIBLE_DEVICES"] == "0,1"
     cmd, env = peers.peer_command("deepspeed", peers_args, tmp_path / "ds.json", 300)
     assert "--nproc_per_node=2" in cmd and env["NCCL_P2P_DISABLE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
+
+
+def test_steps_measure_after_warmup_and_stop_early():
+    steps = sweep.Steps(warmup=2, iterations=3, best_s=None, prune_factor=1.5, budget_s=None, started_at=0.0)
+    assert steps.add(0, 9.0, 1.0, now=1.0) is None and steps.add(1, 2.0, 1.0, now=2.0) is None
+    assert steps.add(2, 1.9, 0.5, now=3.0) is None
+    assert (steps.warm, steps.times, steps.losses) == ([9.0, 2.0], [1.9], [0.5])
+    slower = sweep.Steps(warmup=1, iterations=3, best_s=1.0, prune_factor=1.5, budget_s=None, started_at=0.0)
+    assert slower.add(0, 1.6, 1.0, now=1.0) == "pruned" and slower.times == []
+    late = sweep.Steps(warmup=1, iterations=3, best_s=None, prune_factor=1.5, budget_s=10.0, started_at=0.0)
+    assert late.add(0, 3.0, 1.0, now=2.0) == "not run (budget)"  # 2 s + 3 x 3 s > 10 s
