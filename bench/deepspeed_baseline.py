@@ -183,19 +183,12 @@ def main() -> None:
         rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
         stats = gather_floats([torch.cuda.max_memory_allocated(device) / GIB,
                                torch.cuda.max_memory_reserved(device) / GIB, rss_gib], device)
-        points.append(sweep.point(
-            "deepspeed", cfg, True, status=status, warmup_s=steps.warm,
-            step_times_s=steps.times if status == "ok" else [],
-            num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
+        points.append(sweep.measured_point(
+            "deepspeed", cfg, True, status, steps, num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
             peak_allocated_gib=max(s[0] for s in stats), peak_reserved_gib=max(s[1] for s in stats),
-            peak_allocated_gib_per_rank=[s[0] for s in stats], host_rss_peak_gib_per_rank=[s[2] for s in stats],
-            losses=steps.losses))
+            peak_allocated_gib_per_rank=[s[0] for s in stats], host_rss_peak_gib_per_rank=[s[2] for s in stats]))
         if rank == 0:
-            p = points[-1]
-            print(f"deepspeed micro_batch={micro_batch} accum={accum} status={status} "
-                  f"warmup_s={[round(w, 2) for w in steps.warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
-                  f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
-                  flush=True)
+            print(sweep.point_line(f"deepspeed micro_batch={micro_batch} accum={accum}", points[-1]), flush=True)
             sweep.write_json(args.json, sweep.result(header, points))
     dist.barrier()
     dist.destroy_process_group()

@@ -298,19 +298,13 @@ def main() -> None:
         rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
         stats = gather_floats(mem + [rss_gib], device)
         host_rss = [s[2] for s in stats]
-        points.append(sweep.point(
-            "fsdp2", cfg, True, status=status, warmup_s=steps.warm,
-            step_times_s=steps.times if status == "ok" else [],
-            num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
+        points.append(sweep.measured_point(
+            "fsdp2", cfg, True, status, steps, num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=world,
             peak_allocated_gib=max(s[0] for s in stats), peak_reserved_gib=max(s[1] for s in stats),
-            peak_allocated_gib_per_rank=[s[0] for s in stats], peak_reserved_gib_per_rank=[s[1] for s in stats],
-            losses=steps.losses))
+            peak_allocated_gib_per_rank=[s[0] for s in stats], peak_reserved_gib_per_rank=[s[1] for s in stats]))
         if rank == 0:
-            p = points[-1]
-            print(f"fsdp2 model={args.model} world={world} micro_batch={micro_batch} sync={mode} status={status} "
-                  f"warmup_s={[round(w, 2) for w in steps.warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
-                  f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
-                  flush=True)
+            print(sweep.point_line(f"fsdp2 model={args.model} world={world} micro_batch={micro_batch} sync={mode}",
+                                   points[-1]), flush=True)
         save()
     dist.destroy_process_group()
 

@@ -235,17 +235,12 @@ def main() -> None:
             print(f"roundpipe {system} N={num_micro} A={accum}: {status}", file=sys.stderr, flush=True)
         peaks = [torch.cuda.max_memory_allocated(i) / GIB for i in range(num_gpus)]
         reserved = [torch.cuda.max_memory_reserved(i) / GIB for i in range(num_gpus)]
-        points.append(sweep.point(
-            system, cfg, mode == "sync", status=status, warmup_s=steps.warm,
-            step_times_s=steps.times if status == "ok" else [],
-            num_params=n_params, tokens_per_step=tokens_per_step, num_gpus=num_gpus,
-            peak_allocated_gib=max(peaks), peak_reserved_gib=max(reserved), peak_allocated_gib_per_gpu=peaks,
-            host_rss_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, losses=steps.losses))
-        p = points[-1]
-        print(f"{system} num_microbatch={num_micro} accum={accum} status={status} "
-              f"warmup_s={[round(w, 2) for w in steps.warm]} step_s={sweep.fmt_or_dash(p['step_time_s'])} "
-              f"tflops/gpu={sweep.fmt_or_dash(p['tflops_per_gpu'])} peak_alloc_gib={p['peak_allocated_gib']:.2f}",
-              flush=True)
+        points.append(sweep.measured_point(
+            system, cfg, mode == "sync", status, steps, num_params=n_params, tokens_per_step=tokens_per_step,
+            num_gpus=num_gpus, peak_allocated_gib=max(peaks), peak_reserved_gib=max(reserved),
+            peak_allocated_gib_per_gpu=peaks,
+            host_rss_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB))
+        print(sweep.point_line(f"{system} num_microbatch={num_micro} accum={accum}", points[-1]), flush=True)
         sweep.write_json(args.json, sweep.result(header, points))
         if status.startswith("failed"):
             break  # RoundPipe's threads may be left mid-iteration: later points would measure nothing sound

@@ -93,6 +93,20 @@ def point(system: str, config: dict, exact: bool, *, status: str = "ok", warmup_
     return p
 
 
+def measured_point(system: str, config: dict, exact: bool, status: str, steps: Steps, **kw) -> dict:
+    """``point`` of a point that ran: its steps (the measured ones count only when it ended ok)."""
+    return point(system, config, exact, status=status, warmup_s=steps.warm,
+                 step_times_s=steps.times if status == "ok" else [], losses=steps.losses, **kw)
+
+
+def point_line(label: str, p: dict) -> str:
+    """The log line of a finished point."""
+    peak = p["peak_allocated_gib"]
+    return (f"{label} status={p['status']} warmup_s={[round(w, 2) for w in p['warmup_s']]} "
+            f"step_s={fmt_or_dash(p['step_time_s'])} tflops/gpu={fmt_or_dash(p['tflops_per_gpu'])} "
+            f"peak_alloc_gib={fmt_or_dash(peak, 2)}")
+
+
 def best_by_system(points: list[dict]) -> dict[str, dict]:
     """Each system's fastest measured point (``ok`` with a step time); systems with none are absent."""
     best: dict[str, dict] = {}
