@@ -184,6 +184,13 @@ class _FieldEncoder:
 
     fmt: str
 
+    def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.bos = _bos(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self.seq_length = seq_length
+        self.truncated = 0
+
     def prepare(self, row: Any) -> list[str] | None:
         return record_fields(self.fmt, row)
 
@@ -196,14 +203,11 @@ class _XsumEncoder(_FieldEncoder):
     fmt = XSUM
 
     def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
-        prefix, suffix = _encode(tokenizer, [_PROMPT_PREFIX, _PROMPT_SUFFIX])
-        self.tokenizer = tokenizer
-        self.head = _bos(tokenizer) + prefix
-        self.suffix = suffix
-        self.eos = tokenizer.eos_token_id
-        self.seq_length = seq_length
+        super().__init__(tokenizer, seq_length)
+        prefix, self.suffix = _encode(tokenizer, [_PROMPT_PREFIX, _PROMPT_SUFFIX])
+        self.head = self.bos + prefix
         self.min_document = min_document_tokens(seq_length)
-        self.truncated = self.summary_cut = 0
+        self.summary_cut = 0
 
     def __call__(self, document: list[int], summary: list[int]) -> Example | None:
         answer = summary + [self.eos]
@@ -225,13 +229,6 @@ class _AlpacaEncoder(_FieldEncoder):
 
     fmt = ALPACA
 
-    def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
-        self.tokenizer = tokenizer
-        self.bos = _bos(tokenizer)
-        self.eos = tokenizer.eos_token_id
-        self.seq_length = seq_length
-        self.truncated = 0
-
     def prepare(self, row: Any) -> list[str] | None:
         fields = record_fields(ALPACA, row)
         # The prompt is tokenized whole and the output on its own, as generation sees them.
@@ -249,13 +246,6 @@ class _AlpacaEncoder(_FieldEncoder):
 
 class _TextEncoder(_FieldEncoder):
     fmt = TEXT
-
-    def __init__(self, tokenizer: Tokenizer, seq_length: int) -> None:
-        self.tokenizer = tokenizer
-        self.bos = _bos(tokenizer)
-        self.eos = tokenizer.eos_token_id
-        self.seq_length = seq_length
-        self.truncated = 0
 
     def __call__(self, text: list[int]) -> Example | None:
         full = self.bos + text + [self.eos]
