@@ -204,7 +204,13 @@ class StageStore:
 
     def __init__(self, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype, offload: bool,
                  optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None,
-                 delayed: bool = False):
+                 delayed: bool = False, tied: str | None = None, tied_copy: bool = False):
+        """``tied`` names this stage's copy of a matrix tied across stages (the embedding of the
+        first stage, the head of the last, ``tie_word_embeddings``): it goes first in the flat
+        buffers and is an optimizer leaf of its own, so both copies take the same AdamW kernel over
+        the same shape, bit for bit (a shared leaf would put it at another offset, where the
+        kernel's vector/tail split differs). ``tied_copy``: this is the second copy (the head),
+        left out of the squared norm (the tied gradient counts once) and of the saved weights."""
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
         # delayed update (offload only): ``work`` keeps the weights from before the last step, so
         # the next iteration computes with them while that step runs (see ``step``)
@@ -212,6 +218,10 @@ class StageStore:
         self.streams, self.pool = streams, pool
         self.workers = workers if offload else None
         named = list(module.named_parameters())
+        if tied is not None:
+            named.sort(key=lambda np_: np_[0] != tied)  # stable: the tied matrix first, the rest in order
+            if named[0][0] != tied or named[0][1].ndim < 2:
+                raise ValueError(f"tied parameter {tied!r} is not a matrix of this stage")
         decay = [(n, p) for n, p in named if p.ndim >= 2]
         no_decay = [(n, p) for n, p in named if p.ndim < 2]
         self.params = [p for _, p in decay + no_decay]
@@ -219,6 +229,9 @@ class StageStore:
         self.shapes = [p.shape for p in self.params]
         self.numel = sum(p.numel() for p in self.params)
         n_decay = sum(p.numel() for _, p in decay)
+        self.tied = tied
+        self.tied_numel = self.shapes[0].numel() if tied is not None else 0  # elements [0, tied_numel)
+        self.tied_copy = tied is not None and tied_copy
 
         master_device = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"
@@ -229,11 +242,15 @@ class StageStore:
         # pinned with offload: the gradients' D2H copy lands here directly
         self.master_grad = torch.zeros(self.numel, dtype=torch.float32, device=master_device, pin_memory=pin)
         groups = []
-        for lo, hi, wd in ((0, n_decay, optim.weight_decay), (n_decay, self.numel, 0.0)):
-            if hi > lo:
-                leaf = self.master[lo:hi].requires_grad_()
-                leaf.grad = self.master_grad[lo:hi]
-                groups.append({"params": [leaf], "weight_decay": wd})
+        for bounds, wd in (((0, self.tied_numel, n_decay), optim.weight_decay), ((n_decay, self.numel), 0.0)):
+            leaves = []
+            for lo, hi in zip(bounds, bounds[1:]):
+                if hi > lo:
+                    leaf = self.master[lo:hi].requires_grad_()
+                    leaf.grad = self.master_grad[lo:hi]
+                    leaves.append(leaf)
+            if leaves:
+                groups.append({"params": leaves, "weight_decay": wd})
         self.optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim.betas, eps=optim.eps, fused=optim.fused)
         if optim.fused:
             self._init_adam_state()
@@ -434,6 +451,8 @@ class StageStore:
         (resident, torchrun's one): ``vector_norm`` sums the same way for any thread count, where
         ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently."""
         g = self._grads_ready()
+        if self.tied_copy:
+            g = g[self.tied_numel:]  # the first stage's copy of the tied gradient counts it
         return torch.linalg.vector_norm(g).square()
 
     def _note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
@@ -459,6 +478,14 @@ class StageStore:
         elif self.grad is not self.master_grad:
             self.master_grad.copy_(self.grad)
         return self.master_grad
+
+    def tied_grad(self) -> torch.Tensor:
+        """The device gradient of the tied matrix (a view into ``grad``: the TIE action sums the
+        two copies' in place, before OFFLOAD copies them to the host)."""
+        if self.tied is None or self.grad is None:
+            raise RuntimeError(f"stage with {self.names[0]}: no tied gradient on the device (tied={self.tied!r}; "
+                               "TIE must follow the stage's backward and precede its OFFLOAD)")
+        return self.grad[:self.tied_numel]
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm of this stage's gradient, fp32, on the master device (with offload a
@@ -603,7 +630,9 @@ class StageStore:
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 weights under their Hugging Face names (views into the master buffer)."""
         self.wait_step()
-        return {n: v for n, v in zip(self.names, self._views(self.master.detach()))}
+        # The second copy of a tied matrix is not saved: the first stage's is (as Hugging Face saves it)
+        return {n: v for n, v in zip(self.names, self._views(self.master.detach()))
+                if not (self.tied_copy and n == self.tied)}
 
     def optimizer_state_dict(self) -> dict:
         """AdamW state (exp_avg, exp_avg_sq, step per leaf view) and hyper-parameters; references,

@@ -14,7 +14,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from schedule.ir import Channel
+from schedule.ir import Channel, tied_stages
 
 
 def channels_for(mapping: list[int]) -> list[Channel]:
@@ -31,15 +31,29 @@ def channels_for(mapping: list[int]) -> list[Channel]:
 class P2P:
     """Async send/recv on per-channel groups. Returned works are waited on by the executor."""
 
-    def __init__(self, mapping: list[int], timeout_s: float | None = None):
+    def __init__(self, mapping: list[int], timeout_s: float | None = None, tied: bool = False):
+        """``tied``: the first and last stage hold copies of a tied matrix; when they are on two
+        ranks, those two get a group of their own for the TIE all-reduce."""
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.groups = {}
+        self.tie_group = None
         # new_group's own default is 30 min whatever the default group's: pass the run's timeout on
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         for src, dst in channels_for(mapping):
             group = dist.new_group(sorted((src, dst)), timeout=timeout)  # collective: every rank calls
             if self.rank in (src, dst):
                 self.groups[(src, dst)] = group
+        pair = sorted({mapping[s] for s in tied_stages(len(mapping))})
+        if tied and len(pair) == 2:
+            # after the channels, on every rank alike: group creation is collective
+            group = dist.new_group(pair, timeout=timeout)
+            if self.rank in pair:
+                self.tie_group = group
+
+    def all_reduce_tied(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place with the other tied copy's rank (blocking on the host with gloo;
+        with NCCL the compute stream waits). Two operands: the sum is the same bits on both."""
+        dist.all_reduce(tensor, group=self.tie_group)
 
     def send(self, tensor: torch.Tensor, dst: int):
         return dist.isend(tensor, dst=dst, group=self.groups[(self.rank, dst)])

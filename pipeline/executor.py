@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from offload.store import StageStore, time_point
-from schedule.ir import Action, Op
+from schedule.ir import Action, Op, tie_covers
 
 
 class ActionError(RuntimeError):
@@ -24,7 +24,7 @@ class ActionError(RuntimeError):
 _OP_WORDS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_F: "send activation",
              Op.RECV_F: "receive activation", Op.SEND_B: "send gradient", Op.RECV_B: "receive gradient",
              Op.LOAD: "load", Op.DROP: "drop", Op.OFFLOAD: "offload gradients", Op.NORM: "gradient-norm all-reduce",
-             Op.STEP: "optimizer step"}
+             Op.STEP: "optimizer step", Op.TIE: "tied-gradient exchange"}
 
 
 def describe(a: Action, mapping: list[int]) -> str:
@@ -32,6 +32,10 @@ def describe(a: Action, mapping: list[int]) -> str:
     if a.op is Op.NORM:
         return "gradient-norm all-reduce over every rank"
     text = f"{_OP_WORDS[a.op]} of stage {a.stage}" + (f", micro-batch {a.mb}" if a.mb is not None else "")
+    if a.op is Op.TIE:
+        first, last = 0, len(mapping) - 1
+        peer = mapping[last] if a.stage == first else mapping[first]
+        return text + (f", with stage {last} on this rank" if peer == mapping[a.stage] else f", with rank {peer}")
     if a.op in (Op.FORWARD, Op.RECV_F) and a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]:
         text += f", input from rank {mapping[a.stage - 1]}"
     elif a.op in (Op.BACKWARD, Op.RECV_B) and a.stage < len(mapping) - 1 and mapping[a.stage + 1] != mapping[a.stage]:
@@ -111,7 +115,7 @@ class Executor:
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
             Op.LOAD: self._load, Op.DROP: self._drop, Op.OFFLOAD: self._offload,
-            Op.NORM: self._norm, Op.STEP: self._step,
+            Op.NORM: self._norm, Op.STEP: self._step, Op.TIE: self._tie,
         }
 
     # --- one iteration ------------------------------------------------------------------
@@ -236,6 +240,15 @@ class Executor:
 
     def _offload(self, a: Action) -> None:
         self.stores[a.stage].offload_grads(norm=self.has_norm)
+
+    def _tie(self, a: Action) -> None:
+        # The tied matrix's gradient of both uses, in both copies, before their OFFLOAD and the NORM.
+        grads = [self.stores[s].tied_grad() for s in tie_covers(a, self.mapping)]
+        if len(grads) == 2:  # this rank holds both copies
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        else:
+            self.p2p.all_reduce_tied(grads[0])
 
     def _norm(self, a: Action) -> None:
         before = self.clock.mark()

@@ -121,7 +121,13 @@ class Stage(nn.Module):
         super().__init__()
         layer_cls, norm_cls, rope_cls = _arch_classes(config)
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
-        self.tied = bool(getattr(config, "tie_word_embeddings", False)) and self.is_first and self.is_last
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        self.tied = tie and self.is_first and self.is_last
+        # Tied over several stages: the first stage's embedding and the last stage's head are two
+        # copies of one matrix (made equal from the embedding; the TIE action sums their gradients)
+        self.tied_name = None
+        if tie and not self.tied and (self.is_first or self.is_last):
+            self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
         self.checkpointing = checkpointing
         self.model = _Body()
@@ -133,8 +139,6 @@ class Stage(nn.Module):
         if self.is_last:
             self.model.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            if getattr(config, "tie_word_embeddings", False) and not self.is_first:
-                raise ValueError("tied embeddings need the embedding and lm_head in one stage (num_stages 1)")
         self.tie_weights()
         self.rotary_emb = rope_cls(config=config)  # buffers only, not persistent
 
@@ -144,6 +148,11 @@ class Stage(nn.Module):
         as in Hugging Face. Called again after ``to_empty``, which gives each module a new one."""
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def source_name(self, name: str) -> str:
+        """The checkpoint tensor (and init seed) that parameter ``name`` starts from: the head's
+        copy of a tied matrix starts from the embedding, as the tied Hugging Face model does."""
+        return "model.embed_tokens.weight" if self.tied_name == "lm_head.weight" == name else name
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.is_first else x
@@ -197,7 +206,7 @@ def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = 
     much faster for 7B-class presets (the numbers then differ from a CPU draw)."""
     std = config.initializer_range
     for name, p in stage.named_parameters():
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + _stable_hash(name))
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + _stable_hash(stage.source_name(name)))
         with torch.no_grad():
             if p.ndim == 1:
                 p.fill_(1.0)
@@ -262,7 +271,7 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
 def load_weights_(stage: Stage, model_dir: Path) -> None:
     """Read only this stage's tensors from the checkpoint (upcast to the stage's dtype)."""
     files = weight_files(model_dir)
-    wanted = dict(stage.named_parameters())
+    wanted = {stage.source_name(k): p for k, p in stage.named_parameters()}
     missing = [k for k in wanted if k not in files]
     if missing:
         raise KeyError(f"{model_dir}: checkpoint lacks {len(missing)} tensors of stage {stage.index}, e.g. {missing[0]}")

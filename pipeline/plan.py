@@ -92,6 +92,9 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
             if peak > AUTO_RESIDENT_FRACTION * cap:
                 break
             k, why = n, f"auto: estimated peak {gib(peak)} within {AUTO_RESIDENT_FRACTION:.0%} of {gib(cap)}"
+        if 0 < k < per_rank and cfg.num_stages > 1 and getattr(hf_config, "tie_word_embeddings", False):
+            # the tied copies (first stage, resident from 1; last stage, only with all) must step alike
+            k, why = 0, f"auto: {k} fit, but tied embeddings need 0 or all {per_rank} (both copies step alike)"
     kept = f": each rank's first {k}" if k else ""
     line = f"offload: {k} of {per_rank} stages per GPU stay resident, AdamW state included{kept} ({why})"
     return dataclasses.replace(cfg, resident_stages=k), line

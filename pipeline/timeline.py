@@ -24,7 +24,7 @@ LANES = ("compute", "load", "offload", "comm", "optimizer")
 LANE_OF_OP = {
     Op.FORWARD: "compute", Op.BACKWARD: "compute",
     Op.LOAD: "load", Op.DROP: "load", Op.OFFLOAD: "offload",
-    Op.SEND_F: "comm", Op.RECV_F: "comm", Op.SEND_B: "comm", Op.RECV_B: "comm", Op.NORM: "comm",
+    Op.SEND_F: "comm", Op.RECV_F: "comm", Op.SEND_B: "comm", Op.RECV_B: "comm", Op.NORM: "comm", Op.TIE: "comm",
     Op.STEP: "optimizer",
 }
 # How the timeline PNG draws an op: (colour, legend label); DROP is not drawn (it frees memory at once).
@@ -33,6 +33,7 @@ STYLE = {
     "F": ("#2ca02c", "forward (F)"), "B": ("#ff7f0e", "backward (B)"),
     "L": ("#1f77b4", "load: host to GPU (L)"), "O": ("#9467bd", "offload: GPU to host (O)"),
     "S": ("#8c8c8c", "optimizer step (S)"), "NORM": ("#e6c229", "gradient-norm all-reduce (NORM)"),
+    "T": ("#d62728", "tied-gradient exchange (T)"),
     "SEND_F": _COMM, "RECV_F": _COMM, "SEND_B": _COMM, "RECV_B": _COMM,
 }
 # The rows of a rank's block, top to bottom, with their names; lanes map onto them.

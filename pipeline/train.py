@@ -91,10 +91,6 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if cfg.num_stages > hf_config.num_hidden_layers + 2:
         raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
                           f"({hf_config.num_hidden_layers} + 2); use fewer stages")
-    if getattr(hf_config, "tie_word_embeddings", False) and cfg.num_stages > 1:
-        # The shared matrix would be two copies in two stages, each trained on half its gradient.
-        raise ConfigError(f"model {cfg.model!r} ties lm_head to the embedding (tie_word_embeddings): it trains "
-                          f"only with num_stages 1 (one process), not {cfg.num_stages} stages")
     types = getattr(hf_config, "layer_types", None)
     if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
@@ -289,6 +285,22 @@ class GcClock:
         return out
 
 
+def check_tied_steps(cfg: TrainConfig, mapping: list[int]) -> None:
+    """Raise ConfigError unless both copies of a tied matrix (first and last stage) step the same
+    way: both on the GPU (resident, or no offload) or both on the CPU optimizer thread. The two
+    AdamW kernels would round differently and the copies drift apart."""
+    if not cfg.use_offload:
+        return
+    first, last = sched.tied_stages(len(mapping))
+    keep = sched.resident_stages(mapping, cfg.resident_stages)
+    if (first in keep) != (last in keep):
+        on_gpu, on_cpu = (first, last) if first in keep else (last, first)
+        per_rank = len(mapping) // (max(mapping) + 1)
+        raise ConfigError(f"tied embeddings: resident_stages {cfg.resident_stages} keeps stage {on_gpu} on the GPU "
+                          f"but offloads stage {on_cpu}, so the two copies of the tied matrix would step with "
+                          f"different AdamW kernels; use resident_stages 0 or {per_rank} (all)")
+
+
 class Trainer:
     """Everything one rank owns: its stages and stores, its action list, the executor."""
 
@@ -322,8 +334,13 @@ class Trainer:
         if data_line:
             self.log.info(data_line)
         self.eval_batches = build_eval_batches(cfg, self.source) if cfg.eval_every else []
+        # Tied embeddings over several stages: two copies, their gradients summed by a TIE action.
+        self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
+        if self.tied:
+            check_tied_steps(cfg, self.mapping)
         self.schedule = sched.build(cfg.schedule, S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
-                                    prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages)
+                                    prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages,
+                                    tied=self.tied)
         # Validation runs the same stages with a forward-only program: no B, no optimizer.
         self.eval_actions = sched.build_forward(S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
                                                 prefetch=cfg.use_prefetch, resident=cfg.resident_stages
@@ -355,7 +372,7 @@ class Trainer:
         # not torchrun's one thread.
         with intra_op_threads(len(share) or torch.get_num_threads()):
             self._build_stages(hf, weights_dir, streams, pool, workers)
-        self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s)
+        self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s, tied=self.tied)
         self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip)
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
@@ -377,7 +394,8 @@ class Trainer:
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
             self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype,
                                         offload=s in self.offloaded, optim=optim_settings(cfg, fused=True),
-                                        streams=streams, pool=pool, workers=workers, delayed=cfg.delayed_update)
+                                        streams=streams, pool=pool, workers=workers, delayed=cfg.delayed_update,
+                                        tied=stage.tied_name, tied_copy=s == S - 1)
             self.stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
         self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "

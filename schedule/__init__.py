@@ -4,8 +4,8 @@ Pure Python: nothing here imports torch.
 """
 from schedule.generate import SCHEDULE_NAMES, generate, generate_forward, list_schedule
 from schedule.ir import (Action, Op, Schedule, channel, format_schedule, offloaded_stages, peer_recv, round_robin,
-                         stages_of)
-from schedule.lower import (add_load_offload, add_optimizer, add_send_recv, build, build_forward, resident_stages,
+                         stages_of, tie_actions, tied_stages)
+from schedule.lower import (add_load_offload, add_optimizer, add_send_recv, add_tie, build, build_forward, resident_stages,
                             stage_intervals)
 from schedule.validate import ScheduleError, SimResult, format_grid, simulate, validate
 
@@ -19,6 +19,7 @@ __all__ = [
     "add_load_offload",
     "add_optimizer",
     "add_send_recv",
+    "add_tie",
     "build",
     "build_forward",
     "channel",
@@ -34,5 +35,7 @@ __all__ = [
     "simulate",
     "stage_intervals",
     "stages_of",
+    "tie_actions",
+    "tied_stages",
     "validate",
 ]

@@ -17,6 +17,10 @@ An action prints compactly and parses back::
     3O         offload stage 3's gradients device -> host and free its device memory
     3S         optimizer step of stage 3
     NORM       all-reduce of the squared gradient norm across ranks (for global clipping)
+    0T         tied embeddings: sum the shared matrix's gradient of stage 0 (embedding) with
+               the last stage's (head), so both copies hold the gradient of both uses; one
+               all-reduce between the two ranks (each lists the T of the stage it holds), or a
+               local add where one rank holds both (it lists 0T only)
 
 A micro-batch index is opaque to the IR: the data side decides which rows (or, for
 sequence-level pipelining, which slice of a sequence) it stands for.
@@ -40,6 +44,7 @@ class Op(str, Enum):
     OFFLOAD = "O"
     STEP = "S"
     NORM = "NORM"
+    TIE = "T"
 
 
 COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD})
@@ -50,7 +55,7 @@ RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 MICROBATCH_OPS = COMPUTE_OPS | COMM_OPS
 RANK_OPS = frozenset({Op.NORM})
 
-_ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|NORM|F|B|L|D|O|S)(\d*)$")
+_ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|NORM|F|B|L|D|O|S|T)(\d*)$")
 
 
 class Action(NamedTuple):
@@ -109,6 +114,27 @@ def offloaded_stages(schedule: Schedule) -> frozenset[int]:
     """Stages whose parameters the program moves between host and device (it loads them);
     every other stage stays on the device (no offload, or a resident stage)."""
     return frozenset(a.stage for acts in schedule.values() for a in acts if a.op is Op.LOAD)
+
+
+def tied_stages(num_stages: int) -> tuple[int, int]:
+    """The stages holding a copy of a tied embedding matrix: the first (embedding) and the last
+    (head). Only meaningful with more than one stage (one stage shares one Parameter)."""
+    return 0, num_stages - 1
+
+
+def tie_actions(rank: int, mapping: list[int]) -> list[Action]:
+    """The TIE action(s) ``rank`` runs when the embedding is tied: ``0T`` on the rank of stage 0,
+    ``{S-1}T`` on the rank of the last stage unless that is the same rank (one local add)."""
+    first, last = tied_stages(len(mapping))
+    out = [Action(first, Op.TIE)] if mapping[first] == rank else []
+    if mapping[last] == rank and mapping[first] != rank:
+        out.append(Action(last, Op.TIE))
+    return out
+
+
+def tie_covers(a: Action, mapping: list[int]) -> list[int]:
+    """The stages of ``a``'s rank whose tied gradient TIE action ``a`` completes."""
+    return [s for s in tied_stages(len(mapping)) if mapping[s] == mapping[a.stage]]
 
 
 def peer_recv(send: Action) -> Action:

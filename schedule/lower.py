@@ -3,7 +3,7 @@ program the executor runs. Each pass is pure and can be tested on its own; ``bui
 them and validates the result.
 
 Order of the passes: ``add_send_recv`` -> ``add_load_offload`` (if offloading parameters)
--> ``add_optimizer``.
+-> ``add_tie`` (if the embedding is tied over several stages) -> ``add_optimizer``.
 
 With offload, some stages may stay resident (``resident_stages``): they get no LOAD, DROP or
 OFFLOAD, and their STEP runs on the GPU at the end of the rank's list (``add_optimizer``).
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from schedule.generate import generate, generate_forward
-from schedule.ir import COMPUTE_OPS, Action, Channel, Op, Schedule, channel, peer_recv, remote_producer, stages_of
+from schedule.ir import (COMPUTE_OPS, Action, Channel, Op, Schedule, channel, peer_recv, remote_producer, stages_of,
+                         tie_actions, tie_covers)
 from schedule.validate import validate
 
 
@@ -190,6 +191,34 @@ RECV of its first compute),
     return out
 
 
+def add_tie(schedule: Schedule, mapping: list[int]) -> Schedule:
+    """Insert the TIE action(s) of a tied embedding (``schedule.ir.tie_actions``): on each rank
+    holding stage 0 or the last stage, right after the rank's last compute (and that compute's
+    SEND), and an OFFLOAD of a tied stage that came earlier moves to right after the TIE.
+
+    After the rank's last compute, not after the tied stage's last backward: TIE is a collective
+    between the two ranks, and the last stage's rank still owes the first stage's rank gradients
+    of its other stages (interleaved); once every compute of both ranks is listed before their
+    TIEs, neither waits in it for work the other has yet to do. The OFFLOAD moves because with
+    offload the gradient lives in the stage's device buffer until then: the earlier-finishing
+    stage keeps its buffers until the exchange. Run after ``add_load_offload`` and before
+    ``add_optimizer`` (whose NORM and STEPs then follow the TIE)."""
+    out: Schedule = {}
+    for r, acts in schedule.items():
+        ties = tie_actions(r, mapping)
+        if not ties:
+            out[r] = list(acts)
+            continue
+        last = max(i for i, a in enumerate(acts) if a.op in COMPUTE_OPS)
+        if last + 1 < len(acts) and acts[last + 1] == send_of(acts[last]):
+            last += 1
+        covered = {s for t in ties for s in tie_covers(t, mapping)}
+        moved = [a for a in acts[:last + 1] if a.op is Op.OFFLOAD and a.stage in covered]
+        head = [a for a in acts[:last + 1] if a not in moved]
+        out[r] = head + ties + moved + list(acts[last + 1:])
+    return out
+
+
 def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: bool,
                   resident: frozenset[int] = frozenset()) -> Schedule:
     """Insert optimizer STEP actions (and one NORM per rank when ``clip``). With ``offload``,
@@ -231,12 +260,12 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
         for s, i in last_b.items():
             if not offload or s in resident:
                 continue
-            while i + 1 < len(acts) and acts[i + 1] in (send_of(acts[i]), Action(s, Op.OFFLOAD)):
-                i += 1
-            if acts[i] != Action(s, Op.OFFLOAD):
-                raise ValueError(f"rank {r}: offload=True but stage {s}'s last backward is not followed by "
-                                 f"{s}O (got {acts[i]}); run add_load_offload first")
-            after[i] = s
+            # The stage's OFFLOAD: right after its last backward (and SEND), or after a TIE
+            o = acts.index(Action(s, Op.OFFLOAD)) if Action(s, Op.OFFLOAD) in acts[i:] else None
+            if o is None:
+                raise ValueError(f"rank {r}: offload=True but stage {s}'s last backward (step {i}) is not "
+                                 f"followed by {s}O; run add_load_offload first")
+            after[o] = s
         new = []
         for i, a in enumerate(acts):
             new.append(a)
@@ -256,6 +285,7 @@ def build(
     prefetch: bool,
     clip: bool,
     resident: int = 0,
+    tied: bool = False,
 ) -> Schedule:
     """Generate, lower and validate the full program of every rank.
 
@@ -269,14 +299,18 @@ def build(
         clip: the global gradient norm is needed (clipping, or skipping non-finite steps):
             adds one NORM per rank before the steps.
         resident: with ``offload``, stages per rank that stay on the device (``resident_stages``).
+        tied: the first and last stage hold copies of one tied matrix (``tie_word_embeddings``
+            over more than one stage): adds their gradient exchange (``add_tie``).
     """
     keep = resident_stages(mapping, resident) if offload else frozenset()
     schedule = generate(name, num_stages, num_microbatches, mapping)
     schedule = add_send_recv(schedule, mapping)
     if offload:
         schedule = add_load_offload(schedule, mapping, prefetch, keep)
+    if tied:
+        schedule = add_tie(schedule, mapping)
     schedule = add_optimizer(schedule, mapping, clip=clip, offload=offload, resident=keep)
-    validate(schedule, mapping, num_stages, num_microbatches)
+    validate(schedule, mapping, num_stages, num_microbatches, tied=tied)
     return schedule
 
 

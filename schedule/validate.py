@@ -11,6 +11,9 @@ Executor contract modelled here (each rank runs its list strictly in order):
 * F(s, m) / B(s, m) block until the RECV they consume has completed.
 * At the end of its list a rank blocks until all its SENDs completed.
 * NORM is a collective: it blocks until every rank has reached its NORM.
+* TIE (tied embeddings) is a collective of the ranks holding the first and the last stage: it
+  blocks until each of them has reached its TIE. It reads the tied gradients from the stages'
+  device buffers, so it comes after their last backward and before their OFFLOAD, NORM and STEP.
 * A stage with a LOAD anywhere in the schedule is offloaded: it computes only while
   resident, after a LOAD and before the next DROP / OFFLOAD. A stage never loaded stays on
   the device (no offload, or one of the resident stages of an offloading run).
@@ -24,10 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, NoReturn
 
 from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Channel, Op, Schedule, channel,
-                         offloaded_stages, peer_recv, producer, remote_producer)
+                         offloaded_stages, peer_recv, producer, remote_producer, tie_actions, tie_covers)
 
 # What a forward-only (evaluation) program must not contain.
-_GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP})
+_GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP, Op.TIE})
 Cell = tuple[int, int]  # (rank, step index); step == len(list) means "the end of the list"
 _GRID_COLUMNS = 16  # steps per block of the grid, so long schedules stay readable
 
@@ -111,6 +114,7 @@ def validate(
     *,
     compute_only: bool = False,
     forward_only: bool = False,
+    tied: bool = False,
 ) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` is a correct program for the executor.
 
@@ -122,7 +126,10 @@ def validate(
         compute_only: check a generator's output (F and B only, communication implicit, no
             optimizer actions) instead of a fully lowered program.
         forward_only: an evaluation program: every (stage, micro-batch) needs one F and
-            nothing may touch gradients or the optimizer (no B, SEND_B/RECV_B, O, NORM, S).
+            nothing may touch gradients or the optimizer (no B, SEND_B/RECV_B, O, NORM, S, T).
+        tied: the first and last stage hold copies of one tied matrix: each rank holding one
+            runs its ``tie_actions`` once, after its tied stages' last backward and before their
+            OFFLOAD and STEP and its NORM; without ``tied`` no TIE may appear.
     """
     S, M = num_stages, num_microbatches
     if len(mapping) != S:
@@ -208,6 +215,7 @@ def validate(
     if not compute_only:
         _check_residency(schedule, mapping, where, forward_only)
         if not forward_only:
+            _check_tie(schedule, mapping, where, norms, tied)
             _check_optimizer(schedule, mapping, where, norms)
     simulate(schedule, mapping)
 
@@ -263,6 +271,44 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
                   [(r, last_b)] + ([o] if o else []))
 
 
+def _check_tie(schedule: Schedule, mapping: list[int], where: dict[Action, Cell], norms: dict[int, int],
+               tied: bool) -> None:
+    """With ``tied``, every rank runs its ``tie_actions`` (and no other TIE) after the last backward
+    of the tied stages it holds, before their OFFLOAD (the gradient is still in the device
+    buffer), before their STEP and before the rank's NORM. Without ``tied``, no TIE."""
+    present = [a for a in where if a.op is Op.TIE]
+    if not tied:
+        if present:
+            _fail(schedule, f"{present[0]} in a schedule without tied embeddings", [where[present[0]]])
+        return
+    if len(mapping) < 2:
+        _fail(schedule, f"tied embeddings over {len(mapping)} stage need no TIE: one stage shares one matrix")
+    want = {a for r in schedule for a in tie_actions(r, mapping)}
+    for a in present:
+        if a not in want:
+            _fail(schedule, f"rank {where[a][0]} step {where[a][1]}: {a} is not a TIE of this mapping (expected "
+                            f"{', '.join(map(str, sorted(want)))})", [where[a]])
+    for t in sorted(want):
+        r = mapping[t.stage]
+        if t not in where:
+            _fail(schedule, f"rank {r}: no {t}: the tied gradient of stages {tie_covers(t, mapping)} is never "
+                            f"exchanged (tied embeddings)", [(r, len(schedule[r]))])
+        i = where[t][1]
+        for s in tie_covers(t, mapping):
+            last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
+            if i < last_b:
+                _fail(schedule, f"rank {r} step {i}: {t} runs before stage {s}'s last backward (step {last_b}); the "
+                                f"tied gradient is not complete", [(r, i), (r, last_b)])
+            for op, why in ((Op.OFFLOAD, "moved the gradient off the device"), (Op.STEP, "stepped")):
+                other = where.get(Action(s, op))
+                if other is not None and other[1] < i:
+                    _fail(schedule, f"rank {r} step {i}: {t} comes after {s}{op.value} (step {other[1]}), which "
+                                    f"{why} without the other copy's share; {t} must come first", [other, (r, i)])
+        if r in norms and norms[r] < i:
+            _fail(schedule, f"rank {r} step {i}: {t} comes after NORM (step {norms[r]}); the norm must see the "
+                            f"exchanged gradient", [(r, norms[r]), (r, i)])
+
+
 def _mbs(where: dict[Action, Cell], stage: int) -> list[int]:
     return [a.mb for a in where if a.stage == stage and a.op is Op.BACKWARD]
 
@@ -290,7 +336,7 @@ def _check_optimizer(schedule: Schedule, mapping: list[int], where: dict[Action,
             _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before NORM (step {norms[r]}); clipping needs "
                             f"the global norm first", [step, (r, norms[r])])
     for r, n in norms.items():
-        late = [i for i, a in enumerate(schedule[r]) if a.op in (Op.BACKWARD, Op.OFFLOAD) and i > n]
+        late = [i for i, a in enumerate(schedule[r]) if a.op in (Op.BACKWARD, Op.OFFLOAD, Op.TIE) and i > n]
         if late:
             _fail(schedule, f"rank {r} step {n}: NORM comes before {schedule[r][late[0]]} (step {late[0]}); the "
                             f"norm must cover every gradient of the rank", [(r, n), (r, late[0])])
@@ -324,6 +370,8 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
     recv_slot: dict[tuple[int, Action], tuple[Channel, int]] = {}
     recv_done: dict[Channel, list[float]] = {}
     norm_at: dict[int, float] = {}
+    tie_ranks = {r for r in ranks if any(a.op is Op.TIE for a in schedule[r])}
+    tie_at: dict[int, float] = {}
     finished: set[int] = set()
 
     def check_pair(ch: Channel, k: int) -> None:
@@ -401,6 +449,11 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                     if len(norm_at) < len(ranks):
                         break
                     start = max(norm_at.values())
+                elif a.op is Op.TIE:
+                    tie_at.setdefault(r, start)
+                    if len(tie_at) < len(tie_ranks):
+                        break
+                    start = max(tie_at.values())
                 end = start + cost(a)
                 if a.op in COMPUTE_OPS:
                     done[a] = end
@@ -426,6 +479,9 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                 if a.op is Op.NORM:
                     lines.append(f"rank {r} step {pc[r]}: NORM waits for ranks "
                                  f"{sorted(set(ranks) - set(norm_at))} to reach their NORM")
+                elif a.op is Op.TIE:
+                    lines.append(f"rank {r} step {pc[r]}: {a} waits for ranks "
+                                 f"{sorted(tie_ranks - set(tie_at))} to reach their TIE")
                 elif implicit:
                     lines.append(f"rank {r} step {pc[r]}: {a} waits for {producer(a, num_stages)}")
                 else:

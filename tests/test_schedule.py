@@ -68,7 +68,7 @@ def peak_resident(actions: list[Action]) -> int:
 def test_action_str_parse_round_trip(op):
     if op is Op.NORM:
         a = Action(-1, op)
-    elif op in (Op.LOAD, Op.DROP, Op.OFFLOAD, Op.STEP):
+    elif op in (Op.LOAD, Op.DROP, Op.OFFLOAD, Op.STEP, Op.TIE):
         a = Action(12, op)
     else:
         a = Action(3, op, 10)
