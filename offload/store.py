@@ -208,8 +208,9 @@ class StageStore:
         """``tied`` names this stage's copy of a matrix tied across stages (the embedding of the
         first stage, the head of the last, ``tie_word_embeddings``): it goes first in the flat
         buffers and is an optimizer leaf of its own, so both copies take the same AdamW kernel over
-        the same shape, bit for bit (a shared leaf would put it at another offset, where the
-        kernel's vector/tail split differs). ``tied_copy``: this is the second copy (the head),
+        the same shape at the same offset and come out bit for bit alike whatever the kernel's
+        vectorisation (torch promises nothing across offsets; the CPU fused kernel was seen to
+        agree across offsets and thread counts). ``tied_copy``: this is the second copy (the head),
         left out of the squared norm (the tied gradient counts once) and of the saved weights."""
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
         # delayed update (offload only): ``work`` keeps the weights from before the last step, so

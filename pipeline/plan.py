@@ -40,7 +40,8 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) ->
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
     program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
-                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0))
+                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
+                          tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu")
