@@ -14,7 +14,8 @@ if str(ROOT) not in sys.path:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
-    config.addinivalue_line("markers", "slow: multi-process end-to-end runs")
+    config.addinivalue_line("markers", "slow: multi-process runs, subprocess launches and long in-process trainings "
+                                       "(the fast layer, pytest -m 'not slow', leaves them out)")
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +29,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _single_thread(monkeypatch):
+    """Every test runs like a torchrun rank: ``OMP_NUM_THREADS=1`` for the processes it starts,
+    and one intra-op thread for this process's main thread (the variable alone changes nothing
+    here: torch read it at import). The optimizer thread of an offloading trainer still takes the
+    rank's share of the cores, as under torchrun, so offload and resident runs compare across
+    different thread counts whatever the shell that started pytest sets."""
+    import torch
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(before)
 
 
 _SAVE_DIR: list[Path] = []

@@ -85,6 +85,7 @@ def _error_lines(stderr: str) -> list[str]:
     (["--embedding_dim", "99"], "embedding_dim=99 contradicts the model's hidden_size=64"),
     (["--resident_stages", "2"], "resident_stages (2) must be -1 (auto) or 0..1 (the stages per process)"),
 ])
+@pytest.mark.slow
 def test_bad_input_one_line_from_one_rank(tiny_model_dir, args, needle):
     base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--device", "cpu", "--num_iterations", "1",
             "--no_save_model", "--seq_length", "32"]
@@ -96,6 +97,7 @@ def test_bad_input_one_line_from_one_rank(tiny_model_dir, args, needle):
     assert "Traceback" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_missing_columns(tiny_model_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"article": "a", "highlights": "b"}\n' * 20)
@@ -106,6 +108,7 @@ def test_missing_columns(tiny_model_dir, tmp_path):
     assert len(lines) == 1 and "document" in lines[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
     import socket
 

@@ -55,7 +55,7 @@ def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetc
 
 
 @pytest.mark.parametrize("schedule,resident", [("gpipe", 1), ("interleaved", 3), ("1f1b", 2)])
-@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+@pytest.mark.parametrize("grad_clip", [1.0, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, grad_clip):
     """Offload with some stages kept resident (their AdamW on the device, the others' on the
     optimizer thread): the training is the same, with and without the clipping norm."""
@@ -69,6 +69,7 @@ def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, gra
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+@pytest.mark.slow
 def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     """Activation checkpointing recomputes every layer, and the last stage's head and loss, in
     the backward: the training is the same."""
@@ -77,6 +78,7 @@ def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
 
 
+@pytest.mark.slow
 def test_truncated_model_matches_reference(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
     losses, params = _run_in_process(cfg)
@@ -104,6 +106,7 @@ def test_detects_wrong_labels(tiny_model_dir, monkeypatch):
     _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Batch, "microbatches", rotated))
 
 
+@pytest.mark.slow
 def test_detects_lost_gradient(tiny_model_dir, monkeypatch):
     from offload.store import StageStore
 
@@ -117,6 +120,7 @@ def test_detects_lost_gradient(tiny_model_dir, monkeypatch):
     _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "offload_grads", lossy))
 
 
+@pytest.mark.slow
 def test_detects_lost_gradient_of_a_resident_stage(tiny_model_dir, monkeypatch):
     from offload.store import StageStore
 
@@ -131,6 +135,7 @@ def test_detects_lost_gradient_of_a_resident_stage(tiny_model_dir, monkeypatch):
                      resident_stages=1)
 
 
+@pytest.mark.slow
 def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
     from pipeline import model as model_mod
 

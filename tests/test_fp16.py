@@ -45,6 +45,7 @@ def _train(cfg):
 
 
 @pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.slow
 def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
     _, ref, ref_params = _train(_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
     trainer, half, params = _train(_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
@@ -67,6 +68,7 @@ def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir, tmp_path):
     cfg = _cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
                num_iterations=4, max_skipped_steps=2)

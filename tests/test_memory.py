@@ -92,6 +92,7 @@ def _measured_peak(trainer) -> int:
     dict(schedule="1f1b", num_chunks=8),
     dict(schedule="interleaved", num_chunks=4, use_offload=True),
 ])
+@pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
     from pipeline.dist import DistEnv
     from pipeline.plan import memory_plan
@@ -176,6 +177,7 @@ def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     plan.check_fits(ok, hf, sched.round_robin(8, 4), 4)  # the advice holds
 
 
+@pytest.mark.slow
 def test_plan_cli_prints_every_rank_and_the_verdict():
     cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", "--plan", "--model", "llama-2-13b", "--nproc", "4",
            "--num_stages", "8", "--batch_size", "64", "--num_chunks", "16", "--seq_length", "512", "--device", "cuda",

@@ -76,7 +76,7 @@ def _rows(path):
 
 
 # --- validation ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule,offload", [("gpipe", False), ("interleaved", True)])
+@pytest.mark.parametrize("schedule,offload", [pytest.param("gpipe", False, marks=pytest.mark.slow), ("interleaved", True)])
 def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offload):
     cfg = _cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
                eval_batches=EVAL_BATCHES)
@@ -106,6 +106,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
     assert png_size(tmp_path / "metrics.png") == plot_size(rows[:2]) == (1200, 960)  # all six panels
 
 
+@pytest.mark.slow
 def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
     cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
                save_metrics=True)
@@ -141,6 +142,7 @@ def _poison(monkeypatch, bad_iterations: set[int], num_chunks: int = 4) -> None:
 
 
 @pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.slow
 def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offload):
     cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
     trainer = in_process_trainer(cfg)
@@ -172,6 +174,7 @@ def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offl
     assert rows[-1]["skipped_steps"] == 1
 
 
+@pytest.mark.slow
 def test_too_many_nan_steps_stop(tiny_model_dir, tmp_path, monkeypatch):
     cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
     trainer = in_process_trainer(cfg)

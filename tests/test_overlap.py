@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from reference import assert_same_training, in_process_trainer, trainer_masters
 from schedule.ir import Op
 from test_equivalence import ITERS, _cfg, _reference
@@ -44,6 +46,7 @@ def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
 
 
+@pytest.mark.slow
 def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir):
     """While training, what start-up built is out of the cyclic GC's reach (a full collection
     would walk it all); the time the GC still takes is reported per iteration; afterwards the

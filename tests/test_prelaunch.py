@@ -34,12 +34,14 @@ def _one_error(proc: subprocess.CompletedProcess, needle: str) -> str:
 
 
 @pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])
+@pytest.mark.slow
 def test_help(cmd):
     proc = subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--resident_stages" in proc.stdout and "80%" in proc.stdout and "--overwrite" in proc.stdout
 
 
+@pytest.mark.slow
 def test_yaml_syntax_error_through_train_sh(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch_size: 8\nlr: [1, 2\nseed: 3\n")
@@ -60,6 +62,7 @@ def _model_copy(tiny_model_dir, tmp_path, drop=(), config=None):
     return out
 
 
+@pytest.mark.slow
 def test_model_directory_errors(tiny_model_dir, tmp_path):
     _one_error(_check(["--model", str(tmp_path / "nope")]), f"{tmp_path / 'nope'} does not exist")
     empty = tmp_path / "empty"
@@ -74,6 +77,7 @@ def test_model_directory_errors(tiny_model_dir, tmp_path):
     _one_error(_check(["--model", str(alien)]), "model_type 'no_such_arch'")
 
 
+@pytest.mark.slow
 def test_tokenizer_stages_dims_errors(tiny_model_dir, tmp_path):
     base = ["--model", str(tiny_model_dir)]
     _one_error(_check(base + ["--tokenizer", str(tmp_path)]), f"no tokenizer.json or tokenizer_config.json in {tmp_path}")
@@ -82,12 +86,14 @@ def test_tokenizer_stages_dims_errors(tiny_model_dir, tmp_path):
     _one_error(_check(base + ["--num_heads", "7"]), "num_heads=7 contradicts the model's num_attention_heads=4")
 
 
+@pytest.mark.slow
 def test_seq_length_beyond_positions(tiny_model_dir):
     base = ["--model", str(tiny_model_dir), "--seq_length", "512"]  # the model has 256 positions
     _one_error(_check(base), "seq_length (512) exceeds the model's max_position_embeddings (256)")
     assert _check(base + ["--allow_long_sequences"]).returncode == 0
 
 
+@pytest.mark.slow
 def test_data_file_errors(tiny_model_dir, tmp_path):
     base = ["--model", str(tiny_model_dir)]
     empty = tmp_path / "empty.jsonl"
@@ -102,6 +108,7 @@ def test_data_file_errors(tiny_model_dir, tmp_path):
     _one_error(_check(base + ["--dataset", str(nulls)]), "none of the first 1 records has document and summary")
 
 
+@pytest.mark.slow
 def test_save_dir_with_an_earlier_run(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)
@@ -116,6 +123,7 @@ def test_save_dir_with_an_earlier_run(tiny_model_dir, tmp_path):
     _one_error(_check(["--model", str(tiny_model_dir), "--save_dir", str(blocked / "run")]), "is not writable")
 
 
+@pytest.mark.slow
 def test_torchrun_file_error_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)
@@ -129,18 +137,24 @@ def test_torchrun_file_error_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
     assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr.split("error:")[0]
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_line(tiny_model_dir):
     proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--config", "", "--model", str(tiny_model_dir),
                              "--num_stages", "2", "--device", "cpu", "--save_dir", scratch_save_dir()],
                             cwd=ROOT, env=env_without_dist(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.5)  # importing torch and checking files
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # fail, and leave nothing running
+        raise
     assert proc.returncode == 130, err[-2000:]
     assert [line for line in err.splitlines() if line.strip()] == [
         "error: interrupted by Ctrl-C (SIGINT) outside the training steps; no checkpoint was written by this stop"]
 
 
+@pytest.mark.slow
 def test_bin_weights_load_like_safetensors(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 

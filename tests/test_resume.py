@@ -3,6 +3,7 @@ never stopped; incomplete checkpoints are never resumed from; SIGTERM under torc
 rank after the same step with a checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -46,6 +48,7 @@ def uninterrupted(tiny_model_dir):
     return _losses(in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS)).train())
 
 
+@pytest.mark.slow
 def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterrupted, capsys):
     cfg = _cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), use_offload=True)
     first = in_process_trainer(cfg)
@@ -68,6 +71,7 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
     assert before + after == uninterrupted  # exact: same weights, AdamW state, data and lr
 
 
+@pytest.mark.slow
 def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninterrupted, capsys):
     cfg = _cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), checkpoint_every=2, keep_checkpoints=2,
                schedule="1f1b")
@@ -92,6 +96,7 @@ def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninte
     assert sum(p.numel() for p in model.parameters()) == sum(s.numel for s in done.stores.values())
 
 
+@pytest.mark.slow
 def test_resume_with_other_stage_count_restarts_adam(tiny_model_dir, tmp_path, uninterrupted, capsys):
     first = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path)))
     _signal_during(first, 3, signal.SIGINT)
@@ -107,6 +112,7 @@ def test_resume_with_other_stage_count_restarts_adam(tiny_model_dir, tmp_path, u
     assert abs(after[1] - uninterrupted[4]) > 1e-4
 
 
+@pytest.mark.slow
 def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     cfg = _cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path), checkpoint_every=1)
     in_process_trainer(cfg).train()
@@ -144,32 +150,107 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
 
 
 # --- torchrun: SIGTERM, agreement across ranks, resume -------------------------------------------
-def _launch(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+class _Launched:
+    """A process whose stdout and stderr threads read as they come: a wait for a line ends at its
+    deadline (a ``readline`` on the pipe blocks as long as the process prints nothing, past any
+    deadline), and neither pipe fills up and stops the writer while the test waits on the other."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.pid = self.proc.pid
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._cv = threading.Condition()
+        self._out_done = False
+        self._readers = [threading.Thread(target=self._read, args=(stream, buf), daemon=True)
+                         for stream, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream, buf: list[str]) -> None:
+        for line in stream:
+            with self._cv:
+                buf.append(line)
+                self._cv.notify_all()
+        with self._cv:
+            if buf is self.out:
+                self._out_done = True
+            self._cv.notify_all()
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def wait_for_line(self, pattern: str, timeout: float) -> list[str]:
+        """stdout up to the first line matching ``pattern``; kills the run and fails if none comes
+        within ``timeout`` seconds or stdout ends first."""
+        deadline, seen = time.monotonic() + timeout, 0
+        with self._cv:
+            while True:
+                for i in range(seen, len(self.out)):
+                    if re.search(pattern, self.out[i]):
+                        return self.out[:i + 1]
+                seen = len(self.out)
+                left = deadline - time.monotonic()
+                if self._out_done or left <= 0:
+                    break
+                self._cv.wait(left)
+        self.kill()
+        with self._cv:
+            out, err = "".join(self.out), "".join(self.err)
+        raise AssertionError(f"no line matching {pattern!r} within {timeout:g}s in the output:\n{out}\n{err[-3000:]}")
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        """Wait for the exit (killing the run after ``timeout`` seconds, which fails the test) and
+        return all of stdout and stderr."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        joined_by = time.monotonic() + 30  # a worker left behind may hold the pipes open: not forever
+        for t in self._readers:
+            t.join(timeout=max(0.0, joined_by - time.monotonic()))
+        with self._cv:
+            return "".join(self.out), "".join(self.err)
+
+    def kill(self) -> None:
+        # torchrun's workers may sit in sessions of their own: kill them by pid, or they keep the pipes open
+        for pid in _worker_pids(self.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def _launch(args: list[str], extra_env: dict[str, str] | None = None) -> _Launched:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "main.py"), "--config", "", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**env_without_dist(), **(extra_env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return _Launched(cmd, {**env_without_dist(), **(extra_env or {})})
 
 
-def _wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float) -> list[str]:
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if re.search(pattern, line):
-            return lines
-    # torchrun's workers may sit in sessions of their own: kill them by pid, or they keep the pipes open
-    for pid in _worker_pids(proc.pid):
-        os.kill(pid, signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"no line matching {pattern!r} in the output:\n{''.join(lines)}\n{proc.stderr.read()[-3000:]}")
+def _wait_for_line(proc: _Launched, pattern: str, timeout: float) -> list[str]:
+    return proc.wait_for_line(pattern, timeout)
 
 
 def _worker_pids(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=30).stdout
     return [int(p) for p in out.split()]
+
+
+def test_wait_for_line_ends_at_its_deadline():
+    """A process that prints half a line and then nothing: the wait fails after its timeout
+    (a ``readline`` on the pipe would block until the process exits) and the process is killed."""
+    proc = _Launched([sys.executable, "-c", "import sys, time; print('step 1/9'); print('half', end=''); "
+                      "sys.stdout.flush(); time.sleep(120)"], env_without_dist())
+    assert proc.wait_for_line(r"^step 1/", timeout=30) == ["step 1/9\n"]
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="no line matching"):
+        proc.wait_for_line(r"^step +2/", timeout=1.0)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode is not None  # killed, not left running
 
 
 @pytest.mark.slow

@@ -143,6 +143,7 @@ def test_squared_norm_does_not_depend_on_the_thread_count():
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.slow
 def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, prefetch):
     """In bf16 the offloaded stages' loads convert the masters (first load after a step) or copy
     the refreshed ``work`` (later loads); resident stages convert on the device. Same numbers,
@@ -157,6 +158,7 @@ def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, pre
     assert_same_training(*runs[1], *runs[0], rtol=0.0)
 
 
+@pytest.mark.slow
 def test_bf16_offload_without_the_refresh_is_caught(tiny_model_dir, monkeypatch):
     """Mutation: without the ``work`` refresh a stage's later loads (its backward's, after a
     DROP) compute with the previous iteration's weights, and the comparison fails."""
