@@ -197,9 +197,12 @@ class _Launched:
                     break
                 self._cv.wait(left)
         self.kill()
+        for t in self._readers:
+            t.join(timeout=10)  # what the process wrote before it ended, for the message
         with self._cv:
             out, err = "".join(self.out), "".join(self.err)
-        raise AssertionError(f"no line matching {pattern!r} within {timeout:g}s in the output:\n{out}\n{err[-3000:]}")
+        raise AssertionError(f"no line matching {pattern!r} within {timeout:g}s (exit code {self.returncode}) in "
+                             f"the output:\n{out}\n{err[-3000:]}")
 
     def communicate(self, timeout: float) -> tuple[str, str]:
         """Wait for the exit (killing the run after ``timeout`` seconds, which fails the test) and
