@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if env.rank == 0:
         print(start_line(cfg, path, env), flush=True)
+    # The rendezvous waits inside C++, where Python's Ctrl-C handler cannot run: a rank whose
+    # peer left on Ctrl-C would wait there for the whole comm_timeout_s. Ctrl-C ends it at once.
+    handler = signal.signal(signal.SIGINT, signal.SIG_DFL)
     init_distributed(env, pick_device(cfg.device, env), timeout_s=cfg.comm_timeout_s)
+    signal.signal(signal.SIGINT, handler)
     try:
         train(cfg, env)
     except (ConfigError, DataError, TrainingError) as e:

@@ -46,5 +46,5 @@ fi
 # On SIGTERM/SIGINT torchrun forwards the signal and gives the workers this long to finish the
 # step and write a checkpoint before it kills them (torch's default, 30 s, is short for 7B+).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
-exec "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" \
+exec "$PY" -m pipeline.launch --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" \
   main.py --config "$CONFIG" "$@"

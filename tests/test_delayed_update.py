@@ -54,6 +54,7 @@ def reference_train_delayed(cfg, model_dir) -> tuple[list[float], dict[str, torc
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,grad_clip", [("gpipe", 1.0), ("1f1b", 0.0), ("interleaved", 1.0)])
 def test_delayed_update_is_adamw_one_step_late(tiny_model_dir, schedule, grad_clip):
     cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=True, use_prefetch=True, delayed_update=True,

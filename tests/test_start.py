@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, env_without_dist
 from main import start_line
 from pipeline.config import make_config
@@ -28,9 +30,39 @@ def test_no_topology_advice_without_gpus():
     assert choice.reason == "mapping auto -> round_robin: no GPUs"
 
 
+@pytest.mark.slow
 def test_plan_through_train_sh_runs_no_torchrun(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--plan", "--save_dir", str(tmp_path)], cwd=ROOT,
                           env={**env_without_dist(), "NPROC": "2"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("host:") == 1 and "torch.distributed" not in proc.stderr
     assert "rank 1 actions" in proc.stdout and "rank 2 actions" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_train_sh_after_launch_is_two_lines(tmp_path):
+    """Ctrl-C (to the whole process group, as a terminal sends it) once the workers are being
+    started: rank 0's line and the launcher's, exit 130, no traceback, nothing left running;
+    a rank still waiting in the rendezvous leaves at once instead of after comm_timeout_s."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(["bash", str(ROOT / "train.sh"), "--save_dir", str(tmp_path / "run")], cwd=ROOT,
+                                env={**env_without_dist(), "MASTER_PORT": "29611"}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 120
+        while "run: " not in out.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    text = out.read_text()
+    assert proc.returncode == 130, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert text.rstrip().endswith("launcher: stopped by SIGINT"), text[-2000:]
