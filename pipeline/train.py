@@ -142,8 +142,6 @@ def _json_field(path: Path, key: str):
         return None
 
 
-
-
 def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -> None:
     """Checks that need no files: they run on every rank before anything is loaded.
     ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
@@ -246,7 +244,8 @@ def build_stream(cfg: TrainConfig, source: ModelSource):
 
     if cfg.dataset == "synthetic":
         examples = synthetic_examples(max(cfg.batch_size * 4, 64), cfg.seq_length, source.config.vocab_size, cfg.seed)
-        return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed), ""
+        return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed,
+                           packing=cfg.packing), ""
     if source.tokenizer_dir is None:
         raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
     from transformers import AutoTokenizer
@@ -262,7 +261,18 @@ def build_stream(cfg: TrainConfig, source: ModelSource):
     summary = (f"data: {len(examples)} records, {stats['truncated']} truncated to seq_length={cfg.seq_length}"
                + (f" ({stats['summary_cut']} with the summary cut to keep a quarter of it for the document)"
                   if stats["summary_cut"] else "") + f", {skipped} skipped (empty, corrupt or no target left)")
-    return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed), summary
+    return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed,
+                       packing=cfg.packing), summary
+
+
+def token_line(stream, packing: bool) -> str:
+    """What one epoch (the first) trains on: tokens of records against padding."""
+    c = stream.token_counts()
+    total = c["tokens"] + c["padding"]
+    return (f"tokens: an epoch is {c['batches']} batches, {c['examples']} records in {c['rows']} rows "
+            f"({'packed' if packing else 'one record a row'}): {c['tokens']} record tokens ({c['targets']} trained), "
+            f"{c['padding']} padding "
+            f"({100 * c['padding'] / max(total, 1):.1f}% of the rows' tokens)")
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -333,6 +343,7 @@ class Trainer:
         self.stream, data_line = build_stream(cfg, self.source)
         if data_line:
             self.log.info(data_line)
+        self.log.info(token_line(self.stream, cfg.packing))
         self.eval_batches = build_eval_batches(cfg, self.source) if cfg.eval_every else []
         # Tied embeddings over several stages: two copies, their gradients summed by a TIE action.
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
@@ -423,7 +434,11 @@ class Trainer:
         return share[2:] if len(share) >= 6 else share
 
     def microbatches(self, batch) -> list[MicroBatch]:
-        return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device))
+        def to(t):  # position_ids and segment_ids are None unless the rows are packed
+            return None if t is None else t.to(self.device)
+
+        return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device), to(mb.position_ids),
+                           to(mb.segment_ids))
                 for mb in batch.microbatches(self.cfg.num_chunks)]
 
     def evaluate(self) -> dict:
@@ -572,7 +587,8 @@ class Trainer:
             self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
                           f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")
         ignore = {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints", "save_dir", "save_model",
-                  "save_params", "save_results", "overwrite", "nproc", "master_port", "cuda_visible_devices", "debug_schedule"}
+                  "save_params", "save_results", "overwrite", "nproc", "master_port", "cuda_visible_devices",
+                  "debug_schedule"}
         now = cfg.to_dict()
         changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in st["config"].items()
                    if k in now and k not in ignore and now[k] != v]
