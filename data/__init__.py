@@ -3,7 +3,7 @@
 Also the bundled sample data (``data/sample/``) and the tiny-model generator. Nothing here
 knows about pipelines or ``torch.distributed``.
 """
-from data.batching import Batch, BatchStream, collate
+from data.batching import Batch, BatchStream, collate, collate_packed
 from data.dataset import FORMATS, DataError, check_first_records, detect_format, load_records
 from data.tiny_model import ensure_tiny_model, is_complete_tiny_model
 from data.tokenization import (
@@ -36,6 +36,7 @@ __all__ = [
     "SAMPLE_VALIDATION",
     "check_first_records",
     "collate",
+    "collate_packed",
     "detect_format",
     "encode_prompt",
     "ensure_tiny_model",

@@ -50,6 +50,9 @@ class TrainConfig:
                          "least a quarter of seq_length of its document, else it is skipped).")
     allow_long_sequences: bool = _f(False, "Allow seq_length above the model's max_position_embeddings (RoPE then "
                                     "runs past the positions the model was trained on).")
+    packing: bool = _f(False, "Pack several records into each row (greedy, in data order, up to seq_length): "
+                       "positions restart at 0 for each record, attention and loss never cross records; a batch "
+                       "is batch_size packed rows. Needs attn_implementation sdpa or eager. Validation is not packed.")
     batch_size: int = _f(8, "Sequences per iteration (global batch).")
     num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
     # --- pipeline --------------------------------------------------------------------

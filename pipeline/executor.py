@@ -49,10 +49,20 @@ def describe(a: Action, mapping: list[int]) -> str:
 
 @dataclass
 class MicroBatch:
-    """What the first and last stage need of one micro-batch (on the rank's device)."""
+    """What the stages need of one micro-batch (on the rank's device): the first its tokens, the
+    last its targets, every stage the positions and segments of packed rows (None unpacked:
+    positions are the columns and the mask is plain causal)."""
 
     input_ids: torch.Tensor  # [b, t]
     targets: torch.Tensor    # [b, t], -100 where nothing is predicted
+    position_ids: torch.Tensor | None = None  # [b, t], restarting at 0 for every packed example
+    segment_ids: torch.Tensor | None = None   # [b, t], attention stays within a segment
+
+    def packing(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of ``Stage.forward`` for packed rows ({} unpacked)."""
+        if self.segment_ids is None:
+            return {}
+        return {"position_ids": self.position_ids, "segment_ids": self.segment_ids}
 
 
 class StepClock:
@@ -179,7 +189,8 @@ class Executor:
         start = self.clock.mark()
         last = s == self.num_stages - 1
         with self.stores[s].saved_tensor_hooks():
-            out = stage(x, self.mbs[m].targets) if last else stage(x)
+            mb = self.mbs[m]
+            out = stage(x, mb.targets, **mb.packing()) if last else stage(x, **mb.packing())
         if last:
             loss = out / self.num_targets
             self.losses.append(loss.detach())

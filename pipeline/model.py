@@ -72,9 +72,21 @@ def _arch_classes(config):
 def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
     """Additive [1, 1, T, T] mask. Needed for eager attention, where ``None`` means *non-causal*.
     With ``window``, query i sees keys i - window + 1 .. i (Hugging Face's sliding window)."""
-    allowed = attend_mask(seq_len, device, window)
-    mask = torch.zeros((seq_len, seq_len), dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive_mask(attend_mask(seq_len, device, window)[None, None], dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The eager form of a boolean mask: 0 where True (attend), the dtype's minimum elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def segment_attend_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean [B, 1, T, T] for packed rows (``segment_ids`` [B, T]): ``attend_mask`` and, in
+    addition, key j in the same segment as query i, so no example sees another. A window counts
+    columns, which within a segment are positions."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (attend_mask(segment_ids.shape[1], segment_ids.device, window) & same)[:, None]
 
 
 def attend_mask(seq_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -154,13 +166,17 @@ class Stage(nn.Module):
         copy of a tied matrix starts from the embedding, as the tied Hugging Face model does."""
         return "model.embed_tokens.weight" if self.tied_name == "lm_head.weight" == name else name
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` [B, T] (default: the columns) feed the rotary embedding;
+        ``segment_ids`` [B, T] (packed rows) keep attention within each segment."""
         h = self.model.embed_tokens(x) if self.is_first else x
         if len(self.model.layers):
             seq_len = h.shape[1]
-            position_ids = torch.arange(seq_len, device=h.device)[None]
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=h.device)[None]
             position_embeddings = self.rotary_emb(h, position_ids)
-            masks = {w: self._mask(seq_len, w, h) for w in set(self.windows)}
+            masks = {w: self._mask(seq_len, w, h, segment_ids) for w in set(self.windows)}
             for layer, window in zip(self.model.layers.values(), self.windows):
                 mask = masks[window]
                 if self.checkpointing and torch.is_grad_enabled():
@@ -182,12 +198,18 @@ class Stage(nn.Module):
             return checkpoint(self._loss, h, targets, use_reentrant=False)
         return self._loss(h, targets)
 
-    def _mask(self, seq_len: int, window: int | None, h: torch.Tensor) -> torch.Tensor | None:
-        """The attention mask of layers with ``window`` (None: full causal)."""
+    def _mask(self, seq_len: int, window: int | None, h: torch.Tensor,
+              segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The attention mask of layers with ``window`` (None: full causal), within segments if given."""
         if self.attn_implementation == "flash_attention_2":
+            if segment_ids is not None:
+                raise ValueError("packed rows need an explicit mask: use attn_implementation sdpa or eager")
             return None  # the layer hands its own sliding_window to the kernel
         if window is not None and window >= seq_len:
             window = None  # a window covering the sequence masks nothing more than causality
+        if segment_ids is not None:
+            allowed = segment_attend_mask(segment_ids, window)  # sdpa: True = attend
+            return allowed if self.attn_implementation == "sdpa" else additive_mask(allowed, h.dtype)
         if self.attn_implementation == "sdpa":
             # None makes sdpa run its causal kernel; a window needs the explicit boolean mask
             # (what transformers' sdpa_mask builds: True = attend).
@@ -359,6 +381,6 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
 
 
-__all__ = ["PRESETS", "Stage", "attend_mask", "build_stage", "causal_mask", "check_tied_checkpoint", "init_weights_",
-           "layer_windows", "load_weights_", "model_flops_per_token", "partition_layers", "preset_config",
-           "stage_num_params", "stage_param_counts"]
+__all__ = ["PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask", "check_tied_checkpoint",
+           "init_weights_", "layer_windows", "load_weights_", "model_flops_per_token", "partition_layers",
+           "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]

@@ -31,7 +31,8 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
     for it in range(cfg.num_iterations):
         batch = stream.next_batch()
         # Hugging Face's own loss: mean over every trained token of the batch, shifted inside.
-        loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
+        extra = {} if batch.segment_ids is None else packed_inputs(batch, cfg.attn_implementation)
+        loss = model(input_ids=batch.input_ids, labels=batch.labels, **extra).loss
         loss.backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -42,6 +43,18 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
         losses.append(loss.item())
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # saved once, as the embedding
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}
+
+
+def packed_inputs(batch, attn_implementation: str) -> dict:
+    """What the Hugging Face model takes for packed rows, built here from the segment ids alone:
+    the positions, a 4-D block-diagonal causal mask (sdpa: True = attend; eager: additive) and
+    the shifted labels (a record's last token predicts nothing). No sliding window: for Llama."""
+    seg = batch.segment_ids
+    t = seg.shape[1]
+    allowed = (seg[:, None, :, None] == seg[:, None, None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    mask = allowed if attn_implementation == "sdpa" else \
+        torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return {"position_ids": batch.position_ids, "attention_mask": mask, "shift_labels": batch.targets}
 
 
 def in_process_trainer(cfg: TrainConfig):
