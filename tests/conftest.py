@@ -48,6 +48,20 @@ def _single_thread(monkeypatch):
 _SAVE_DIR: list[Path] = []
 
 
+def _user_outputs() -> list[tuple[str, float]]:
+    out = ROOT / "outputs"
+    return sorted((str(p), p.stat().st_mtime) for p in out.rglob("*")) if out.exists() else []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _user_outputs_untouched():
+    """Fails the session if any test wrote under the repository's outputs/ (a user's runs)."""
+    before = _user_outputs()
+    yield
+    after = _user_outputs()
+    assert after == before, f"tests wrote under {ROOT / 'outputs'}: {sorted(set(after) - set(before))[:5]}"
+
+
 @pytest.fixture(autouse=True)
 def _scratch_save_dir(tmp_path_factory):
     """A fresh empty directory per test: tests write runs there, never into the user's outputs/run."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import schedule as sched
-from conftest import ROOT, env_without_dist
+from conftest import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import ConfigError, make_config
 from pipeline.memory import ModelShape, layer_saved_bytes_per_token
 from pipeline.model import Stage, preset_config
@@ -99,7 +99,8 @@ def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
     from pipeline.train import Trainer, resolve_model
 
     cfg = make_config(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32", num_iterations=2,
-                           num_stages=4, seq_length=128, batch_size=16, save_model=False, **kw))
+                           num_stages=4, seq_length=128, batch_size=16, save_model=False, save_metrics=False,
+                           save_dir=scratch_save_dir(), **kw))
     ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cpu")
     estimate = sum(r.host for r in ranks)
     measured = _measured_peak(Trainer(cfg, DistEnv(0, 1, 0, 1)))
