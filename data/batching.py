@@ -85,12 +85,13 @@ class Batch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             targets=self.targets.to(device, non_blocking=non_blocking),
             num_targets=self.num_targets,
-            position_ids=_to(self.position_ids, device, non_blocking),
-            segment_ids=_to(self.segment_ids, device, non_blocking),
+            position_ids=to_device(self.position_ids, device, non_blocking),
+            segment_ids=to_device(self.segment_ids, device, non_blocking),
         )
 
 
-def _to(t: torch.Tensor | None, device: torch.device | str, non_blocking: bool) -> torch.Tensor | None:
+def to_device(t: torch.Tensor | None, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor | None:
+    """``t`` on ``device``; None (an unpacked batch's position or segment ids) stays None."""
     return None if t is None else t.to(device, non_blocking=non_blocking)
 
 

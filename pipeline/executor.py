@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from offload.store import StageStore, time_point
-from schedule.ir import Action, Op, tie_covers
+from schedule.ir import Action, Op, tie_covers, tied_stages
 
 
 class ActionError(RuntimeError):
@@ -33,7 +33,7 @@ def describe(a: Action, mapping: list[int]) -> str:
         return "gradient-norm all-reduce over every rank"
     text = f"{_OP_WORDS[a.op]} of stage {a.stage}" + (f", micro-batch {a.mb}" if a.mb is not None else "")
     if a.op is Op.TIE:
-        first, last = 0, len(mapping) - 1
+        first, last = tied_stages(len(mapping))
         peer = mapping[last] if a.stage == first else mapping[first]
         return text + (f", with stage {last} on this rank" if peer == mapping[a.stage] else f", with rank {peer}")
     if a.op in (Op.FORWARD, Op.RECV_F) and a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]:

@@ -188,7 +188,7 @@ def check_files(cfg: TrainConfig) -> None:
     """Checks that read files (model, tokenizer, data, save_dir): run before any process group
     exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
     Rank 0 builds the generated model later, on first use: until then only its data is checked."""
-    from data import SAMPLE_TRAIN, DataError, check_first_records, load_records
+    from data import SAMPLE_TRAIN, check_first_records, load_records
 
     generated_missing = (cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)) and \
         not (_generated_model_dir(cfg) / "config.json").is_file()
@@ -434,11 +434,10 @@ class Trainer:
         return share[2:] if len(share) >= 6 else share
 
     def microbatches(self, batch) -> list[MicroBatch]:
-        def to(t):  # position_ids and segment_ids are None unless the rows are packed
-            return None if t is None else t.to(self.device)
+        from data.batching import to_device
 
-        return [MicroBatch(mb.input_ids.to(self.device), mb.targets.to(self.device), to(mb.position_ids),
-                           to(mb.segment_ids))
+        return [MicroBatch(*(to_device(t, self.device) for t in (mb.input_ids, mb.targets, mb.position_ids,
+                                                                   mb.segment_ids)))
                 for mb in batch.microbatches(self.cfg.num_chunks)]
 
     def evaluate(self) -> dict:
