@@ -15,7 +15,8 @@ point with one micro-batch per rank runs once (the modes are the same). Points r
 ``--budget_s`` is spent; a point whose warm-up step is over ``--prune_factor`` x the best step so
 far is recorded as ``pruned``. Without ``--micro_batches`` it runs one point, ``--micro_batch``
 (default 32: the best-known setting at 64 x 512 on 2 GPUs; 2 mis-tuned it). The rank's share of
-the cores runs the host AdamW (``torch.set_num_threads``; torchrun sets ``OMP_NUM_THREADS=1``).
+the cores runs the host AdamW (``torch.set_num_threads``; torchrun sets ``OMP_NUM_THREADS=1``), fused
+(``--adamw``: torch's default for CPU tensors is its for-loop implementation).
 The JSON (``bench/sweep.py``'s format) is rewritten after every point; its top-level step time,
 rates and peaks are the best point's.
 
@@ -74,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sync_each_micro", action="store_true",
                    help="reduce-scatter after every micro-batch instead of keeping unsharded grads until the last "
                         "(the default --sync_modes)")
+    p.add_argument("--adamw", choices=("fused", "foreach", "for-loop"), default="fused",
+                   help="torch AdamW implementation; with offload it runs on the host, where the default "
+                        "(for-loop on CPU tensors) is several times slower than the fused CPU kernel")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0: off), as the "
                    "other rows do")
@@ -237,7 +241,8 @@ def main() -> None:
     try:
         model = build_model(config, device, args.offload)
         n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[args.adamw]
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **impl)
     except Exception as e:
         if not is_oom(e):
             raise
@@ -253,7 +258,7 @@ def main() -> None:
         num_micro = per_rank // micro_batch
         cfg = {"micro_batch_per_rank": micro_batch, "num_micro_batches": num_micro, "grad_sync": mode,
                "offload": args.offload, "grad_clip": args.grad_clip, "mem_cap_gb": args.mem_cap_gb,
-               "threads_per_rank": torch.get_num_threads(), "activation_checkpointing": True}
+               "threads_per_rank": torch.get_num_threads(), "adamw": args.adamw, "activation_checkpointing": True}
         elapsed = agree_max(time.perf_counter() - t_start, device)
         best = sweep.best_step(points, "fsdp2")
         # The warm-up steps must fit at about the best step so far (the first point always runs);

@@ -55,6 +55,7 @@ TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^
                          r"prediction error ([+-]?[\d.]+)%")
 MAPPING_RE = re.compile(r"(mapping (?:auto|cross|round_robin|sequential|manual)\b[^:]*:.*)$", re.M)
 RESIDENT_RE = re.compile(r"offload: (\d+) of (\d+) stages per GPU stay resident")
+KEPT_RE = re.compile(r"recompute: (\d+) of (\d+) decoder layers keep their activations")
 BREAKDOWN = ("compute", "load_wait", "offload_wait", "optimizer_wait")
 
 
@@ -102,10 +103,12 @@ def parse_log(log: str) -> dict:
     mapping = MAPPING_RE.search(log)
     tl = TIMELINE_RE.search(log)
     resident = RESIDENT_RE.search(log)
+    kept = KEPT_RE.search(log)
     measured, predicted, err = (float(v) for v in tl.groups()) if tl else (None, None, None)
     return {"mapping_line": mapping[1].strip() if mapping else None, "measured_timeline_step_s": measured,
             "predicted_step_s": predicted, "prediction_error_pct": err,
-            "resident_stages": f"{resident[1]}/{resident[2]}" if resident else None}
+            "resident_stages": f"{resident[1]}/{resident[2]}" if resident else None,
+            "kept_layers": f"{kept[1]}/{kept[2]}" if kept else None}
 
 
 def run_row(name: str, args, out: Path, timeout: float) -> dict:
@@ -134,7 +137,7 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
                         "--use_prefetch" if mode in ("prefetch", "hybrid", "delayed") else "--no_prefetch",
-                        "--resident_stages", "-1" if mode == "hybrid" else "0"]
+                        "--resident_stages", "-1" if mode == "hybrid" else "0", "--keep_layers", str(args.keep_layers)]
         cmd += ["--delayed_update"] if mode == "delayed" else []
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", mapping, "--timeline"] if mapping else []
@@ -189,6 +192,12 @@ def summarise(res: dict, mode: str, args) -> dict:
     }
 
 
+def describe(row: dict) -> str:
+    """What main.py chose for a row: the resident stages (hybrid) and the layers kept from recompute."""
+    chosen = ((row.get("resident_stages"), "stages resident"), (row.get("kept_layers"), "layers kept"))
+    return ", ".join(f"{value} {what}" for value, what in chosen if value and not value.startswith("0/"))
+
+
 def fmt(v: float | None, p: int = 2) -> str:
     return "-" if v is None else f"{v:.{p}f}"
 
@@ -203,8 +212,7 @@ def table(rows: list[dict]) -> str:
         if r.get("status") != "ok":
             lines.append(f"| {r['row']} | {r.get('status')} |" + " |" * 14)
             continue
-        kept = r.get("resident_stages")
-        name = f"{r['row']} ({kept} stages resident)" if r.get("mode") == "hybrid" and kept else r["row"]
+        name = f"{r['row']} ({describe(r)})" if describe(r) else r["row"]
         parts = " | ".join(fmt(r.get(k)) for k in (*(f"{k}_s" for k in BREAKDOWN), "other_s", "gc_s"))
         lines.append(f"| {name} | ok | {fmt(r['step_time_s'])} | {parts} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['tflops_per_gpu'], 1)} | {fmt(r['peak_allocated_gb'], 1)} | "
@@ -272,6 +280,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations (the first steps also fault in host memory)")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--keep_layers", type=int, default=-1, help="main.py's keep_layers for every row (-1 = auto)")
     p.add_argument("--budget_s", type=float, default=540)
     p.add_argument("--row_timeout_s", type=float, default=240)
     p.add_argument("--out", default="bench_results")

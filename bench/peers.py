@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload_bench  # noqa: E402
 import sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,9 +138,8 @@ def our_rows(rows_json: dict, gpus: int, tokens_per_step: int) -> list[dict]:
             out.append({"system": f"mmoc-pipe {r['row']}", "status": r.get("status")})
             continue
         n = sweep.MODEL_PARAMS.get(r.get("model") or "llama-2-7b")
-        kept = r.get("resident_stages")
         out.append({"system": f"mmoc-pipe {r['row']}", "status": "ok",
-                    "config": f"{kept} stages resident" if kept else "-", "exact": "delayed" not in r["row"],
+                    "config": offload_bench.describe(r) or "-", "exact": "delayed" not in r["row"],
                     "step_time_s": r["step_time_s"], "peak_allocated_gib": r.get("peak_allocated_gb"),
                     "tokens_per_s": r.get("tokens_per_s"),
                     "tflops_per_gpu": sweep.model_tflops_per_gpu(n, tokens_per_step, r["step_time_s"], gpus)

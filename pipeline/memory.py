@@ -12,8 +12,9 @@ keeps a ledger of what the executor and the stores hold at every action.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
   layer with sdpa attention (measured with saved-tensor hooks; ``tests/test_memory.py``
   checks the formula against autograd for float32 and bfloat16), held from a stage's forward
-  to its backward; with activation checkpointing only each layer's input (and the head's:
-  the last stage recomputes its logits and loss too).
+  to its backward; with activation checkpointing only each recomputed layer's input (the
+  ``kept`` layers keep everything) and the head's: the last stage recomputes its logits and
+  loss too.
 * **In flight.** Stage inputs and outputs the executor keeps (sent tensors live until the end
   of the iteration), and the transient peak inside one forward/backward: the logits of the
   last stage, a layer's gradients, and a recomputed layer under checkpointing.
@@ -93,6 +94,12 @@ class MemoryInputs:
     checkpointing: bool
     attn: str = "sdpa"
     cpu: bool = False  # device memory is host memory: count everything once
+    # With checkpointing: per stage, how many of its (last) layers keep their activations
+    # instead of recomputing them; () = none.
+    kept: tuple[int, ...] = ()
+
+    def kept_layers(self, s: int) -> int:
+        return min(self.kept[s], self.stages[s].num_layers) if self.checkpointing and self.kept else 0
 
 
 def _weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
@@ -110,17 +117,19 @@ def _per_token(inp: MemoryInputs, s: int) -> tuple[float, float, float]:
     m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
     h, f, V = m.hidden, m.intermediate, m.vocab
     layer = layer_saved_bytes_per_token(m, d, inp.seq_len, inp.attn)
-    saved = st.num_layers * (d * h if inp.checkpointing else layer)
+    kept = inp.kept_layers(s)
+    recomputed = st.num_layers - kept if inp.checkpointing else 0  # layers that save only their input
+    saved = recomputed * d * h + (st.num_layers - recomputed) * layer
     if st.first:
         saved += 8 + (d * h if inp.checkpointing and st.num_layers else 0)  # token ids; embedding output
-    elif not inp.checkpointing and d == 4:
+    elif not recomputed and d == 4:
         saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
     fwd = bwd = 0.0
     if st.num_layers:
-        # backward of one layer: the MLP's three f-wide gradients and a few h-wide ones; under
-        # checkpointing the layer's saved tensors are recomputed first.
-        bwd = 3 * d * f + 4 * d * h + (layer if inp.checkpointing else 0)
-        fwd = 4 * d * f if inp.checkpointing else 0  # the MLP of the layer being run
+        # backward of one layer: the MLP's three f-wide gradients and a few h-wide ones; a
+        # recomputed layer's saved tensors are made again first.
+        bwd = 3 * d * f + 4 * d * h + (layer if recomputed else 0)
+        fwd = 4 * d * f if recomputed else 0  # the MLP of the layer being run
     if st.last:
         upcast = 4 * V if d < 4 else 0
         fwd = max(fwd, d * V + upcast)                 # the logits and their fp32 copy

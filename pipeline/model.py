@@ -129,7 +129,8 @@ class Stage(nn.Module):
     """One pipeline stage. ``forward`` takes token ids (first stage) or hidden states and returns
     hidden states; the last stage returns logits, or with ``targets`` the summed token loss."""
 
-    def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False):
+    def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False,
+                 kept_layers: int = 0):
         super().__init__()
         layer_cls, norm_cls, rope_cls = _arch_classes(config)
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
@@ -142,6 +143,9 @@ class Stage(nn.Module):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
         self.checkpointing = checkpointing
+        # With checkpointing, the stage's last ``kept_layers`` layers keep their activations for
+        # backward (no recompute): the memory plan picks them where memory allows.
+        self.recomputed = max(0, len(layer_ids) - kept_layers) if checkpointing else 0
         self.model = _Body()
         if self.is_first:
             self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -177,9 +181,9 @@ class Stage(nn.Module):
                 position_ids = torch.arange(seq_len, device=h.device)[None]
             position_embeddings = self.rotary_emb(h, position_ids)
             masks = {w: self._mask(seq_len, w, h, segment_ids) for w in set(self.windows)}
-            for layer, window in zip(self.model.layers.values(), self.windows):
+            for i, (layer, window) in enumerate(zip(self.model.layers.values(), self.windows)):
                 mask = masks[window]
-                if self.checkpointing and torch.is_grad_enabled():
+                if i < self.recomputed and torch.is_grad_enabled():
                     run = functools.partial(layer, attention_mask=mask, position_ids=position_ids,
                                             position_embeddings=position_embeddings)
                     h = checkpoint(run, h, use_reentrant=False)
@@ -338,10 +342,11 @@ def _read(path: Path, keys: list[str]):
 
 
 def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
-                seed: int, checkpointing: bool = False, init_device: torch.device | str = "cpu") -> Stage:
+                seed: int, checkpointing: bool = False, kept_layers: int = 0,
+                init_device: torch.device | str = "cpu") -> Stage:
     """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random."""
     with torch.device("meta"):
-        stage = Stage(config, index, num_stages, layer_ids, checkpointing)
+        stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers)
     stage = stage.to_empty(device="cpu")
     stage.tie_weights()
     _, _, rope_cls = _arch_classes(config)

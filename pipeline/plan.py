@@ -11,7 +11,7 @@ import torch
 
 import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, gib
+from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.model import partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype, needs_norm
 
@@ -32,9 +32,16 @@ def dtype_bytes(cfg: TrainConfig, device: str) -> int:
     return compute_dtype(cfg, torch.device(device)).itemsize
 
 
-def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) -> tuple[list[RankMemory], dict]:
+def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
+                kept: tuple[int, ...] | None = None) -> tuple[list[RankMemory], dict]:
     """Per-rank memory estimate of ``cfg`` and the schedule it runs (``resident_stages`` as
-    resolved by ``resolve_resident``; unresolved, -1 counts as 0)."""
+    resolved by ``resolve_resident``, ``kept`` by ``resolve_kept``; unresolved, -1 counts as 0)."""
+    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept)
+    return estimate(inp, program), program
+
+
+def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
+                   kept: tuple[int, ...] | None = None) -> tuple[MemoryInputs, dict]:
     S = cfg.num_stages
     parts, counts = partition_layers(hf_config.num_hidden_layers, S), stage_param_counts(hf_config, S)
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
@@ -44,8 +51,9 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str) ->
                           tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
-                       attn=cfg.attn_implementation, cpu=device == "cpu")
-    return estimate(inp, program), program
+                       attn=cfg.attn_implementation, cpu=device == "cpu",
+                       kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S)
+    return inp, program
 
 
 def gpu_capacity(cfg: TrainConfig) -> int | None:
@@ -101,6 +109,52 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
     return dataclasses.replace(cfg, resident_stages=k), line
 
 
+def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[int, ...], str]:
+    """Per stage, the decoder layers that keep their activations under checkpointing
+    (``keep_layers`` resolved), and a log line saying so; every layer of a stage is recomputed
+    at 0, and nothing is without ``activation_checkpointing``.
+
+    Auto (-1) gives one layer at a time to the stage whose rank's estimated peak grows least
+    (stages with few micro-batches in flight cost little), while that peak stays within
+    ``AUTO_RESIDENT_FRACTION`` of the GPU, after ``resolve_resident`` has spent its share: each
+    kept layer saves one layer forward per micro-batch in backward. Without a GPU it is 0."""
+    S = cfg.num_stages
+    layers = [len(p) for p in partition_layers(hf_config.num_hidden_layers, S)]
+    if not cfg.activation_checkpointing:
+        return (0,) * S, ""
+    device = device_type(cfg)
+    if cfg.keep_layers >= 0:
+        kept, why = [min(cfg.keep_layers, n) for n in layers], "as set"
+    elif device != "cuda":
+        kept, why = [0] * S, "auto: no GPU"
+    else:
+        limit, mapping = AUTO_RESIDENT_FRACTION * gpu_capacity(cfg), sched.round_robin(S, world_size)
+        inp, program = _memory_inputs(cfg, hf_config, mapping, device, (0,) * S)
+        kept = [0] * S
+
+        def peak_with(s: int) -> int:
+            trial = dataclasses.replace(inp, kept=tuple(k + (i == s) for i, k in enumerate(kept)))
+            return estimate_rank(trial, mapping[s], program[mapping[s]]).device_peak
+
+        peaks = {r: estimate_rank(inp, r, program[r]).device_peak for r in program}
+        trials = {s: peak_with(s) for s in range(S) if layers[s]}
+        while True:
+            fits = [(trials[s] - peaks[mapping[s]], -s) for s in trials if trials[s] <= limit]
+            if not fits:
+                break
+            s = -min(fits)[1]
+            kept[s] += 1
+            peaks[mapping[s]] = trials[s]
+            inp = dataclasses.replace(inp, kept=tuple(kept))
+            # only the estimates of this stage's rank changed
+            trials = {t: (peak_with(t) if mapping[t] == mapping[s] else peak) for t, peak in trials.items()
+                      if kept[t] < layers[t]}
+        why = f"auto: estimated peak {gib(max(peaks.values()))} within {AUTO_RESIDENT_FRACTION:.0%} of " \
+              f"{gib(gpu_capacity(cfg))}"
+    line = f"recompute: {sum(kept)} of {sum(layers)} decoder layers keep their activations, per stage {kept} ({why})"
+    return tuple(kept), line
+
+
 def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainConfig]]:
     """The levers a user has, each as the config it gives."""
     alts = []
@@ -151,9 +205,9 @@ class Assessment:
         return self.gpu_fits and self.host_fits
 
 
-def assess(cfg: TrainConfig, hf_config, mapping: list[int]) -> Assessment:
+def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...] | None = None) -> Assessment:
     device = device_type(cfg)
-    ranks, program = memory_plan(cfg, hf_config, mapping, device)
+    ranks, program = memory_plan(cfg, hf_config, mapping, device, kept)
     return Assessment(ranks, program, device, gpu_capacity(cfg) if device == "cuda" else None, host_available())
 
 
@@ -167,9 +221,10 @@ def advice(cfg: TrainConfig, hf_config, world_size: int) -> list[str]:
     return out
 
 
-def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> None:
+def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
+               kept: tuple[int, ...] | None = None) -> None:
     """Raise ConfigError, with advice, when the estimate exceeds the GPU (or host) memory."""
-    a = assess(cfg, hf_config, mapping)
+    a = assess(cfg, hf_config, mapping, kept)
     if a.fits:
         return
     if not a.gpu_fits:
@@ -183,9 +238,10 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int)
     raise ConfigError(f"this configuration does not fit: it {need}{hint} (see main.py --plan)")
 
 
-def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> str:
+def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
+           kept: tuple[int, ...] | None = None) -> str:
     """The text ``--plan`` prints."""
-    a = assess(cfg, hf_config, mapping)
+    a = assess(cfg, hf_config, mapping, kept)
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
     lines = [f"plan: {cfg.num_stages} stages of {hf_config.num_hidden_layers} layers on {world_size} processes "
              f"({a.device}, {dtype_bytes(cfg, a.device) * 8}-bit compute), schedule {cfg.schedule}, "
@@ -215,4 +271,4 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> 
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report", "resolve_resident"]
+__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report", "resolve_kept", "resolve_resident"]

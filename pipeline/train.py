@@ -171,6 +171,8 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if not -1 <= cfg.resident_stages <= per_rank:
         raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
                           f"(the stages per process)")
+    if cfg.keep_layers < -1:
+        raise ConfigError(f"keep_layers ({cfg.keep_layers}) must be -1 (auto) or >= 0 (layers per stage)")
     if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
@@ -314,8 +316,9 @@ def check_tied_steps(cfg: TrainConfig, mapping: list[int]) -> None:
 class Trainer:
     """Everything one rank owns: its stages and stores, its action list, the executor."""
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None):
-        from pipeline.plan import resolve_resident
+    def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
+                 kept: tuple[int, ...] | None = None):
+        from pipeline.plan import resolve_kept, resolve_resident
 
         self.device = pick_device(cfg.device, env)
         self.dtype = compute_dtype(cfg, self.device)
@@ -325,6 +328,8 @@ class Trainer:
         hf = self.source.config
         if cfg.resident_stages < 0:  # train() decides it on rank 0; direct use (tests) here
             cfg, _ = resolve_resident(cfg, hf, env.world_size)
+        # train() decides it on rank 0 too, after the resident stages it shares the GPU with
+        self.kept = kept if kept is not None else resolve_kept(cfg, hf, env.world_size)[0]
         self.cfg, self.env = cfg, env
         S = cfg.num_stages
         # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
@@ -398,7 +403,8 @@ class Trainer:
         for s in self.stage_ids:
             t0 = time.perf_counter()
             stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
-                                checkpointing=cfg.activation_checkpointing, init_device=self.device)
+                                checkpointing=cfg.activation_checkpointing, kept_layers=self.kept[s],
+                                init_device=self.device)
             stage.rotary_emb.to(self.device)
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
@@ -648,8 +654,9 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
     cfg, resident = plan_mod.resolve_resident(cfg, source.config, world_size)
-    text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size)
-    text += f"\n{resident}" if resident else ""
+    kept, recompute = plan_mod.resolve_kept(cfg, source.config, world_size)
+    text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size, kept)
+    text += "".join(f"\n{line}" for line in (resident, recompute) if line)
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
@@ -657,22 +664,27 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
-    from pipeline.plan import check_fits, resolve_resident
+    from pipeline.plan import check_fits, resolve_kept, resolve_resident
 
     check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
-    # Rank 0 decides the resident stages (auto reads its GPU's size); every rank runs its choice.
+    # Rank 0 decides the resident stages, then the layers that keep their activations (auto
+    # reads its GPU's size); every rank runs its choice.
+    kept = None
     if env.rank == 0:
         cfg, line = resolve_resident(cfg, source.config, env.world_size)
-        if line:
-            print(line, flush=True)
+        kept, recompute = resolve_kept(cfg, source.config, env.world_size)
+        for text in (line, recompute):
+            if text:
+                print(text, flush=True)
     cfg = dataclasses.replace(cfg, resident_stages=broadcast_object(cfg.resident_stages))
+    kept = broadcast_object(kept)
     # Before any weight is read: a run that cannot fit stops here, with advice. Any mapping the
     # placement picks gives each rank the stages of some rank under round-robin, so the per-rank
     # estimates are the same.
-    check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size)
-    trainer = Trainer(cfg, env, source)
+    check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size, kept)
+    trainer = Trainer(cfg, env, source, kept)
     history = trainer.train()
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already

@@ -70,7 +70,11 @@ def test_parse_log():
     assert seq["prediction_error_pct"] == 25.0
     assert bench.parse_log("nothing here") == {"mapping_line": None, "measured_timeline_step_s": None,
                                                "predicted_step_s": None, "prediction_error_pct": None,
-                                               "resident_stages": None}
+                                               "resident_stages": None, "kept_layers": None}
+    chosen = bench.parse_log("offload: 3 of 8 stages per GPU stay resident, AdamW state included: ...\n"
+                             "recompute: 4 of 32 decoder layers keep their activations, per stage [0, 2, 2] (auto)")
+    assert bench.describe({**chosen, "mode": "hybrid"}) == "3/8 stages resident, 4/32 layers kept"
+    assert bench.describe({"resident_stages": "0/8", "kept_layers": "0/32"}) == ""
     hybrid = bench.parse_log("offload: 1 of 4 stages per GPU stay resident, AdamW state included: each rank's "
                              "first 1 (auto: estimated peak 30.12 GiB within 80% of 48.00 GiB)")
     assert hybrid["resident_stages"] == "1/4"

@@ -78,6 +78,18 @@ def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
 
 
+@pytest.mark.parametrize("schedule,keep", [("1f1b", 1), pytest.param("gpipe", 2, marks=pytest.mark.slow)])
+def test_kept_layers_match_reference(tiny_model_dir, schedule, keep):
+    """Checkpointing that keeps some layers' activations (``keep_layers``: the stages' last
+    layers run without recompute) trains the same."""
+    cfg = _cfg(tiny_model_dir, schedule=schedule, num_stages=2, use_offload=True, activation_checkpointing=True,
+               keep_layers=keep)
+    trainer = in_process_trainer(cfg)
+    assert all(stage.recomputed == len(stage.model.layers) - keep for stage in trainer.stages.values())
+    history = trainer.train()
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
+
+
 @pytest.mark.slow
 def test_truncated_model_matches_reference(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")

@@ -162,6 +162,51 @@ def test_auto_resident_stages_use_the_spare_gpu_memory():
         .resident_stages == 1
 
 
+def test_auto_kept_layers_fill_the_spare_gpu_memory():
+    """keep_layers -1 keeps activations layer by layer, cheapest first, while the estimate stays
+    within the auto share of the GPU: one layer more on any stage would not fit, and the last
+    stages (one micro-batch in flight under 1F1B) keep before the first ones (a pipeline's depth)."""
+    from pipeline import plan
+
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", schedule="1f1b", num_stages=16, num_chunks=16, batch_size=64, seq_length=512,
+                use_offload=True, resident_stages=0, activation_checkpointing=True, keep_layers=-1, device="cuda",
+                dtype="bfloat16")
+    mapping = sched.round_robin(16, 2)
+    peak = lambda cfg, kept: max(r.device_peak for r in plan.memory_plan(cfg, hf, mapping, "cuda", kept)[0])  # noqa: E731
+    for gb in (24, 48):
+        cfg = make_config({**base, "gpu_memory_gb": gb})
+        kept, line = plan.resolve_kept(cfg, hf, 2)
+        limit = plan.AUTO_RESIDENT_FRACTION * gb * 2**30
+        assert peak(cfg, kept) <= limit and f"{sum(kept)} of 32 decoder layers" in line, line
+        assert peak(cfg, kept) > peak(cfg, (0,) * 16)
+        for s in range(16):
+            if kept[s] < 2:
+                more = tuple(k + (i == s) for i, k in enumerate(kept))
+                assert peak(cfg, more) > limit, (gb, s, kept)
+        assert kept[-1] >= kept[0] and list(kept) == sorted(kept), kept
+    assert sum(plan.resolve_kept(make_config({**base, "gpu_memory_gb": 48}), hf, 2)[0]) > \
+        sum(plan.resolve_kept(make_config({**base, "gpu_memory_gb": 24}), hf, 2)[0]) > 0
+    # Without a GPU nothing is kept; a value given is used; without checkpointing there is nothing to choose.
+    assert plan.resolve_kept(make_config({**base, "device": "cpu"}), hf, 2)[0] == (0,) * 16
+    assert plan.resolve_kept(make_config({**base, "keep_layers": 1}), hf, 2)[0] == (1,) * 16
+    assert plan.resolve_kept(make_config({**base, "activation_checkpointing": False}), hf, 2) == ((0,) * 16, "")
+
+
+def test_kept_layers_count_their_activations():
+    """A kept layer's saved bytes replace its checkpointed input; keeping them all is the
+    estimate without checkpointing, the head aside (it is recomputed either way)."""
+    from pipeline.memory import MemoryInputs, StagePlan, _per_token
+
+    m = ModelShape.of(preset_config("llama-2-7b"))
+    stages = [StagePlan(1, 4, False, False)]
+    inp = lambda ckpt, kept: MemoryInputs(m, stages, [0], 4, 512, 2, False, ckpt, kept=kept)  # noqa: E731
+    layer = layer_saved_bytes_per_token(m, 2, 512)
+    none, one, every = list(_per_token(inp(True, (k,)), 0)[0] for k in (0, 1, 4))
+    plain = _per_token(inp(False, ()), 0)[0]
+    assert one - none == layer - 2 * m.hidden and every == plain
+
+
 def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     from pipeline import plan
 

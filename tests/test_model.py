@@ -105,3 +105,23 @@ def test_preset_weights_do_not_depend_on_the_partition():
     for k in whole:
         assert torch.equal(whole[k], split[k]), k
     assert sum(v.numel() for v in whole.values()) == stage_num_params(cfg, range(4), True, True)
+
+
+@pytest.mark.parametrize("kept,last,expected", [(0, False, 3), (1, False, 2), (3, False, 0), (5, False, 0),
+                                                (1, True, 3)])
+def test_kept_layers_skip_their_recompute(monkeypatch, kept, last, expected):
+    """With checkpointing, a stage recomputes its first ``len - kept`` layers (and, last, its
+    head and loss); the kept layers run plainly."""
+    import pipeline.model as model_mod
+    from transformers import LlamaConfig
+
+    calls = []
+    real = model_mod.checkpoint
+    monkeypatch.setattr(model_mod, "checkpoint", lambda fn, *a, **kw: calls.append(fn) or real(fn, *a, **kw))
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      vocab_size=64)
+    stage = model_mod.Stage(cfg, 1 if last else 0, 2, range(3), checkpointing=True, kept_layers=kept)
+    x = torch.randn(2, 8, 32, requires_grad=True) if last else torch.randint(64, (2, 8))
+    out = stage(x, torch.randint(64, (2, 8))) if last else stage(x)
+    out.sum().backward()
+    assert len(calls) == expected
