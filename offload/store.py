@@ -275,6 +275,9 @@ class StageStore:
         self._progress: StepProgress | None = None
         self._refresh_future: Future | None = None  # optimizer thread: ``work`` from the masters
         self._work_reads: list = []  # delayed: load-stream ends of this iteration's copies out of ``work``
+        # data parallel: ``master_grad`` holds the replicas' sum (``reduce_grads``); a resident
+        # stage's step must not copy its own device gradient over it again
+        self._grads_summed = False
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
 
@@ -476,9 +479,20 @@ class StageStore:
             if self._grads_event is not None:
                 self._grads_event.synchronize()  # host sync (optimizer thread): the CPU reads the D2H copy
                 self._grads_event = None
-        elif self.grad is not self.master_grad:
+        elif self.grad is not self.master_grad and not self._grads_summed:
             self.master_grad.copy_(self.grad)
         return self.master_grad
+
+    def reduce_grads(self, reduce) -> None:
+        """Data parallelism (main thread, before NORM or STEP): ``reduce(master_grad)`` replaces
+        this iteration's fp32 gradient in place by its sum over the replicas. A squared norm the
+        OFFLOAD queued is of the local gradient: it is awaited (it also waited for the copy to
+        land) and dropped, and ``grad_sq_norm`` takes the norm of the sum instead."""
+        future, self._norm_future = self._norm_future, None
+        if future is not None:
+            future.result()  # host wait: the optimizer thread saw the gradients land
+        reduce(self._grads_ready())
+        self._grads_summed = True
 
     def tied_grad(self) -> torch.Tensor:
         """The device gradient of the tied matrix (a view into ``grad``: the TIE action sums the
@@ -533,6 +547,7 @@ class StageStore:
                     self.grad.zero_()
                     if self.master_grad is not self.grad:
                         self.master_grad.zero_()
+                self._grads_summed = False
             finally:
                 if progress is not None:
                     progress.close()
@@ -590,10 +605,12 @@ class StageStore:
             # The device buffer went back to the pool at OFFLOAD and is zeroed by the next first
             # backward; master_grad is overwritten by the next OFFLOAD's copy.
             self._norm_future = None
+            self._grads_summed = False
             return
         self.grad.zero_()
         if self.master_grad is not self.grad:
             self.master_grad.zero_()
+        self._grads_summed = False
 
     def wait_step(self) -> None:
         """Host wait for this stage's optimizer step and ``work`` refresh; re-raises their errors here."""

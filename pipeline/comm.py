@@ -31,24 +31,33 @@ def channels_for(mapping: list[int]) -> list[Channel]:
 class P2P:
     """Async send/recv on per-channel groups. Returned works are waited on by the executor."""
 
-    def __init__(self, mapping: list[int], timeout_s: float | None = None, tied: bool = False):
+    def __init__(self, mapping: list[int], timeout_s: float | None = None, tied: bool = False,
+                 replicas: int = 1):
         """``tied``: the first and last stage hold copies of a tied matrix; when they are on two
-        ranks, those two get a group of their own for the TIE all-reduce."""
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        ranks, those two get a group of their own for the TIE all-reduce.
+
+        ``replicas``: the world is that many pipelines of ``P = world / replicas`` ranks
+        (``pipeline.replicas``: global rank = replica * P + pipeline rank). ``rank``, ``send``'s
+        ``dst`` and ``recv``'s ``src`` are pipeline ranks; each replica gets its own groups."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        size = world // replicas
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.rank, self.base = me % size, me - me % size  # pipeline rank; global rank of pipeline rank 0
         self.groups = {}
         self.tie_group = None
         # new_group's own default is 30 min whatever the default group's: pass the run's timeout on
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        for src, dst in channels_for(mapping):
-            group = dist.new_group(sorted((src, dst)), timeout=timeout)  # collective: every rank calls
-            if self.rank in (src, dst):
-                self.groups[(src, dst)] = group
         pair = sorted({mapping[s] for s in tied_stages(len(mapping))})
-        if tied and len(pair) == 2:
-            # after the channels, on every rank alike: group creation is collective
-            group = dist.new_group(pair, timeout=timeout)
-            if self.rank in pair:
-                self.tie_group = group
+        for base in range(0, world, size):  # every replica's groups, in replica order, on every rank
+            for src, dst in channels_for(mapping):
+                group = dist.new_group(sorted((base + src, base + dst)), timeout=timeout)  # collective
+                if base == self.base and self.rank in (src, dst):
+                    self.groups[(src, dst)] = group
+            if tied and len(pair) == 2:
+                # after the channels, on every rank alike: group creation is collective
+                group = dist.new_group([base + r for r in pair], timeout=timeout)
+                if base == self.base and self.rank in pair:
+                    self.tie_group = group
 
     def all_reduce_tied(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place with the other tied copy's rank (blocking on the host with gloo;
@@ -56,7 +65,7 @@ class P2P:
         dist.all_reduce(tensor, group=self.tie_group)
 
     def send(self, tensor: torch.Tensor, dst: int):
-        return dist.isend(tensor, dst=dst, group=self.groups[(self.rank, dst)])
+        return dist.isend(tensor, dst=self.base + dst, group=self.groups[(self.rank, dst)])
 
     def recv(self, tensor: torch.Tensor, src: int):
-        return dist.irecv(tensor, src=src, group=self.groups[(src, self.rank)])
+        return dist.irecv(tensor, src=self.base + src, group=self.groups[(src, self.rank)])

@@ -116,8 +116,12 @@ class IterationResult:
 class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                 grad_clip: float, timeline=None):
+                 grad_clip: float, timeline=None, replicas=None):
+        """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
+        ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
+        its peers in the other replicas before NORM (or, without NORM, before the stage's STEP)."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
+        self.replicas = replicas
         self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
         self.num_stages = len(mapping)
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
@@ -146,6 +150,7 @@ class Executor:
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
+        self.summed: set[int] = set()  # stages whose gradient is summed over the replicas (data parallel)
         self.has_norm = any(a.op is Op.NORM for a in actions)
         self.clock = StepClock(self.device.type == "cuda")
         with torch.set_grad_enabled(train):
@@ -261,12 +266,24 @@ class Executor:
         else:
             self.p2p.all_reduce_tied(grads[0])
 
+    def _sum_over_replicas(self, s: int) -> None:
+        """Data parallelism: stage ``s``'s gradient becomes the sum of its D replicas' (the whole
+        global batch's: each replica's loss is normalised by the global target count). Once per
+        iteration, before the norm or the step reads it; every peer runs the same list, so the
+        peers of a position meet here in the same order."""
+        if self.replicas is not None and s not in self.summed:
+            self.stores[s].reduce_grads(self.replicas.sum_)
+            self.summed.add(s)
+
     def _norm(self, a: Action) -> None:
         before = self.clock.mark()
+        for s in sorted(self.stores):
+            self._sum_over_replicas(s)
         sq = sum(self.stores[s].grad_sq_norm().to(self.device) for s in sorted(self.stores))
         self.clock.span("offload_wait", before, self.clock.mark())  # the gradient offloads and their norms
         if dist.is_initialized():
-            dist.all_reduce(sq)
+            # with replicas, over this replica's ranks: every replica now holds the same gradients
+            dist.all_reduce(sq, group=self.replicas.pipeline_group if self.replicas is not None else None)
         norm = sq.sqrt() / self.loss_scale  # the gradients carry the loss scale
         self.grad_norm = float(norm)  # host sync: the norm is logged and gates the steps anyway
         if not math.isfinite(self.grad_norm):
@@ -286,6 +303,7 @@ class Executor:
         if self.skip_step:
             self.stores[a.stage].discard_grads()
         else:
+            self._sum_over_replicas(a.stage)
             span = self.stores[a.stage].step(self.lr, self.clip_coef)
             if self.timeline is not None:
                 self.timeline.add(a, span)

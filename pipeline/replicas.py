@@ -1,0 +1,130 @@
+"""Data-parallel replicas of the pipeline (``data_parallel: D``).
+
+The world of ``D x P`` processes is D replicas of one P-rank pipeline. Global rank
+``g = replica * P + position``: the ranks of one replica are consecutive, so torchrun (which
+numbers a node's processes consecutively) keeps a replica on one node whenever a node has at
+least P processes. Everything below the trainer (schedules, mapping, executor, p2p) sees only
+the pipeline position, 0..P-1, exactly as a run of one pipeline does.
+
+Each replica runs ``num_chunks / D`` of the global batch's micro-batches (replica r the r-th
+contiguous share), each of the same size as with one pipeline, and normalises its loss by the
+global batch's target count. So the replicas' gradients and losses are partial sums of the
+global batch's, and the sum over the D peers of a stage (``GradSync``) is that stage's gradient
+of the whole batch: no averaging, the same normalisation as one pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one process sits among ``data_parallel`` replicas of a ``pipeline_size``-rank pipeline."""
+
+    rank: int            # global rank
+    data_parallel: int   # D
+    pipeline_size: int   # P
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pipeline_size
+
+    @property
+    def position(self) -> int:
+        """The pipeline rank: what schedules, mappings and the executor call ``rank``."""
+        return self.rank % self.pipeline_size
+
+    def global_rank(self, position: int, replica: int | None = None) -> int:
+        """The global rank of ``position`` in ``replica`` (default: this process's replica)."""
+        return (self.replica if replica is None else replica) * self.pipeline_size + position
+
+    def peers(self, position: int | None = None) -> list[int]:
+        """Global ranks of ``position`` (default: this one) in every replica, replica order."""
+        p = self.position if position is None else position
+        return [r * self.pipeline_size + p for r in range(self.data_parallel)]
+
+
+def layout(cfg: TrainConfig, rank: int, world_size: int) -> Layout:
+    return Layout(rank, cfg.data_parallel, world_size // cfg.data_parallel)
+
+
+def check_replicas(cfg: TrainConfig, world_size: int) -> int:
+    """Raise ConfigError unless ``world_size`` processes form ``data_parallel`` whole pipelines
+    whose micro-batches split the global batch evenly; return the pipeline size P."""
+    D = cfg.data_parallel
+    if D < 1 or world_size % D:
+        raise ConfigError(f"data_parallel ({D}) must be >= 1 and divide the number of processes ({world_size}); "
+                          f"e.g. launch {max(D, 1) * max(world_size // max(D, 1), 1)} processes, or data_parallel 1")
+    if cfg.num_chunks % D:
+        raise ConfigError(f"num_chunks ({cfg.num_chunks}) must be divisible by data_parallel ({D}): each replica "
+                          f"runs num_chunks / data_parallel of the global batch's micro-batches; "
+                          f"e.g. num_chunks={D * max(cfg.num_chunks // D, 1)}")
+    return world_size // D
+
+
+def replica_config(cfg: TrainConfig) -> TrainConfig:
+    """What one replica runs, as the config of a single pipeline: ``batch_size / D`` rows in
+    ``num_chunks / D`` micro-batches of the same size. Schedules, placement and the memory plan
+    take this; data and checkpoints keep the global config."""
+    D = cfg.data_parallel
+    if D == 1:
+        return cfg
+    return dataclasses.replace(cfg, batch_size=cfg.batch_size // D, num_chunks=cfg.num_chunks // D,
+                               data_parallel=1)
+
+
+def replica_share(items: list, lay: Layout) -> list:
+    """This replica's contiguous 1/D of ``items`` (the global batch's micro-batches)."""
+    n = len(items) // lay.data_parallel
+    return items[lay.replica * n:(lay.replica + 1) * n]
+
+
+class GradSync:
+    """The process groups across replicas and the sums over them.
+
+    Group creation is collective over the whole world: every rank creates every position's
+    group, in position order, and keeps its own. With NCCL a second, gloo group per position
+    carries host tensors (the fp32 gradients of offloaded stages live in host memory)."""
+
+    def __init__(self, lay: Layout, timeout_s: float | None = None):
+        self.layout = lay
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        host_too = dist.get_backend() != "gloo"
+        self.group = self.host_group = self.pipeline_group = None
+        for p in range(lay.pipeline_size):
+            ranks = lay.peers(p)
+            group = dist.new_group(ranks, timeout=timeout)  # collective: every rank calls
+            host = dist.new_group(ranks, timeout=timeout, backend="gloo") if host_too else group
+            if p == lay.position:
+                self.group, self.host_group = group, host
+        for r in range(lay.data_parallel):  # the NORM all-reduce stays within a replica
+            group = dist.new_group([lay.global_rank(p, r) for p in range(lay.pipeline_size)], timeout=timeout)
+            if r == lay.replica:
+                self.pipeline_group = group
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over this position's D peers (blocking on the host with gloo)."""
+        dist.all_reduce(tensor, group=self.host_group if tensor.device.type == "cpu" else self.group)
+
+    def reducer(self) -> Callable[[torch.Tensor], None]:
+        return self.sum_
+
+    def sum_loss(self, loss: float | None) -> float | None:
+        """The global batch's loss from each replica's share (loss positions only; the peers of
+        a position all call it or none does)."""
+        if loss is None:
+            return None
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t, group=self.host_group)
+        return float(t)
+
+
+__all__ = ["GradSync", "Layout", "check_replicas", "layout", "replica_config", "replica_share"]

@@ -1,0 +1,153 @@
+"""data_parallel: D replicas of a P-rank pipeline train exactly as one pipeline on the same global batch.
+
+L0/L1: the layout of ranks, the replica's config and share of the batch, the pre-launch errors.
+L2 (slow): 4 processes as 2 replicas x 2 ranks == 2 processes x the same stages (gloo, float32),
+with and without offload; the same with two torchrun "nodes" on this machine.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, env_without_dist
+from pipeline.config import ConfigError, make_config
+from pipeline.replicas import Layout, check_replicas, replica_config, replica_share
+from pipeline.train import check_config
+from test_equivalence import _cfg, _flags, run_torchrun
+
+RTOL = 1e-6  # only the order of two float32 sums differs (micro-batch gradients, replica losses)
+
+
+# --- L0 / L1 ---------------------------------------------------------------------------------------
+def test_layout_keeps_a_replica_on_consecutive_ranks():
+    lay = Layout(rank=5, data_parallel=2, pipeline_size=4)
+    assert (lay.replica, lay.position) == (1, 1)
+    assert lay.global_rank(3) == 7 and lay.global_rank(3, replica=0) == 3
+    assert lay.peers() == [1, 5] and lay.peers(0) == [0, 4]
+
+
+def test_replica_config_and_share():
+    cfg = make_config({"batch_size": 8, "num_chunks": 4, "data_parallel": 2})
+    one = replica_config(cfg)
+    assert (one.batch_size, one.num_chunks, one.data_parallel) == (4, 2, 1)
+    assert one.batch_size // one.num_chunks == cfg.batch_size // cfg.num_chunks  # same micro-batch size
+    assert replica_config(make_config({})) == make_config({})
+    items = list(range(4))
+    assert replica_share(items, Layout(0, 2, 2)) == [0, 1]
+    assert replica_share(items, Layout(3, 2, 2)) == [2, 3]
+
+
+@pytest.mark.parametrize("world,kw,match", [
+    (4, {"data_parallel": 3}, r"data_parallel \(3\) must be >= 1 and divide the number of processes \(4\)"),
+    (4, {"data_parallel": 0}, r"data_parallel \(0\) must be >= 1"),
+    (4, {"data_parallel": 2, "num_chunks": 3, "batch_size": 9}, r"num_chunks \(3\) must be divisible by data_parallel \(2\)"),
+    (4, {"data_parallel": 2, "num_stages": 3}, r"num_stages \(3\) must be a positive multiple .* per pipeline .* \(2\)"),
+])
+def test_check_config_refuses(world, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        check_config(make_config({"device": "cpu", **kw}), world)
+
+
+def test_check_config_accepts_replicas():
+    check_config(make_config({"device": "cpu", "data_parallel": 2, "num_stages": 4, "num_chunks": 4}), 4)
+    assert check_replicas(make_config({"data_parallel": 2}), 4) == 2
+
+
+def test_prelaunch_error_is_one_line():
+    """Before any process group: one error line, exit 2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config", "", "--data_parallel", "2",
+                           "--device", "cpu", "--check_only"],
+                          cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: data_parallel (2)"), proc.stderr
+
+
+def test_plan_describes_replicas(tiny_model_dir):
+    proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config", "", "--plan", "--model",
+                           str(tiny_model_dir), "--device", "cpu", "--nproc", "4", "--data_parallel", "2",
+                           "--num_stages", "4", "--batch_size", "8", "--num_chunks", "4"],
+                          cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "on 2 processes" in proc.stdout and "2 micro-batches of 2x" in proc.stdout, proc.stdout
+    assert "data_parallel: 2 replicas of this 2-rank pipeline, 4 processes" in proc.stdout, proc.stdout
+
+
+# --- L2: several processes ---------------------------------------------------------------------------
+def _dp_cfg(model_dir, save_dir, **kw):
+    return _cfg(model_dir, schedule="gpipe", num_stages=4, save_dir=str(save_dir), save_params=True,
+                save_results=str(save_dir / "results.json"), **kw)
+
+
+def _outcome(save_dir):
+    results = json.loads((save_dir / "results.json").read_text())
+    return [row["loss"] for row in results["iterations"]], torch.load(save_dir / "params.pt", weights_only=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_pipeline(model_dir: str, save_dir: str, offload: bool):
+    """2 processes x 2 stages each, the global batch in one pipeline."""
+    from pathlib import Path
+
+    out = Path(save_dir)
+    proc = run_torchrun(2, _flags(_dp_cfg(model_dir, out, use_offload=offload)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _outcome(out)
+
+
+def _assert_same(got, want):
+    (losses, params), (ref_losses, ref_params) = got, want
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {i}: loss {a!r} vs one pipeline {b!r}"
+    assert len(losses) == len(ref_losses) and sorted(params) == sorted(ref_params)
+    for k, ref in ref_params.items():
+        diff = (params[k] - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert diff <= RTOL, f"{k}: relative difference {diff:.3e} > {RTOL}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True])
+def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offload):
+    ref = _one_pipeline(str(tiny_model_dir), str(tmp_path_factory.mktemp("one")), offload)
+    out = tmp_path_factory.mktemp("dp")
+    proc = run_torchrun(4, _flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 processes (2 replicas of 2)" in proc.stdout, proc.stdout[-2000:]
+    _assert_same(_outcome(out), ref)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine(tiny_model_dir, tmp_path_factory):
+    """Two torchrun commands, --nnodes 2 and distinct --node_rank, meet over c10d: each node runs
+    one replica of the 2-rank pipeline, and the training is that of one pipeline."""
+    ref = _one_pipeline(str(tiny_model_dir), str(tmp_path_factory.mktemp("one")), False)
+    out = tmp_path_factory.mktemp("nodes")
+    flags = _flags(_dp_cfg(tiny_model_dir, out, data_parallel=2))
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                               "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_id", "mmoc-test",
+                               "--rdzv_endpoint", f"127.0.0.1:{port}", str(ROOT / "main.py"), "--config", "", *flags],
+                              cwd=ROOT, env=env_without_dist(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for n in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    _assert_same(_outcome(out), ref)
