@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.topology import GpuLink, Topology, discover, load_topology_file
+from pipeline.topology import GpuLink, Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.model import stage_param_counts

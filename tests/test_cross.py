@@ -188,7 +188,7 @@ def test_timeline_replays_offline(cross_run):
 
 # --- L1: which GPU each rank is on; the --plan helper -------------------------------------------------
 def test_rank_topology_follows_visible_devices(monkeypatch):
-    from offload.topology import GpuLink, Topology
+    from pipeline.topology import GpuLink, Topology
     from pipeline.dist import DistEnv
     from pipeline.placement import rank_topology
 
@@ -207,7 +207,7 @@ def test_rank_topology_follows_visible_devices(monkeypatch):
 
 def test_local_gpus_follow_visible_devices(monkeypatch):
     """The optimizer's cores follow the NUMA node of the GPU a local rank really runs on."""
-    from offload.topology import GpuLink, Topology
+    from pipeline.topology import GpuLink, Topology
     from pipeline.placement import local_gpus
 
     topo = Topology([GpuLink(i, i // 2, i // 2, 25.0) for i in range(4)], source="test")
@@ -221,7 +221,7 @@ def test_local_gpus_follow_visible_devices(monkeypatch):
 
 
 def test_plan_text_for_a_config():
-    from offload.topology import GpuLink, Topology
+    from pipeline.topology import GpuLink, Topology
     from pipeline.config import make_config
     from pipeline.model import preset_config
     from pipeline.placement import plan_text

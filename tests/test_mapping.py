@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import schedule as sched
-from offload.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
+from pipeline.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
 from pipeline.timeline import (STYLE, Timeline, read_chrome_trace, timeline_size, write_chrome_trace,
                                write_run_timeline, write_timeline_png)
 from schedule.costmodel import predict, predict_steady
