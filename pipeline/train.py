@@ -27,6 +27,7 @@ from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_w
                             partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
 from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
+from pipeline.replicas import GradSync, check_replicas, layout, replica_config, replica_share
 from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
@@ -145,9 +146,11 @@ def _json_field(path: Path, key: str):
 def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -> None:
     """Checks that need no files: they run on every rank before anything is loaded.
     ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
-    if cfg.num_stages < 1 or cfg.num_stages % world_size:
+    P = check_replicas(cfg, world_size)  # data_parallel: the ranks of one pipeline
+    if cfg.num_stages < 1 or cfg.num_stages % P:
+        per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
         raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
-                          f"processes ({world_size}); e.g. num_stages={world_size * 2}")
+                          f"processes{per} ({P}); e.g. num_stages={P * 2}")
     if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
         raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
     if cfg.seq_length < 2:
@@ -157,7 +160,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
-    per_rank = cfg.num_stages // world_size
+    per_rank = cfg.num_stages // P
     if cfg.delayed_update:
         # Each of these would see or save the weights between the two that the delay keeps apart.
         clash = [name for name, on in (("use_offload off", not cfg.use_offload),
@@ -326,18 +329,26 @@ class Trainer:
             cap_gpu_memory(self.device, cfg.gpu_memory_gb)
         self.source = source or resolve_model(cfg)
         hf = self.source.config
+        # data_parallel: this process is pipeline rank ``rank`` of replica ``layout.replica``;
+        # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
+        self.layout = layout(cfg, env.rank, env.world_size)
+        rank, world = self.layout.position, self.layout.pipeline_size
         if cfg.resident_stages < 0:  # train() decides it on rank 0; direct use (tests) here
-            cfg, _ = resolve_resident(cfg, hf, env.world_size)
+            resident = resolve_resident(replica_config(cfg), hf, world)[0].resident_stages
+            cfg = dataclasses.replace(cfg, resident_stages=resident)
         # train() decides it on rank 0 too, after the resident stages it shares the GPU with
-        self.kept = kept if kept is not None else resolve_kept(cfg, hf, env.world_size)[0]
+        self.kept = kept if kept is not None else resolve_kept(replica_config(cfg), hf, world)[0]
         self.cfg, self.env = cfg, env
         S = cfg.num_stages
         # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
-        self.placement = resolve_placement(cfg, env, hf, self.device, self.dtype)
+        one = replica_config(cfg)
+        self.placement = resolve_placement(one, DistEnv(env.rank, world, env.local_rank,
+                                                        min(env.local_world_size, world)),
+                                           hf, self.device, self.dtype)
         self.mapping = self.placement.choice.stage_to_rank
-        self.start_delay_s = self.placement.choice.start_offset_s[env.rank]
+        self.start_delay_s = self.placement.choice.start_offset_s[rank]
         self.gc_clock = GcClock()
-        self.loss_rank = self.mapping[-1]
+        self.loss_rank = self.layout.global_rank(self.mapping[-1], replica=0)  # replica 0's speaks
         self.log = Log(env.rank, speaker=self.loss_rank)
         self.log.info(self.placement.choice.reason)
         # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
@@ -354,20 +365,20 @@ class Trainer:
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
         if self.tied:
             check_tied_steps(cfg, self.mapping)
-        self.schedule = sched.build(cfg.schedule, S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
+        self.schedule = sched.build(cfg.schedule, S, one.num_chunks, self.mapping, offload=cfg.use_offload,
                                     prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages,
                                     tied=self.tied)
         # Validation runs the same stages with a forward-only program: no B, no optimizer.
-        self.eval_actions = sched.build_forward(S, cfg.num_chunks, self.mapping, offload=cfg.use_offload,
+        self.eval_actions = sched.build_forward(S, one.num_chunks, self.mapping, offload=cfg.use_offload,
                                                 prefetch=cfg.use_prefetch, resident=cfg.resident_stages
-                                                )[env.rank] if cfg.eval_every else []
+                                                )[rank] if cfg.eval_every else []
         if cfg.debug_schedule and env.rank == 0:
             print(sched.format_schedule(self.schedule), flush=True)
-        self.actions = self.schedule[env.rank]
+        self.actions = self.schedule[rank]
 
         # Only this rank's stages are ever built.
         self.parts = partition_layers(hf.num_hidden_layers, S)
-        self.stage_ids = sched.stages_of(env.rank, self.mapping)
+        self.stage_ids = sched.stages_of(rank, self.mapping)
         # With offload, the stages never loaded stay on the GPU (resident_stages), AdamW included.
         loaded = sched.offloaded_stages(self.schedule)
         self.offloaded = [s for s in self.stage_ids if s in loaded]
@@ -388,9 +399,12 @@ class Trainer:
         # not torchrun's one thread.
         with intra_op_threads(len(share) or torch.get_num_threads()):
             self._build_stages(hf, weights_dir, streams, pool, workers)
-        self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s, tied=self.tied)
-        self.executor = Executor(env.rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
-                                 dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip)
+        self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s, tied=self.tied, replicas=cfg.data_parallel)
+        # after the p2p groups, on every rank alike: group creation is collective
+        self.replicas = GradSync(self.layout, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
+        self.executor = Executor(rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
+                                 dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
+                                 replicas=self.replicas)
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
         self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if self.dtype == torch.float16 else None
         if self.resume_point:
@@ -444,13 +458,19 @@ class Trainer:
 
         return [MicroBatch(*(to_device(t, self.device) for t in (mb.input_ids, mb.targets, mb.position_ids,
                                                                    mb.segment_ids)))
-                for mb in batch.microbatches(self.cfg.num_chunks)]
+                for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.layout)]
+
+    def sum_loss(self, loss: float | None) -> float | None:
+        """The global batch's loss from this replica's share (the executor's loss is this
+        replica's micro-batches' sum, each normalised by the global batch's target count)."""
+        return self.replicas.sum_loss(loss) if self.replicas is not None else loss
 
     def evaluate(self) -> dict:
         """Validation loss over ``eval_batches`` (token-weighted mean; None off the loss rank)."""
         def run(batch):
             # num_targets=1: the executor's loss is then the plain sum of the batch's token losses.
-            return self.executor.run(self.eval_actions, self.microbatches(batch), 1, 0.0, train=False).loss
+            return self.sum_loss(self.executor.run(self.eval_actions, self.microbatches(batch), 1, 0.0,
+                                                   train=False).loss)
 
         return evaluate(run, self.eval_batches)
 
@@ -462,7 +482,10 @@ class Trainer:
                           "(raise num_iterations to go on)")
             return []
         self.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
-                      f"{self.env.world_size} processes ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
+                      f"{self.env.world_size} processes"
+                      + (f" ({cfg.data_parallel} replicas of {self.layout.pipeline_size})" if cfg.data_parallel > 1
+                         else "")
+                      + f" ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
                       f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
         metrics = Metrics(self.log, speaks=self.env.rank == self.loss_rank, num_steps=cfg.num_iterations,
                           save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar)
@@ -502,6 +525,7 @@ class Trainer:
             res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
                                     loss_scale=self.scaler.scale if self.scaler else 1.0)
             self.executor.timeline = None
+            res.loss = self.sum_loss(res.loss)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: end of iteration, for honest timing
             dt = time.perf_counter() - t0
@@ -538,11 +562,13 @@ class Trainer:
 
     def new_timeline(self) -> Timeline:
         lanes = {"load": self.streams.load, "offload": self.streams.offload} if self.streams.cuda else None
-        return Timeline(self.env.rank, self.device.type, streams=lanes)
+        return Timeline(self.layout.position, self.device.type, streams=lanes)
 
     def write_timeline(self, recorded: Timeline) -> None:
         """Gather the recorded iteration to rank 0 and write the trace, Gantt and prediction (collective)."""
-        events = [e for rank_events in gather_objects(recorded.events()) for e in rank_events]
+        # replica 0's ranks: the other replicas run the same lists
+        events = [e for rank_events in gather_objects(recorded.events())[:self.layout.pipeline_size]
+                  for e in rank_events]
         if self.env.rank == 0:
             _, line = write_run_timeline(self.cfg.save_dir, events, self.schedule, self.mapping,
                                          self.placement.stage_bytes, self.placement.rank_groups)
@@ -559,10 +585,11 @@ class Trainer:
             "lr_scheduler": {"schedule": cfg.lr_schedule, "iteration": step, "last_lr": lr_at(step - 1, cfg)},
             "data": self.stream.state_dict(),
             "num_stages": cfg.num_stages, "world_size": self.env.world_size, "mapping": list(self.mapping),
+            "data_parallel": cfg.data_parallel,
             "parts": [[r.start, r.stop] for r in self.parts], "config": cfg.to_dict(),
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
-        path = checkpoint.save_training_checkpoint(Path(cfg.save_dir), step, self.stores, self.source, self.env,
+        path = checkpoint.save_training_checkpoint(Path(cfg.save_dir), step, self.saved_stores, self.source, self.env,
                                                    num_stages=cfg.num_stages, trainer_state=trainer_state,
                                                    device=self.device, keep=cfg.keep_checkpoints)
         self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
@@ -600,6 +627,11 @@ class Trainer:
         self.log.info(f"resumed from {point.path} at iteration {point.iteration}"
                       + (f"; changed since: {', '.join(changed)}" if changed else ""))
 
+    @property
+    def saved_stores(self) -> dict:
+        """The stores whose weights and AdamW state are written: replica 0's (all replicas hold the same)."""
+        return self.stores if self.layout.replica == 0 else {}
+
     def device_stats(self) -> dict:
         """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""
         out = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -623,10 +655,10 @@ class Trainer:
         cfg = self.cfg
         out = Path(cfg.save_dir)
         if cfg.save_model and not self.stopped_by:  # a stopped run's model is its last checkpoint
-            checkpoint.save_hf_model(out / "model", self.stores, self.source, self.env, cfg.num_stages)
+            checkpoint.save_hf_model(out / "model", self.saved_stores, self.source, self.env, cfg.num_stages)
             self.log.info(f"saved Hugging Face model to {out / 'model'}")
         if cfg.save_params and not self.stopped_by:
-            checkpoint.save_params(out / "params.pt", self.stores, self.env)
+            checkpoint.save_params(out / "params.pt", self.saved_stores, self.env)
             self.log.info(f"saved parameters to {out / 'params.pt'}")
         per_rank = gather_objects(history)
         if self.env.rank == 0:
@@ -640,6 +672,7 @@ class Trainer:
                                           for h in per_rank]})
             checkpoint.write_json_atomic(Path(cfg.results_path),
                                          {"config": cfg.to_dict(), "world_size": self.env.world_size,
+                                          "data_parallel": cfg.data_parallel,
                                           "iterations": rows})
         barrier()
 
@@ -653,6 +686,8 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
+    whole = cfg  # data_parallel: plan one replica's pipeline (pipeline.replicas)
+    cfg, world_size = replica_config(cfg), world_size // cfg.data_parallel
     cfg, resident = plan_mod.resolve_resident(cfg, source.config, world_size)
     kept, recompute = plan_mod.resolve_kept(cfg, source.config, world_size)
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size, kept)
@@ -660,6 +695,11 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
+    if whole.data_parallel > 1:
+        text += (f"\ndata_parallel: {whole.data_parallel} replicas of this {world_size}-rank pipeline, "
+                 f"{whole.data_parallel * world_size} processes; each replica runs {cfg.num_chunks} of the "
+                 f"{whole.num_chunks} micro-batches of the global batch of {whole.batch_size}; per-rank memory as "
+                 f"above, host memory per node times the replicas it holds")
     return text
 
 
@@ -669,12 +709,14 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
+    # data_parallel: what is planned and checked is one replica's pipeline (pipeline.replicas)
+    whole, cfg, world = cfg, replica_config(cfg), env.world_size // cfg.data_parallel
     # Rank 0 decides the resident stages, then the layers that keep their activations (auto
     # reads its GPU's size); every rank runs its choice.
     kept = None
     if env.rank == 0:
-        cfg, line = resolve_resident(cfg, source.config, env.world_size)
-        kept, recompute = resolve_kept(cfg, source.config, env.world_size)
+        cfg, line = resolve_resident(cfg, source.config, world)
+        kept, recompute = resolve_kept(cfg, source.config, world)
         for text in (line, recompute):
             if text:
                 print(text, flush=True)
@@ -683,9 +725,10 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     # Before any weight is read: a run that cannot fit stops here, with advice. Any mapping the
     # placement picks gives each rank the stages of some rank under round-robin, so the per-rank
     # estimates are the same.
-    check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, env.world_size), env.world_size, kept)
-    trainer = Trainer(cfg, env, source, kept)
+    check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, world), world, kept)
+    trainer = Trainer(dataclasses.replace(whole, resident_stages=cfg.resident_stages), env, source, kept)
     history = trainer.train()
+    cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already
     trainer.save(history)
