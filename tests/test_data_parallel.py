@@ -119,6 +119,7 @@ def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offlo
     proc = run_torchrun(4, _flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 processes (2 replicas of 2)" in proc.stdout, proc.stdout[-2000:]
+    assert json.loads((out / "results.json").read_text())["data_parallel"] == 2
     _assert_same(_outcome(out), ref)
 
 
@@ -151,3 +152,29 @@ def test_two_nodes_on_one_machine(tiny_model_dir, tmp_path_factory):
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     _assert_same(_outcome(out), ref)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, tmp_path_factory):
+    """2 replicas save a checkpoint after step 2 (written by replica 0 alone); it resumes with 2
+    replicas and with 1 alike, and step 3 then equals the uninterrupted one-pipeline run. A
+    constant lr: the runs' num_iterations differ."""
+    common = dict(lr_schedule="constant", warmup_iterations=0)
+    ref_dir = tmp_path_factory.mktemp("ref")
+    proc = run_torchrun(2, _flags(_dp_cfg(tiny_model_dir, ref_dir, **common)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref_losses, ref_params = _outcome(ref_dir)
+    first = tmp_path_factory.mktemp("first")
+    proc = run_torchrun(4, _flags(_dp_cfg(tiny_model_dir, first, data_parallel=2, num_iterations=2,
+                                          checkpoint_every=2, **common)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = first / "checkpoints" / "step_00000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["data_parallel"] == 2 and state["world_size"] == 4
+    for nproc, dp in ((4, 2), (2, 1)):
+        out = tmp_path_factory.mktemp(f"resumed{dp}")
+        proc = run_torchrun(nproc, _flags(_dp_cfg(tiny_model_dir, out, data_parallel=dp, resume=str(ckpt), **common)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resumed from" in proc.stdout, proc.stdout[-2000:]
+        losses, params = _outcome(out)
+        _assert_same((losses, params), (ref_losses[2:], ref_params))
