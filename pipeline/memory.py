@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.store import CHUNK, GRAD_CHUNK
+from pipeline.model import loss_chunk_tokens
 from schedule.ir import Action, Op, offloaded_stages
 
 GiB = 2**30
@@ -132,10 +133,12 @@ def _per_token(inp: MemoryInputs, s: int) -> tuple[float, float, float]:
         fwd = 4 * d * f if recomputed else 0  # the MLP of the layer being run
     if st.last:
         upcast = 4 * V if d < 4 else 0
-        fwd = max(fwd, d * V + upcast)                 # the logits and their fp32 copy
+        # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a time
+        share = min(1.0, loss_chunk_tokens(V) / (inp.micro_batch * inp.seq_len)) if inp.checkpointing else 1.0
+        fwd = max(fwd, (d * V + upcast) * share)       # the logits and their fp32 copy
         if inp.checkpointing:  # the head and loss are recomputed: only their input and the targets stay
             saved += d * h + 8
-            bwd = max(bwd, 12 * V + (d * V if d < 4 else 0))
+            bwd = max(bwd, (12 * V + (d * V if d < 4 else 0)) * share)
         else:
             saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
             bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))

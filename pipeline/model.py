@@ -199,7 +199,11 @@ class Stage(nn.Module):
         if self.checkpointing and torch.is_grad_enabled():
             # The head too: otherwise every micro-batch in flight keeps its fp32 log-softmax
             # (vocab floats a token, 32x the hidden state for Llama-2 7B) until its backward.
-            return checkpoint(self._loss, h, targets, use_reentrant=False)
+            # In chunks of tokens, each recomputed and differentiated on its own, so a large
+            # vocabulary's logits never exist for the whole micro-batch at once.
+            n = loss_chunk_tokens(self.lm_head.out_features)
+            chunks = zip(h.flatten(0, 1).split(n), targets.flatten().split(n))
+            return sum(checkpoint(self._loss, hc, tc, use_reentrant=False) for hc, tc in chunks)
         return self._loss(h, targets)
 
     def _mask(self, seq_len: int, window: int | None, h: torch.Tensor,
@@ -223,7 +227,18 @@ class Stage(nn.Module):
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over predicted tokens of the cross-entropy (-100 targets predict nothing)."""
         logits = self.lm_head(self.model.norm(h))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+
+
+# fp32 logits of one loss chunk under checkpointing (its backward holds about three such tensors)
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of the checkpointed loss: as many as keep a chunk's fp32 logits within
+    ``LOSS_CHUNK_BYTES`` (Llama-2's 32000 vocabulary: 2097 tokens, Llama-3's 128256: 523)."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
 
 
 def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu") -> None:
@@ -386,6 +401,7 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
 
 
-__all__ = ["PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask", "check_tied_checkpoint",
-           "init_weights_", "layer_windows", "load_weights_", "model_flops_per_token", "partition_layers",
+__all__ = ["LOSS_CHUNK_BYTES", "PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask",
+           "check_tied_checkpoint", "init_weights_", "layer_windows", "load_weights_", "loss_chunk_tokens",
+           "model_flops_per_token", "partition_layers",
            "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]

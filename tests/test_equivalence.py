@@ -90,6 +90,23 @@ def test_kept_layers_match_reference(tiny_model_dir, schedule, keep):
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
 
 
+def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
+    """Checkpointed, the last stage's head and loss run in chunks of tokens (7 here, which do not
+    divide a micro-batch's 128): the training is the same, every token counted once."""
+    import pipeline.model as model_mod
+
+    calls = []
+    real = model_mod.checkpoint
+    monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
+    monkeypatch.setattr(model_mod, "checkpoint",
+                        lambda fn, *a, **kw: calls.append(getattr(fn, "__name__", "")) or real(fn, *a, **kw))
+    cfg = _cfg(tiny_model_dir, schedule="1f1b", num_stages=2, activation_checkpointing=True)
+    trainer = in_process_trainer(cfg)
+    history = trainer.train()
+    assert calls.count("_loss") == ITERS * cfg.num_chunks * -(-cfg.batch_size // cfg.num_chunks * cfg.seq_length // 7)
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
+
+
 @pytest.mark.slow
 def test_truncated_model_matches_reference(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")

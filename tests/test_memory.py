@@ -207,6 +207,22 @@ def test_kept_layers_count_their_activations():
     assert one - none == layer - 2 * m.hidden and every == plain
 
 
+def test_checkpointed_head_counts_one_loss_chunk():
+    """A 128K vocabulary (Llama-3): checkpointed, the head's logits exist for one chunk of
+    tokens at a time, so its transient is the chunk's, not the micro-batch's; unchunked
+    (no checkpointing) it is the whole micro-batch's."""
+    from pipeline.memory import MemoryInputs, StagePlan, _per_token
+    from pipeline.model import LOSS_CHUNK_BYTES
+
+    m = ModelShape(4096, 14336, 32, 1024, 128256)
+    last = [StagePlan(1, 0, False, True)]  # the head alone
+    tokens = 4 * 2048
+    _, fwd, bwd = _per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, True), 0)
+    assert max(fwd, bwd) * tokens <= 4 * LOSS_CHUNK_BYTES
+    _, fwd, bwd = _per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, False), 0)
+    assert max(fwd, bwd) * tokens >= 4 * 128256 * tokens
+
+
 def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     from pipeline import plan
 
