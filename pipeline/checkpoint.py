@@ -179,12 +179,14 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, env: DistEnv, *, num_stages: int,
-                             trainer_state: dict, device: torch.device, keep: int) -> Path:
+                             trainer_state: dict, device: torch.device, keep: int, rank_state: bool = True) -> Path:
     """Write ``save_dir/checkpoints/step_{step}`` (see above); collective: every rank calls it.
 
     Every rank writes its own stages' shards and optimizer states and its RNG state; after a
     barrier rank 0 writes the trainer state and the COMPLETE marker last, renames the
-    directory into place and only then deletes checkpoints beyond the newest ``keep``."""
+    directory into place and only then deletes checkpoints beyond the newest ``keep``.
+    ``rank_state=False``: this rank writes no RNG state (data parallelism: only replica 0's ranks
+    write, and pass no ``stores`` in the other replicas, so those write nothing at all)."""
     final = checkpoint_dir(save_dir, step)
     tmp = final.with_name(final.name + ".partial")
     if env.rank == 0:
@@ -196,9 +198,10 @@ def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, en
         path = tmp / _stage_file(s)
         torch.save({"numel": store.numel, "optimizer": store.optimizer_state_dict()}, path)
         _fsync(path)
-    path = tmp / _rank_file(env.rank)
-    torch.save(rng_state(device), path)
-    _fsync(path)
+    if rank_state:
+        path = tmp / _rank_file(env.rank)
+        torch.save(rng_state(device), path)
+        _fsync(path)
     barrier()  # every rank's files are on disk before the marker vouches for them
     if env.rank == 0:
         write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})

@@ -591,7 +591,8 @@ class Trainer:
         }
         path = checkpoint.save_training_checkpoint(Path(cfg.save_dir), step, self.saved_stores, self.source, self.env,
                                                    num_stages=cfg.num_stages, trainer_state=trainer_state,
-                                                   device=self.device, keep=cfg.keep_checkpoints)
+                                                   device=self.device, keep=cfg.keep_checkpoints,
+                                                   rank_state=self.layout.replica == 0)
         self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 
@@ -610,11 +611,13 @@ class Trainer:
         if same_stages:
             for s, store in self.stores.items():
                 checkpoint.load_stage_state(point.path, store, s)
-            if st["world_size"] == env.world_size:
-                checkpoint.set_rng_state(checkpoint.load_rank_state(point.path, env.rank), self.device)
+            # replica 0's ranks saved theirs; every replica's pipeline rank p draws what its rank p drew
+            then = st["world_size"] // st.get("data_parallel", 1)
+            if then == self.layout.pipeline_size:
+                checkpoint.set_rng_state(checkpoint.load_rank_state(point.path, self.layout.position), self.device)
             else:  # training draws no random numbers after the initialisation, so nothing is lost
-                self.log.info(f"resume: {st['world_size']} processes then, {env.world_size} now: AdamW state "
-                              "restored per stage, RNG states not restored")
+                self.log.info(f"resume: {then} processes per pipeline then, {self.layout.pipeline_size} now: "
+                              "AdamW state restored per stage, RNG states not restored")
         elif env.rank == 0:
             self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
                           f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")

@@ -46,8 +46,10 @@ def test_replica_config_and_share():
 @pytest.mark.parametrize("world,kw,match", [
     (4, {"data_parallel": 3}, r"data_parallel \(3\) must be >= 1 and divide the number of processes \(4\)"),
     (4, {"data_parallel": 0}, r"data_parallel \(0\) must be >= 1"),
-    (4, {"data_parallel": 2, "num_chunks": 3, "batch_size": 9}, r"num_chunks \(3\) must be divisible by data_parallel \(2\)"),
-    (4, {"data_parallel": 2, "num_stages": 3}, r"num_stages \(3\) must be a positive multiple .* per pipeline .* \(2\)"),
+    (4, {"data_parallel": 2, "num_chunks": 3, "batch_size": 9},
+     r"num_chunks \(3\) must be divisible by data_parallel \(2\)"),
+    (4, {"data_parallel": 2, "num_stages": 3},
+     r"num_stages \(3\) must be a positive multiple .* per pipeline .* \(2\)"),
 ])
 def test_check_config_refuses(world, kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -171,6 +173,7 @@ def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, t
     ckpt = first / "checkpoints" / "step_00000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["data_parallel"] == 2 and state["world_size"] == 4
+    assert sorted(p.name for p in (ckpt / "train_state").glob("rank*.pt")) == ["rank00000.pt", "rank00001.pt"]
     for nproc, dp in ((4, 2), (2, 1)):
         out = tmp_path_factory.mktemp(f"resumed{dp}")
         proc = run_torchrun(nproc, _flags(_dp_cfg(tiny_model_dir, out, data_parallel=dp, resume=str(ckpt), **common)))
