@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, producer
+from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, producer, remote_producer
 
 _EPS = 1e-9  # seconds: events closer than this are simultaneous
 
@@ -208,7 +208,7 @@ def predict(
             dep = producer(a, num_stages)
             if dep is not None and dep not in done:
                 return False
-            dep_t = 0.0 if dep is None else done[dep] + (p2p_latency_s if mapping[dep.stage] != r else 0.0)
+            dep_t = 0.0 if dep is None else done[dep] + (p2p_latency_s if remote_producer(a, mapping) else 0.0)
             load_t = load_done.get(s, 0.0)
             if math.isinf(load_t):
                 return False

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from schedule.ir import Action, Op, Schedule, round_robin, stages_of
+from schedule.ir import Action, Op, Schedule, producer, round_robin, stages_of
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 # Costs the engine orders by; the simulator in validate.py uses the same defaults.
@@ -30,8 +30,13 @@ FORWARD_COST = 1.0
 BACKWARD_COST = 2.0
 
 
-def check_mapping(num_stages: int, mapping: list[int]) -> int:
-    """Return the number of ranks of a stage -> rank mapping, or raise if it is malformed."""
+def check_mapping(num_stages: int, num_microbatches: int, mapping: list[int] | None) -> tuple[list[int], int]:
+    """The stage -> rank mapping a generator uses (``mapping``, default one stage per rank) and
+    its number of ranks; raise if the arguments are malformed."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches ({num_microbatches}) must be >= 1")
+    if mapping is None:
+        mapping = round_robin(num_stages, num_stages)
     if num_stages < 1:
         raise ValueError(f"num_stages ({num_stages}) must be >= 1")
     if len(mapping) != num_stages:
@@ -41,7 +46,7 @@ def check_mapping(num_stages: int, mapping: list[int]) -> int:
     if min(mapping) < 0 or idle:
         raise ValueError(f"mapping {mapping} must give every rank 0..{num_ranks - 1} at least one stage; "
                          f"ranks without a stage: {idle}")
-    return num_ranks
+    return mapping, num_ranks
 
 
 def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[int] | None = None) -> Schedule:
@@ -59,11 +64,7 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULE_NAMES)}")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches ({num_microbatches}) must be >= 1")
-    if mapping is None:
-        mapping = round_robin(num_stages, num_stages)
-    num_ranks = check_mapping(num_stages, mapping)
+    mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping)
     # A rank's place in the pipeline is the order of its first stage (rank r under round-robin).
     firsts = sorted(range(num_ranks), key=lambda r: stages_of(r, mapping)[0])
     position = {r: i for i, r in enumerate(firsts)}
@@ -121,17 +122,10 @@ def list_schedule(
     free = {r: 0.0 for r in f_orders}
     now = 0.0
 
-    def dep(a: Action) -> Action | None:
-        if a.op is Op.FORWARD:
-            return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
-        if a.stage == num_stages - 1:
-            return Action(a.stage, Op.FORWARD, a.mb)
-        return Action(a.stage + 1, Op.BACKWARD, a.mb)
-
     def ready(a: Action | None) -> bool:
         if a is None:
             return False
-        d = dep(a)
+        d = producer(a, num_stages)
         return d is None or done.get(d, math.inf) <= now
 
     def next_f(r: int) -> Action | None:
@@ -188,11 +182,7 @@ def generate_forward(num_stages: int, num_microbatches: int, mapping: list[int] 
     stage (stage-major). Nothing waits on a backward, so the pipeline simply fills; with
     offload a stage is then resident for one interval per call (one LOAD, one DROP).
     """
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches ({num_microbatches}) must be >= 1")
-    if mapping is None:
-        mapping = round_robin(num_stages, num_stages)
-    num_ranks = check_mapping(num_stages, mapping)
+    mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping)
     f_orders = {r: [Action(s, Op.FORWARD, m) for s in stages_of(r, mapping) for m in range(num_microbatches)]
                 for r in range(num_ranks)}
     b_orders = {r: [] for r in range(num_ranks)}

@@ -137,13 +137,44 @@ def tie_covers(a: Action, mapping: list[int]) -> list[int]:
     return [s for s in tied_stages(len(mapping)) if mapping[s] == mapping[a.stage]]
 
 
+def crosses(mapping: list[int], s: int, t: int) -> bool:
+    """Whether the tensor between stage ``s`` and its neighbour ``t`` (``s - 1`` or ``s + 1``)
+    travels between ranks: ``t`` exists and runs on another rank than ``s``. Neighbours on one
+    rank pass the tensor locally, with no SEND or RECV; past either end there is no tensor."""
+    return 0 <= t < len(mapping) and mapping[t] != mapping[s]
+
+
+def peer_stage(a: Action) -> int:
+    """The neighbouring stage a SEND or RECV exchanges its tensor with: the next stage for
+    activations sent and gradients received, the previous stage for the other two."""
+    if a.op in (Op.SEND_F, Op.RECV_B):
+        return a.stage + 1
+    if a.op in (Op.SEND_B, Op.RECV_F):
+        return a.stage - 1
+    raise ValueError(f"peer_stage needs a SEND or RECV action, got {a}")
+
+
+def send_for(a: Action) -> Action:
+    """The SEND that carries compute ``a``'s output (activation or input gradient) to the
+    neighbouring stage; it exists where ``remote_consumer(a, mapping)``."""
+    if a.op not in COMPUTE_OPS:
+        raise ValueError(f"send_for needs an F or B action, got {a}")
+    return Action(a.stage, Op.SEND_F if a.op is Op.FORWARD else Op.SEND_B, a.mb)
+
+
+def recv_for(a: Action) -> Action:
+    """The RECV that brings compute ``a``'s input (activation or output gradient) from the
+    neighbouring stage; it exists where ``remote_producer(a, mapping)``."""
+    if a.op not in COMPUTE_OPS:
+        raise ValueError(f"recv_for needs an F or B action, got {a}")
+    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb)
+
+
 def peer_recv(send: Action) -> Action:
     """The RECV on the peer rank that matches ``send`` (named by the consumer's stage)."""
-    if send.op is Op.SEND_F:
-        return Action(send.stage + 1, Op.RECV_F, send.mb)
-    if send.op is Op.SEND_B:
-        return Action(send.stage - 1, Op.RECV_B, send.mb)
-    raise ValueError(f"peer_recv needs a SEND_F or SEND_B action, got {send}")
+    if send.op not in SEND_OPS:
+        raise ValueError(f"peer_recv needs a SEND_F or SEND_B action, got {send}")
+    return Action(peer_stage(send), Op.RECV_F if send.op is Op.SEND_F else Op.RECV_B, send.mb)
 
 
 Channel = tuple[int, int]  # (src rank, dst rank)
@@ -156,18 +187,14 @@ def channel(a: Action, mapping: list[int]) -> Channel:
     NCCL kernels of one device need not progress independently of each other (CUDA promises no
     concurrency between streams), so messages between a pair of ranks behave as one queue even
     on separate communicators: a receive posted ahead of the message that is really next on the
-    link waits behind it. A 1F1B program that received its first gradient before the activations
-    already sent hung 2-GPU runs whose 16 MiB messages exceed NCCL's buffers; the executor sends
-    both kinds on one communicator per rank pair, and the lowering posts receives in send order."""
-    if a.op is Op.SEND_F:
-        return mapping[a.stage], mapping[a.stage + 1]
-    if a.op is Op.SEND_B:
-        return mapping[a.stage], mapping[a.stage - 1]
-    if a.op is Op.RECV_F:
-        return mapping[a.stage - 1], mapping[a.stage]
-    if a.op is Op.RECV_B:
-        return mapping[a.stage + 1], mapping[a.stage]
-    raise ValueError(f"channel needs a SEND or RECV action, got {a}")
+    link waits behind it. A message that fits in NCCL's buffers is sent anyway; a larger one (a
+    16 MiB activation) is sent only once its receive runs, so the two ranks wait on each other
+    forever. Hence the executor sends both kinds on one communicator per rank pair, and the
+    lowering posts receives in send order."""
+    if a.op not in COMM_OPS:
+        raise ValueError(f"channel needs a SEND or RECV action, got {a}")
+    here, peer = mapping[a.stage], mapping[peer_stage(a)]
+    return (here, peer) if a.op in SEND_OPS else (peer, here)
 
 
 def producer(a: Action, num_stages: int) -> Action | None:
@@ -181,6 +208,9 @@ def producer(a: Action, num_stages: int) -> Action | None:
 
 def remote_producer(a: Action, mapping: list[int]) -> bool:
     """Whether compute ``a`` consumes a tensor made on another rank (so needs a RECV)."""
-    if a.op is Op.FORWARD:
-        return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
-    return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
+    return crosses(mapping, a.stage, peer_stage(recv_for(a)))
+
+
+def remote_consumer(a: Action, mapping: list[int]) -> bool:
+    """Whether compute ``a``'s output is consumed on another rank (so needs a SEND)."""
+    return crosses(mapping, a.stage, peer_stage(send_for(a)))

@@ -13,28 +13,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from schedule.generate import generate, generate_forward
-from schedule.ir import (COMPUTE_OPS, Action, Channel, Op, Schedule, channel, peer_recv, remote_producer, stages_of,
-                         tie_actions, tie_covers)
+from schedule.ir import (COMPUTE_OPS, Action, Channel, Op, Schedule, channel, peer_recv, recv_for, remote_consumer,
+                         remote_producer, send_for, stages_of, tie_actions, tie_covers)
 from schedule.validate import validate
-
-
-def send_of(a: Action) -> Action | None:
-    """The SEND that follows compute action ``a`` when its consumer is on another rank."""
-    if a.op is Op.FORWARD:
-        return Action(a.stage, Op.SEND_F, a.mb)
-    if a.op is Op.BACKWARD:
-        return Action(a.stage, Op.SEND_B, a.mb)
-    return None
-
-
-def _recv_for(a: Action) -> Action:
-    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb)
-
-
-def _remote_consumer(a: Action, mapping: list[int]) -> bool:
-    if a.op is Op.FORWARD:
-        return a.stage + 1 < len(mapping) and mapping[a.stage + 1] != mapping[a.stage]
-    return a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]
 
 
 def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
@@ -50,8 +31,8 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
         base[r] = []
         for a in acts:
             base[r].append(a)
-            if a.op in COMPUTE_OPS and _remote_consumer(a, mapping):
-                base[r].append(send_of(a))
+            if a.op in COMPUTE_OPS and remote_consumer(a, mapping):
+                base[r].append(send_for(a))
     # Per channel, the RECV each SEND expects, in the order the sends are issued.
     send_seq: dict[Channel, list[Action]] = {}
     for r in sorted(base):
@@ -63,7 +44,7 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
         consumer_at = {}  # recv -> index in ``acts`` of the compute that needs it
         for i, a in enumerate(acts):
             if a.op in COMPUTE_OPS and remote_producer(a, mapping):
-                consumer_at[_recv_for(a)] = i
+                consumer_at[recv_for(a)] = i
         placed = []  # (anchor index, channel, seq in channel, recv)
         for ch, recvs in send_seq.items():
             if ch[1] != r:
@@ -141,11 +122,11 @@ def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool,
     change, so no copy back), OFFLOAD after a stage's final interval (after its last backward
     and that backward's SEND). Without prefetch a LOAD sits right before the interval's first
     compute. With prefetch, interval k's LOAD moves up to where interval k-1 starts (before the
-RECV of its first compute),
-    but not before interval k-2 (or an earlier interval of the same stage) has been dropped,
-    so its copy overlaps compute and at most two intervals' parameters are resident at once;
-    the first interval loads at the start of the list. A DROP immediately followed by a LOAD
-    of the same stage cancels out: the parameters just stay resident.
+    RECV of its first compute), but not before interval k-2 (or an earlier interval of the same
+    stage) has been dropped, so its copy overlaps compute and at most two intervals' parameters
+    are resident at once; the first interval loads at the start of the list. A DROP
+    immediately followed by a LOAD of the same stage cancels out: the parameters just stay
+    resident.
     """
     out: Schedule = {}
     for r, acts in schedule.items():
@@ -154,10 +135,10 @@ RECV of its first compute),
         end_gap, start_gap = [], []
         for k, iv in enumerate(intervals):
             first = acts[iv.first]
-            leading_recv = iv.first > 0 and acts[iv.first - 1] == _recv_for(first)
+            leading_recv = iv.first > 0 and acts[iv.first - 1] == recv_for(first)
             start_gap.append(iv.first - 1 if leading_recv else iv.first)
             gap = iv.last + 1
-            if gap < len(acts) and acts[gap] == send_of(acts[iv.last]):
+            if gap < len(acts) and acts[gap] == send_for(acts[iv.last]):
                 gap += 1  # release after the SEND has been issued from the output
             end_gap.append(gap)
             inserts.append((gap, 0, k, Action(iv.stage, Op.OFFLOAD if iv.final else Op.DROP)))
@@ -210,7 +191,7 @@ def add_tie(schedule: Schedule, mapping: list[int]) -> Schedule:
             out[r] = list(acts)
             continue
         last = max(i for i, a in enumerate(acts) if a.op in COMPUTE_OPS)
-        if last + 1 < len(acts) and acts[last + 1] == send_of(acts[last]):
+        if last + 1 < len(acts) and acts[last + 1] == send_for(acts[last]):
             last += 1
         covered = {s for t in ties for s in tie_covers(t, mapping)}
         moved = [a for a in acts[:last + 1] if a.op is Op.OFFLOAD and a.stage in covered]
@@ -230,11 +211,10 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
     Without clipping an offloaded stage steps as soon as its gradients are in host memory:
     right after its OFFLOAD, on the CPU optimizer thread, overlapping the rank's remaining
     backwards. A stage on the device steps at the end of the rank's list, as with clipping: its
-    step is a few milliseconds of GPU kernels that would overlap nothing earlier, and a device
-    step in the middle of the list, with the rank's last receives not yet posted, hung the
-    first backward of 2-GPU Llama-2-7B runs with resident stages and no clipping (NCCL, over
-    PCIe and over NVLink: bench/results/2026-11-22_h200x2_callJ and callK; the cause was not
-    found, the step makes no host sync); at the end of the list they ran (callL).
+    step is a few milliseconds of GPU kernels that would overlap nothing earlier, and under NCCL
+    a device step placed before the rank's last receives are posted can deadlock the first
+    backward (the cause is not known, the step makes no host sync: docs/design.md, "Known
+    limitations"). At the end of the list every receive is already posted.
 
     With clipping every rank first finishes all its work, then NORM (a collective over all
     ranks: the global gradient norm must be known before any step), then steps its stages in

@@ -26,8 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, NoReturn
 
-from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Channel, Op, Schedule, channel,
-                         offloaded_stages, peer_recv, producer, remote_producer, tie_actions, tie_covers)
+from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Channel, Op, Schedule, channel, crosses,
+                         offloaded_stages, peer_recv, peer_stage, producer, recv_for, remote_producer, send_for,
+                         tie_actions, tie_covers)
 
 # What a forward-only (evaluation) program must not contain.
 _GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP, Op.TIE})
@@ -90,22 +91,6 @@ def _fail(schedule: Schedule, message: str, marks: Iterable[Cell] = ()) -> NoRet
     raise ScheduleError(f"{message}\n{format_grid(schedule, list(marks))}")
 
 
-def _has_peer(a: Action, mapping: list[int]) -> bool:
-    """Whether a SEND / RECV connects its stage to a neighbouring stage on another rank."""
-    s = a.stage
-    if a.op in (Op.SEND_F, Op.RECV_B):
-        return s + 1 < len(mapping) and mapping[s + 1] != mapping[s]
-    return s > 0 and mapping[s - 1] != mapping[s]
-
-
-def _recv_for(a: Action) -> Action:
-    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb)
-
-
-def _send_for(a: Action) -> Action:
-    return Action(a.stage, Op.SEND_F if a.op is Op.FORWARD else Op.SEND_B, a.mb)
-
-
 def validate(
     schedule: Schedule,
     mapping: list[int],
@@ -163,7 +148,7 @@ def validate(
             if mapping[a.stage] != r:
                 _fail(schedule, f"rank {r} step {i}: {a} is on rank {r} but stage {a.stage} belongs to rank "
                                 f"{mapping[a.stage]} (mapping {mapping})", [(r, i)])
-            if a.op in COMM_OPS and not _has_peer(a, mapping):
+            if a.op in COMM_OPS and not crosses(mapping, a.stage, peer_stage(a)):
                 _fail(schedule, f"rank {r} step {i}: {a} has no peer: the neighbouring stage is on this "
                                 f"rank or does not exist (mapping {mapping})", [(r, i)])
             if a.op in (Op.LOAD, Op.DROP):
@@ -196,11 +181,11 @@ def validate(
                 _fail(schedule, f"rank {r} step {i}: {a} runs before {src}, whose output it needs "
                                 f"(both on rank {r})", [(r, i), where[src]])
         elif not compute_only:
-            recv = _recv_for(a)
+            recv = recv_for(a)
             if recv not in where or where[recv][1] > i:
                 _fail(schedule, f"rank {r} step {i}: {a} needs {recv} posted before it (its input comes from "
                                 f"stage {src.stage} on rank {mapping[src.stage]})", [(r, i)])
-            send = _send_for(src)
+            send = send_for(src)
             if send not in where:
                 _fail(schedule, f"{src} (rank {where[src][0]}) has no {send} for {a} on rank {r}",
                       [where[src], (r, i)])
@@ -264,7 +249,7 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
         return
     for s in sorted(offloaded):
         r = mapping[s]
-        last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
+        last_b = _last_backward(where, s)
         o = where.get(Action(s, Op.OFFLOAD))
         if o is None or o[1] < last_b:
             _fail(schedule, f"rank {r}: stage {s} needs one {s}O after its last backward (step {last_b})",
@@ -295,7 +280,7 @@ def _check_tie(schedule: Schedule, mapping: list[int], where: dict[Action, Cell]
                             f"exchanged (tied embeddings)", [(r, len(schedule[r]))])
         i = where[t][1]
         for s in tie_covers(t, mapping):
-            last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
+            last_b = _last_backward(where, s)
             if i < last_b:
                 _fail(schedule, f"rank {r} step {i}: {t} runs before stage {s}'s last backward (step {last_b}); the "
                                 f"tied gradient is not complete", [(r, i), (r, last_b)])
@@ -309,8 +294,9 @@ def _check_tie(schedule: Schedule, mapping: list[int], where: dict[Action, Cell]
                             f"exchanged gradient", [(r, norms[r]), (r, i)])
 
 
-def _mbs(where: dict[Action, Cell], stage: int) -> list[int]:
-    return [a.mb for a in where if a.stage == stage and a.op is Op.BACKWARD]
+def _last_backward(where: dict[Action, Cell], stage: int) -> int:
+    """The step of ``stage``'s last backward on its rank."""
+    return max(cell[1] for a, cell in where.items() if a.stage == stage and a.op is Op.BACKWARD)
 
 
 def _check_optimizer(schedule: Schedule, mapping: list[int], where: dict[Action, Cell], norms: dict[int, int]) -> None:
@@ -321,7 +307,7 @@ def _check_optimizer(schedule: Schedule, mapping: list[int], where: dict[Action,
                         f"all ranks", [(r, i) for r, i in norms.items()])
     for s, r in enumerate(mapping):
         step = where.get(Action(s, Op.STEP))
-        last_b = max(where[Action(s, Op.BACKWARD, m)][1] for m in _mbs(where, s))
+        last_b = _last_backward(where, s)
         if step is None:
             _fail(schedule, f"rank {r}: stage {s} has no {s}S (optimizer step); every stage steps once after its "
                             f"last backward (step {last_b})", [(r, last_b)])
@@ -405,7 +391,7 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                 i, a = pc[r], acts[pc[r]]
                 start = clock[r]
                 if a.op in SEND_OPS or a.op in RECV_OPS:
-                    if not 0 <= a.stage < num_stages or not _has_peer(a, mapping):
+                    if not 0 <= a.stage < num_stages or not crosses(mapping, a.stage, peer_stage(a)):
                         _fail(schedule, f"rank {r} step {i}: {a} has no peer stage on another rank "
                                         f"(mapping {mapping})", [(r, i)])
                     ch = channel(a, mapping)
@@ -436,9 +422,9 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                             break
                         start = max(start, done[src])
                     else:
-                        slot = recv_slot.get((r, _recv_for(a)))
+                        slot = recv_slot.get((r, recv_for(a)))
                         if slot is None:
-                            _fail(schedule, f"rank {r} step {i}: {a} needs {_recv_for(a)} posted before it",
+                            _fail(schedule, f"rank {r} step {i}: {a} needs {recv_for(a)} posted before it",
                                   [(r, i)])
                         t = completion(*slot)
                         if t is None:
@@ -485,10 +471,10 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                 elif implicit:
                     lines.append(f"rank {r} step {pc[r]}: {a} waits for {producer(a, num_stages)}")
                 else:
-                    ch, k = recv_slot[(r, _recv_for(a))]
+                    ch, k = recv_slot[(r, recv_for(a))]
                     why = ("its SEND has not been issued" if k >= len(sends.get(ch, []))
                            else "an earlier message on the channel has not completed")
-                    lines.append(f"rank {r} step {pc[r]}: {a} waits for {_recv_for(a)} (message #{k} on channel "
+                    lines.append(f"rank {r} step {pc[r]}: {a} waits for {recv_for(a)} (message #{k} on channel "
                                  f"rank {ch[0]} -> rank {ch[1]}): {why}")
             marks.append((r, pc[r]))
         _fail(schedule, "deadlock: no rank can progress\n  " + "\n  ".join(lines), marks)

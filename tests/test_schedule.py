@@ -22,6 +22,7 @@ from schedule import (
     stages_of,
     validate,
 )
+from schedule.ir import channel, crosses, peer_stage, recv_for, remote_consumer, remote_producer, send_for
 
 NAMES = ["gpipe", "1f1b", "interleaved"]
 MICROBATCHES = [1, 2, 3, 4, 5, 8]
@@ -80,6 +81,26 @@ def test_action_str_parse_round_trip(op):
 def test_action_parse_rejects(text):
     with pytest.raises(ValueError, match="cannot parse"):
         Action.parse(text)
+
+
+def test_crosses_is_the_one_neighbour_rule():
+    mapping = [0, 0, 1, 0]  # stages 0 and 1 share rank 0; 1 -> 2 -> 3 cross ranks
+    assert [crosses(mapping, s, s + 1) for s in range(4)] == [False, True, True, False]  # no stage 4
+    assert [crosses(mapping, s, s - 1) for s in range(4)] == [False, False, True, True]  # no stage -1
+    for s in range(4):
+        f, b = Action(s, Op.FORWARD, 1), Action(s, Op.BACKWARD, 1)
+        assert (remote_producer(f, mapping), remote_consumer(f, mapping)) == (crosses(mapping, s, s - 1),
+                                                                              crosses(mapping, s, s + 1))
+        assert (remote_producer(b, mapping), remote_consumer(b, mapping)) == (crosses(mapping, s, s + 1),
+                                                                              crosses(mapping, s, s - 1))
+        for a in (f, b):
+            if remote_consumer(a, mapping):  # what this compute sends, the consumer's compute receives
+                consumer = Action(peer_stage(send_for(a)), a.op, a.mb)
+                assert peer_recv(send_for(a)) == recv_for(consumer)
+                assert channel(send_for(a), mapping) == channel(recv_for(consumer), mapping)
+                assert channel(send_for(a), mapping)[0] == mapping[s]
+    with pytest.raises(ValueError, match="F or B"):
+        recv_for(Action(1, Op.SEND_F, 0))
 
 
 # ---------------------------------------------------------------- sweeps
