@@ -209,8 +209,8 @@ class StageStore:
         first stage, the head of the last, ``tie_word_embeddings``): it goes first in the flat
         buffers and is an optimizer leaf of its own, so both copies take the same AdamW kernel over
         the same shape at the same offset and come out bit for bit alike whatever the kernel's
-        vectorisation (torch promises nothing across offsets; the CPU fused kernel was seen to
-        agree across offsets and thread counts). ``tied_copy``: this is the second copy (the head),
+        vectorisation: torch promises nothing across offsets, so the layout, not the kernel,
+        keeps the copies equal. ``tied_copy``: this is the second copy (the head),
         left out of the squared norm (the tied gradient counts once) and of the saved weights."""
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
         # delayed update (offload only): ``work`` keeps the weights from before the last step, so
@@ -443,9 +443,10 @@ class StageStore:
     def _copy_out(self) -> None:
         """Chunk by chunk: to fp32 on the device (a transient of GRAD_CHUNK floats on the offload
         stream, reused chunk after chunk in stream order), then into master_grad. Nothing else
-        runs on the offload stream: with the squared norm taken here too (cuBLAS's dot, or a
-        reduction kernel), every 2-GPU 7B run with clipping hung in its first backward, a peer's
-        gradient send never received; the norm is taken on the host instead."""
+        runs on the offload stream: under NCCL a squared norm taken here on the device (cuBLAS's
+        dot or a reduction kernel) deadlocked the first backward of clipped runs, a peer's
+        gradient send never received (cause unknown; docs/design.md, "Known limitations"), so
+        ``_squared_norm`` takes the norm on the host."""
         for lo in range(0, self.numel, GRAD_CHUNK):
             chunk = self.grad[lo:lo + GRAD_CHUNK].float()  # a view when already fp32
             self.master_grad[lo:lo + GRAD_CHUNK].copy_(chunk, non_blocking=True)

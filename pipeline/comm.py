@@ -14,15 +14,15 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from schedule.ir import Channel, tied_stages
+from schedule.ir import Channel, crosses, tied_stages
 
 
 def channels_for(mapping: list[int]) -> list[Channel]:
     """Every channel the stage -> rank mapping needs, in a fixed order (group creation is collective)."""
     keys = set()
     for s in range(len(mapping) - 1):
-        a, b = mapping[s], mapping[s + 1]
-        if a != b:
+        if crosses(mapping, s, s + 1):
+            a, b = mapping[s], mapping[s + 1]
             keys.add((a, b))  # activations of stage s, and gradients of stage s + 1 the other way
             keys.add((b, a))
     return sorted(keys)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from offload.store import StageStore, time_point
-from schedule.ir import Action, Op, tie_covers, tied_stages
+from schedule.ir import Action, Op, crosses, peer_stage, tie_covers, tied_stages
 
 
 class ActionError(RuntimeError):
@@ -36,14 +36,12 @@ def describe(a: Action, mapping: list[int]) -> str:
         first, last = tied_stages(len(mapping))
         peer = mapping[last] if a.stage == first else mapping[first]
         return text + (f", with stage {last} on this rank" if peer == mapping[a.stage] else f", with rank {peer}")
-    if a.op in (Op.FORWARD, Op.RECV_F) and a.stage > 0 and mapping[a.stage - 1] != mapping[a.stage]:
+    if a.op in (Op.FORWARD, Op.RECV_F) and crosses(mapping, a.stage, a.stage - 1):
         text += f", input from rank {mapping[a.stage - 1]}"
-    elif a.op in (Op.BACKWARD, Op.RECV_B) and a.stage < len(mapping) - 1 and mapping[a.stage + 1] != mapping[a.stage]:
+    elif a.op in (Op.BACKWARD, Op.RECV_B) and crosses(mapping, a.stage, a.stage + 1):
         text += f", gradient from rank {mapping[a.stage + 1]}"
-    elif a.op is Op.SEND_F:
-        text += f", to rank {mapping[a.stage + 1]}"
-    elif a.op is Op.SEND_B:
-        text += f", to rank {mapping[a.stage - 1]}"
+    elif a.op in (Op.SEND_F, Op.SEND_B):
+        text += f", to rank {mapping[peer_stage(a)]}"
     return text
 
 
@@ -201,7 +199,7 @@ class Executor:
             self.losses.append(loss.detach())
             # float16: backward starts from the scaled loss, so every gradient is scaled (see LossScaler)
             out = loss * self.loss_scale if self.loss_scale != 1.0 else loss
-        elif self.mapping[s + 1] == self.rank:
+        elif not crosses(self.mapping, s, s + 1):
             self.local_in[(s + 1, m)] = out.detach()
         self.outputs[(s, m)] = out
         self.clock.span("compute", start, self.clock.mark())
@@ -222,7 +220,7 @@ class Executor:
             torch.autograd.backward(out, grad)
         if s > 0:
             g = self.inputs.pop((s, m)).grad
-            if self.mapping[s - 1] == self.rank:
+            if not crosses(self.mapping, s, s - 1):
                 self.local_grad[(s - 1, m)] = g
             else:
                 self.grads_out[(s, m)] = g
@@ -231,19 +229,19 @@ class Executor:
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
         t = self.outputs[(a.stage, a.mb)].detach()
-        self.sends.append((self.p2p.send(t, self.mapping[a.stage + 1]), t))
+        self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
 
     def _send_b(self, a: Action) -> None:
         t = self.grads_out.pop((a.stage, a.mb))
-        self.sends.append((self.p2p.send(t, self.mapping[a.stage - 1]), t))
+        self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
 
     def _recv_f(self, a: Action) -> None:
         buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
-        self.recvs[(Op.RECV_F, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[a.stage - 1]))
+        self.recvs[(Op.RECV_F, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
 
     def _recv_b(self, a: Action) -> None:
         buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
-        self.recvs[(Op.RECV_B, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[a.stage + 1]))
+        self.recvs[(Op.RECV_B, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
 
     # --- parameters and optimizer -------------------------------------------------------
     def _load(self, a: Action) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from offload.store import CHUNK, GRAD_CHUNK
 from pipeline.model import loss_chunk_tokens
-from schedule.ir import Action, Op, offloaded_stages
+from schedule.ir import Action, Op, crosses, offloaded_stages
 
 GiB = 2**30
 
@@ -203,7 +203,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             per_tok, fwd_t, _ = _per_token(inp, s)
             per_mb[(s, a.mb)] = per_tok * tokens
             saved += per_tok * tokens
-            if s > 0 and inp.mapping[s - 1] != rank:
+            if crosses(inp.mapping, s, s - 1):
                 held += io  # the received input, kept for its gradient (a local one is counted as an output)
             if not inp.stages[s].last:
                 held += io  # the output: kept for backward and, when sent, until the iteration ends
@@ -213,10 +213,10 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 take(inp.stages[s].numel)
                 has_grad.add(s)
             saved -= per_mb.pop((s, a.mb))
-            if s > 0 and inp.mapping[s - 1] == rank:
+            if s > 0 and not crosses(inp.mapping, s, s - 1):
                 held += io  # the input's gradient, handed to the previous stage of this rank
             # a received input is freed and its gradient, sent on, lives until the iteration ends
-            if not inp.stages[s].last and inp.mapping[s + 1] == rank:
+            if not inp.stages[s].last and not crosses(inp.mapping, s, s + 1):
                 held -= 2 * io  # the output (the next stage's input) and the gradient it got back
         now = params_static + pool_bytes + saved + held
         transient = (fwd_t + bwd_t) * tokens + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
