@@ -83,8 +83,8 @@ def test_plan_describes_replicas(tiny_model_dir):
 
 # --- L2: several processes ---------------------------------------------------------------------------
 def _dp_cfg(model_dir, save_dir, **kw):
-    return _cfg(model_dir, schedule="gpipe", num_stages=4, save_dir=str(save_dir), save_params=True,
-                save_results=str(save_dir / "results.json"), **kw)
+    return _cfg(model_dir, **{"schedule": "gpipe", "num_stages": 4, "save_dir": str(save_dir), "save_params": True,
+                              "save_results": str(save_dir / "results.json"), **kw})
 
 
 def _outcome(save_dir):
@@ -181,3 +181,34 @@ def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, t
         assert "resumed from" in proc.stdout, proc.stdout[-2000:]
         losses, params = _outcome(out)
         _assert_same((losses, params), (ref_losses[2:], ref_params))
+
+
+def _eval_losses(save_dir) -> list[float]:
+    rows = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "eval"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,kw", [
+    ("tiny", dict(schedule="1f1b", use_offload=True, resident_stages=1, eval_every=3, eval_batches=2,
+                  save_metrics=True)),
+    ("qwen2_tied", dict(schedule="interleaved", use_offload=True, dataset="synthetic")),
+])
+def test_replicas_with_resident_stages_evaluation_and_tied_embeddings(tiny_model_dir, tmp_path_factory, model, kw):
+    """A resident stage's gradient (on the device) and an offloaded one's (in host memory) are
+    summed alike; validation sums the replicas' token losses; tied copies on two ranks of each
+    replica exchange their gradient within the replica, then each copy is summed over the replicas."""
+    from test_architectures import make_model
+
+    model_dir = tiny_model_dir if model == "tiny" else make_model(model, str(tmp_path_factory.mktemp("models")))
+    runs = {}
+    for nproc, dp in ((2, 1), (4, 2)):
+        out = tmp_path_factory.mktemp(f"dp{dp}")
+        proc = run_torchrun(nproc, _flags(_dp_cfg(model_dir, out, data_parallel=dp, **kw)), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[dp] = out
+    _assert_same(_outcome(runs[2]), _outcome(runs[1]))
+    if kw.get("eval_every"):
+        ref = _eval_losses(runs[1])
+        got = _eval_losses(runs[2])
+        assert len(got) == len(ref) == 1 and abs(got[0] - ref[0]) <= RTOL * ref[0], (got, ref)
