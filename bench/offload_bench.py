@@ -21,7 +21,7 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
   so each stage's CPU step starts as soon as its gradients are in host memory); rows clip at 1.0
   otherwise;
 - ``/s<stages>`` overrides ``--num_stages`` for the row;
-- ``+cross`` / ``+sequential`` passes ``--mapping cross|sequential --timeline``: the row also reports
+- ``+cross`` / ``+sequential`` passes ``--mapping planned|round_robin --timeline``: the row also reports
   main.py's mapping line and the timeline's measured step, cost-model step and prediction error
   (``timeline.png`` / ``timeline.json`` stay in ``<out>/<row>/``);
 - ``@<model>`` overrides ``--model`` (a preset name: letters, digits, ``.``, ``-``, ``_``).
@@ -53,7 +53,8 @@ ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(-noclip)?(?:/
                     r"(?:@([\w.-]+))?")
 TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^)]*\))? ([\d.]+)s, "
                          r"prediction error ([+-]?[\d.]+)%")
-MAPPING_RE = re.compile(r"(mapping (?:auto|cross|round_robin|sequential|manual)\b[^:]*:.*)$", re.M)
+# the older mode names too: earlier results' logs say auto, cross, sequential or manual
+MAPPING_RE = re.compile(r"(mapping (?:planned|round_robin|auto|cross|sequential|manual)\b[^:]*:.*)$", re.M)
 RESIDENT_RE = re.compile(r"offload: (\d+) of (\d+) stages per GPU stay resident")
 KEPT_RE = re.compile(r"recompute: (\d+) of (\d+) decoder layers keep their activations")
 BREAKDOWN = ("compute", "load_wait", "offload_wait", "optimizer_wait")
@@ -140,7 +141,7 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--resident_stages", "-1" if mode == "hybrid" else "0", "--keep_layers", str(args.keep_layers)]
         cmd += ["--delayed_update"] if mode == "delayed" else []
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
-        cmd += ["--mapping", mapping, "--timeline"] if mapping else []
+        cmd += ["--mapping", {"cross": "planned", "sequential": "round_robin"}[mapping], "--timeline"] if mapping else []
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

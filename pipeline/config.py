@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from schedule.generate import SCHEDULE_NAMES
-from schedule.mapping import MAPPING_MODES
+from schedule.mapping import MAPPING_MODES, RENAMED_MAPPING_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -79,10 +80,11 @@ class TrainConfig:
                                    "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
     debug_schedule: bool = _f(False, "Print every rank's action list before training.")
     # --- stage placement and timeline ------------------------------------------------
-    mapping: str = _f("auto", "Stage -> rank placement: auto (planner when there are GPUs, offload and a known "
-                      "topology, else round_robin), cross (planner; error without a topology), round_robin = "
-                      "sequential (stage s on rank s % N), manual (round_robin over CUDA_VISIBLE_DEVICES as given).",
-                      choices=MAPPING_MODES)
+    mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
+                      "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
+                      "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
+                      "CUDA_VISIBLE_DEVICES). The older auto and cross mean planned, sequential and manual "
+                      "round_robin.", choices=MAPPING_MODES, renamed=RENAMED_MAPPING_MODES)
     topology: str = _f("", "YAML/JSON file of GPU root groups overriding discovery ({gpus: [{index, root, numa, "
                        "bandwidth_gbps}]}); ranks use its GPUs in CUDA_VISIBLE_DEVICES order.")
     plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.")
@@ -181,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(f"--{_negative_flag(name)}", dest=name, action="store_false", help=argparse.SUPPRESS)
         else:
             typ = {"int": int, "float": float, "str": str}[f.type]
-            p.add_argument(f"--{name}", dest=name, type=typ, choices=f.metadata.get("choices"), help=help_)
+            choices = f.metadata.get("choices")
+            choices = choices and (*choices, *f.metadata.get("renamed", ()))
+            p.add_argument(f"--{name}", dest=name, type=typ, choices=choices, help=help_)
     p.add_argument("--model_path", dest="model", type=str, help=argparse.SUPPRESS)  # an older name of --model, still accepted
     return p
 
@@ -229,6 +233,12 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"unknown config key {key!r}{hint}")
             values[key] = _coerce(key, value, fields[key].type)
+    for name, value in values.items():
+        new = fields[name].metadata.get("renamed", {}).get(value)
+        if new is not None:
+            values[name] = new
+            if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
+                print(f"warning: {name} {value!r} is now called {new!r}", file=sys.stderr, flush=True)
     cfg = TrainConfig(**values)
     for name, f in fields.items():
         choices = f.metadata.get("choices")

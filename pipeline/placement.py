@@ -87,7 +87,7 @@ def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dty
     S = cfg.num_stages
     elem = torch.empty(0, dtype=dtype).element_size()
     stage_bytes = [n * elem for n in stage_param_counts(hf_config, S)]
-    topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping in ("auto", "cross"))
+    topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping == "planned")
     groups, links, why = rank_topology(topo, env)
     try:
         choice = choose_mapping(

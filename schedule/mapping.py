@@ -207,7 +207,9 @@ def _greedy_candidates(groups: list[int], cost: Callable[[tuple[int, ...]], floa
 
 
 # --- from a plan to the trainer's stage -> rank mapping -----------------------------------------
-MAPPING_MODES = ("auto", "cross", "round_robin", "sequential", "manual")
+MAPPING_MODES = ("planned", "round_robin")
+# Earlier names, still accepted (with a warning): they did one of the two things above.
+RENAMED_MAPPING_MODES = {"auto": "planned", "cross": "planned", "sequential": "round_robin", "manual": "round_robin"}
 DEFAULT_TFLOPS = 60.0  # achieved bf16 TFLOP/s per GPU assumed for compute when nothing was measured
 
 
@@ -282,7 +284,7 @@ def choose_mapping(
         has_gpus: the ranks run on GPUs ("auto" plans only then).
         stagger: let ``plan_stagger`` hold back ranks whose first load would slow an
             earlier stage's load under the same root.
-        visible_devices: ``CUDA_VISIBLE_DEVICES`` as given (for the "manual" log line).
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` as given (named in round_robin's log line).
     """
     if mode not in MAPPING_MODES:
         raise ValueError(f"mapping {mode!r}: choose one of {', '.join(MAPPING_MODES)}")
@@ -292,28 +294,21 @@ def choose_mapping(
     def fixed(reason: str) -> MappingChoice:
         return MappingChoice(mode, position_mapping(identity, num_stages), identity, zeros, reason)
 
-    if mode in ("round_robin", "sequential"):
-        return fixed(f"mapping {mode}: stage s on rank s % {num_ranks} (asked for; planner not run)")
-    if mode == "manual":
-        gpus = visible_devices or "<unset: all GPUs in CUDA order>"
-        return fixed(f"mapping manual: rank r on the r-th GPU of CUDA_VISIBLE_DEVICES={gpus}, stage s on "
-                     f"rank s % {num_ranks}; planner not run")
+    if mode == "round_robin":
+        gpus = f", rank r on the r-th GPU of CUDA_VISIBLE_DEVICES={visible_devices}" if visible_devices else ""
+        return fixed(f"mapping round_robin: stage s on rank s % {num_ranks}{gpus} (asked for; planner not run)")
     why_not = None
-    if mode == "auto" and not has_gpus:
-        why_not = "no GPUs"  # nothing to place: no advice about GPU topologies
-    elif rank_groups is None:
-        why_not = "GPU topology unknown (nvidia-smi and sysfs gave nothing; set topology: <file>)"
+    if rank_groups is None:  # a topology file plans without GPUs too: what-if plans and CPU tests
+        why_not = "GPU topology unknown (nvidia-smi and sysfs gave nothing; set topology: <file>)" if has_gpus \
+            else "no GPUs"  # nothing to place: no advice about GPU topologies
     elif len(rank_groups) != num_ranks:
         why_not = f"topology describes {len(rank_groups)} GPUs for {num_ranks} ranks"
     elif stage_bytes is None:
         why_not = "stage sizes unknown"
-    if mode == "auto" and why_not is None and not (has_gpus and offload):
-        why_not = "no GPUs" if not has_gpus else "use_offload is off (no parameter loads to spread)"
+    elif not offload:
+        why_not = "use_offload is off (no parameter loads to spread)"
     if why_not is not None:
-        if mode == "cross":
-            raise ValueError(f"mapping cross needs the planner, but {why_not}; "
-                             f"give topology: <file> or use mapping: auto / round_robin")
-        return fixed(f"mapping auto -> round_robin: {why_not}")
+        return fixed(f"mapping planned -> round_robin: {why_not}")
     links = rank_link_gbps or [25.0] * num_ranks
     plan = plan_mapping(rank_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
                         stage_compute_s=stage_compute_s, link_gbps=links, gpu_ids=identity, offload=offload,

@@ -57,30 +57,30 @@ def _choose(mode, groups, **kw):
 
 
 def test_modes():
-    from pipeline.config import TrainConfig
+    from pipeline.config import TrainConfig, make_config
 
     field = TrainConfig.__dataclass_fields__["mapping"]
-    assert MAPPING_MODES == field.metadata["choices"] == ("auto", "cross", "round_robin", "sequential", "manual")
+    assert MAPPING_MODES == field.metadata["choices"] == ("planned", "round_robin")
     rr = sched.round_robin(8, 4)
-    for mode in ("round_robin", "sequential"):
-        c = _choose(mode, [0, 0, 1, 1])
-        assert c.stage_to_rank == rr and c.plan is None and "planner not run" in c.reason
-    c = _choose("manual", [0, 0, 1, 1], visible_devices="3,1,2,0")
-    assert c.stage_to_rank == rr and "CUDA_VISIBLE_DEVICES=3,1,2,0" in c.reason
+    c = _choose("round_robin", [0, 0, 1, 1], visible_devices="3,1,2,0")
+    assert c.stage_to_rank == rr and c.plan is None and "planner not run" in c.reason
+    assert "CUDA_VISIBLE_DEVICES=3,1,2,0" in c.reason
     # Two GPUs per root in PCI order: ranks 0, 1 share a root, so positions go 0, 2, 1, 3.
-    c = _choose("cross", [0, 0, 1, 1], stagger=False)
+    c = _choose("planned", [0, 0, 1, 1], stagger=False)
     assert c.position_rank == [0, 2, 1, 3] and c.stage_to_rank == [0, 2, 1, 3, 0, 2, 1, 3]
     assert c.plan.step_time < c.plan.sequential_step_time and "saved" in c.reason
-    assert _choose("auto", [0, 0, 1, 1], stagger=False).stage_to_rank == c.stage_to_rank
-    # auto falls back to round-robin without GPUs, offload or a topology; cross refuses.
-    assert "no GPUs" in _choose("auto", [0, 0, 1, 1], has_gpus=False).reason
-    assert "use_offload is off" in _choose("auto", [0, 0, 1, 1], offload=False).reason
-    c = _choose("auto", None)
-    assert c.stage_to_rank == rr and "topology unknown" in c.reason
-    with pytest.raises(ValueError, match="mapping cross needs the planner, but GPU topology unknown"):
-        _choose("cross", None)
-    with pytest.raises(ValueError, match=r"mapping 'zigzag': choose one of auto, cross"):
+    # planned falls back to round-robin without GPUs, offload or a topology, and says why; a
+    # topology given plans without GPUs too.
+    assert _choose("planned", None, has_gpus=False).reason == "mapping planned -> round_robin: no GPUs"
+    assert _choose("planned", [0, 0, 1, 1], has_gpus=False, stagger=False).position_rank == [0, 2, 1, 3]
+    assert "use_offload is off" in _choose("planned", [0, 0, 1, 1], offload=False).reason
+    c = _choose("planned", None)
+    assert c.stage_to_rank == rr and c.reason.startswith("mapping planned -> round_robin: GPU topology unknown")
+    with pytest.raises(ValueError, match=r"mapping 'zigzag': choose one of planned, round_robin"):
         _choose("zigzag", [0, 1])
+    # The earlier names still work, as the mode they meant.
+    assert [make_config({"mapping": old}).mapping for old in ("auto", "cross", "sequential", "manual")] == \
+        ["planned", "planned", "round_robin", "round_robin"]
 
 
 # --- L0: load stagger -------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def cross_run(tiny_model_dir, tmp_path_factory):
     # GPU 0's host link is slow: the planner gives position 0 (first load exposed) to rank 1.
     topo.write_text("gpus:\n  - {index: 0, root: 0, bandwidth_gbps: 1}\n  - {index: 1, root: 1, bandwidth_gbps: 25}\n")
     cfg = _cfg(tiny_model_dir, schedule="interleaved", num_stages=4, use_offload=True, save_dir=str(out),
-               save_params=True, save_results=str(out / "results.json"), mapping="cross", topology=str(topo),
+               save_params=True, save_results=str(out / "results.json"), mapping="planned", topology=str(topo),
                timeline=True)
     proc = run_torchrun(2, _flags(cfg))
     return cfg, out, proc
@@ -141,7 +141,7 @@ def test_torchrun_permuted_mapping_matches_reference(tiny_model_dir, cross_run):
 
     cfg, out, proc = cross_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mapping cross: stage -> rank [1, 0, 1, 0]" in proc.stdout
+    assert "mapping planned: stage -> rank [1, 0, 1, 0]" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     losses = [row["loss"] for row in results["iterations"]]
     params = torch.load(out / "params.pt", weights_only=True)

@@ -25,9 +25,9 @@ def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):
 
 
 def test_no_topology_advice_without_gpus():
-    choice = choose_mapping("auto", num_stages=4, num_ranks=2, rank_groups=None, stage_bytes=None,
+    choice = choose_mapping("planned", num_stages=4, num_ranks=2, rank_groups=None, stage_bytes=None,
                             has_gpus=False, offload=True)
-    assert choice.reason == "mapping auto -> round_robin: no GPUs"
+    assert choice.reason == "mapping planned -> round_robin: no GPUs"
 
 
 @pytest.mark.slow
