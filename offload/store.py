@@ -124,6 +124,21 @@ class Clock(Protocol):
     def add(self, key: str, seconds: float) -> None: ...
 
 
+class ShardPeers(Protocol):
+    """The D data-parallel peers of a stage that share its CPU optimizer step (``pipeline.replicas``)."""
+
+    @property
+    def index(self) -> int: ...
+
+    def bounds(self, numel: int) -> list[tuple[int, int]]:
+        """Each peer's range of the flat parameters, in peer order (this one's is ``[index]``)."""
+        ...
+
+    def exchange(self, flat: torch.Tensor) -> None:
+        """Collective: every peer's range of ``flat`` from its owner to every peer, in place."""
+        ...
+
+
 class Workers:
     """The host threads of an offloading rank: one runs the optimizer (its torch ops use the
     cores it was pinned to), one issues loads that must wait for a step."""
@@ -204,14 +219,21 @@ class StageStore:
 
     def __init__(self, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype, offload: bool,
                  optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None,
-                 delayed: bool = False, tied: str | None = None, tied_copy: bool = False):
+                 delayed: bool = False, tied: str | None = None, tied_copy: bool = False,
+                 shard: ShardPeers | None = None):
         """``tied`` names this stage's copy of a matrix tied across stages (the embedding of the
         first stage, the head of the last, ``tie_word_embeddings``): it goes first in the flat
         buffers and is an optimizer leaf of its own, so both copies take the same AdamW kernel over
         the same shape at the same offset and come out bit for bit alike whatever the kernel's
         vectorisation: torch promises nothing across offsets, so the layout, not the kernel,
         keeps the copies equal. ``tied_copy``: this is the second copy (the head),
-        left out of the squared norm (the tied gradient counts once) and of the saved weights."""
+        left out of the squared norm (the tied gradient counts once) and of the saved weights.
+
+        ``shard`` (offload, data parallelism): this store's AdamW state and step cover only its
+        peer's range of the flat parameters (ZeRO-1 on host state); after each step the peers
+        exchange their updated fp32 ranges (``ShardPeers.exchange``, on the optimizer thread),
+        so every peer again holds all the masters. The gradient it steps from is the replicas'
+        sum (``reduce_grads``)."""
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
         # delayed update (offload only): ``work`` keeps the weights from before the last step, so
         # the next iteration computes with them while that step runs (see ``step``)
@@ -242,16 +264,17 @@ class StageStore:
                 view.copy_(p.detach())  # the module's weights may live on another device than the master
         # pinned with offload: the gradients' D2H copy lands here directly
         self.master_grad = torch.zeros(self.numel, dtype=torch.float32, device=master_device, pin_memory=pin)
+        self._group_bounds = [((0, self.tied_numel, n_decay), optim.weight_decay), ((n_decay, self.numel), 0.0)]
+        self.shard = shard if offload else None
+        self.shard_range = shard.bounds(self.numel)[shard.index] if self.shard is not None else (0, self.numel)
         groups = []
-        for bounds, wd in (((0, self.tied_numel, n_decay), optim.weight_decay), ((n_decay, self.numel), 0.0)):
+        for wd, ranges in self._leaf_ranges(*self.shard_range):
             leaves = []
-            for lo, hi in zip(bounds, bounds[1:]):
-                if hi > lo:
-                    leaf = self.master[lo:hi].requires_grad_()
-                    leaf.grad = self.master_grad[lo:hi]
-                    leaves.append(leaf)
-            if leaves:
-                groups.append({"params": leaves, "weight_decay": wd})
+            for lo, hi in ranges:
+                leaf = self.master[lo:hi].requires_grad_()
+                leaf.grad = self.master_grad[lo:hi]
+                leaves.append(leaf)
+            groups.append({"params": leaves, "weight_decay": wd})
         self.optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim.betas, eps=optim.eps, fused=optim.fused)
         if optim.fused:
             self._init_adam_state()
@@ -278,8 +301,25 @@ class StageStore:
         # data parallel: ``master_grad`` holds the replicas' sum (``reduce_grads``); a resident
         # stage's step must not copy its own device gradient over it again
         self._grads_summed = False
+        self._gathered: dict | None = None  # sharded: the whole AdamW state, for the next save
         self.resident = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
+
+    def _leaf_ranges(self, lo_s: int, hi_s: int) -> list[tuple[float, list[tuple[int, int]]]]:
+        """The optimizer's groups (weight decay, leaf ranges of the flat master) within
+        ``[lo_s, hi_s)``: the tied matrix, the decayed matrices, the undecayed 1-D weights;
+        groups with no leaf there are left out."""
+        out = []
+        for bounds, wd in self._group_bounds:
+            ranges = [(max(lo, lo_s), min(hi, hi_s)) for lo, hi in zip(bounds, bounds[1:])]
+            ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+            if ranges:
+                out.append((wd, ranges))
+        return out
+
+    def _leaf_offset(self, leaf: torch.Tensor) -> int:
+        """Where an optimizer leaf (a view of the flat master) starts in it."""
+        return leaf.storage_offset() - self.master.storage_offset()
 
     def _init_adam_state(self) -> None:
         """AdamW's moments made (their pages touched) now, on this thread, instead of lazily in
@@ -324,6 +364,8 @@ class StageStore:
                 self._refresh_future = self._run_on_optimizer(self._refresh_work)
         else:
             src, after = self.work, self._refresh_future
+            if self.shard is not None and after is None:
+                after = self._step_future  # sharded: ``work`` is written by the step, after the exchange
         if after is None or after.done() or self.workers is None:
             self._result(after)
             self._load_future = _done(self._copy_in(src, dev, ready))
@@ -519,7 +561,8 @@ class StageStore:
         # Delayed, no load follows the step: the next iteration's loads copy ``work``, refreshed
         # here to the masters as they are before this step (the last step's result), once this
         # iteration's loads have read the weights before that.
-        progress = StepProgress() if self.offload and fused and not self.delayed else None
+        # sharded: the masters are whole only after the peers' exchange, which ends the step
+        progress = StepProgress() if self.offload and fused and not self.delayed and self.shard is None else None
         if self.delayed:
             reads, self._work_reads = self._work_reads, []
             self._refresh_future = self._run_on_optimizer(self._refresh_work, reads)
@@ -539,6 +582,10 @@ class StageStore:
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
                     self.optimizer.step()
+                if self.shard is not None:
+                    # collective, on the optimizer thread, which alone uses the group: the peers
+                    # run the same steps in the same order
+                    self.shard.exchange(self.master)
                 if self.offload:
                     if progress is None and self.work is not self.master and not self.delayed:
                         self.work.copy_(self.master)  # not chunked: the next load copies ``work``
@@ -655,11 +702,64 @@ class StageStore:
 
     def optimizer_state_dict(self) -> dict:
         """AdamW state (exp_avg, exp_avg_sq, step per leaf view) and hyper-parameters; references,
-        not copies, so save it before the next step."""
+        not copies, so save it before the next step. Sharded: the whole stage's, as an unsharded
+        store has it, from the last ``gather_optimizer_state``."""
         self.wait_step()  # host wait: a step on the optimizer thread may still be writing the state
-        return self.optimizer.state_dict()
+        if self.shard is None:
+            return self.optimizer.state_dict()
+        if self._gathered is None:
+            raise RuntimeError("sharded AdamW state: call gather_optimizer_state on every peer first")
+        state, self._gathered = self._gathered, None
+        return state
+
+    def gather_optimizer_state(self) -> None:
+        """Sharded stores, collective over the peers (main thread; the optimizer thread is idle
+        after ``wait_step``): assemble the whole stage's AdamW state, in the layout of an
+        unsharded store, for ``optimizer_state_dict``; a checkpoint then resumes with any D."""
+        self.wait_step()
+        if self.shard is None:
+            return
+        flat = {k: torch.zeros(self.numel, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        step = None
+        for group in self.optimizer.param_groups:
+            for leaf in group["params"]:
+                lo, st = self._leaf_offset(leaf), self.optimizer.state[leaf]
+                step = st["step"]
+                for k in flat:
+                    flat[k][lo:lo + leaf.numel()].copy_(st[k])
+        for k in flat:
+            self.shard.exchange(flat[k])
+        template = {k: v for k, v in self.optimizer.state_dict()["param_groups"][0].items()
+                    if k not in ("params", "weight_decay")}
+        state, groups, i = {}, [], 0
+        for wd, ranges in self._leaf_ranges(0, self.numel):
+            ids = []
+            for lo, hi in ranges:
+                state[i] = {"step": step.clone(), **{k: v[lo:hi].clone() for k, v in flat.items()}}
+                ids.append(i)
+                i += 1
+            groups.append({**template, "weight_decay": wd, "params": ids})
+        self._gathered = {"state": state, "param_groups": groups}
 
     def load_optimizer_state_dict(self, state: dict) -> None:
-        """Restore what ``optimizer_state_dict`` returned for the same stage (same leaf views)."""
+        """Restore what ``optimizer_state_dict`` returned for the same stage (same leaf views);
+        sharded, this peer's range of it."""
         self.wait_step()
-        self.optimizer.load_state_dict(state)
+        if self.shard is None:
+            self.optimizer.load_state_dict(state)
+            return
+        flat = {k: torch.zeros(self.numel, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        i, step = 0, None
+        for _, ranges in self._leaf_ranges(0, self.numel):
+            for lo, hi in ranges:
+                st = state["state"][i]
+                step = st["step"]
+                for k in flat:
+                    flat[k][lo:hi].copy_(st[k])
+                i += 1
+        for group in self.optimizer.param_groups:
+            for leaf in group["params"]:
+                lo, st = self._leaf_offset(leaf), self.optimizer.state[leaf]
+                st["step"] = step.clone().to(dtype=torch.float32, device=leaf.device)
+                for k in flat:
+                    st[k].copy_(flat[k][lo:lo + leaf.numel()])

@@ -60,7 +60,9 @@ class TrainConfig:
     num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages).")
     data_parallel: int = _f(1, "Replicas of the pipeline: the processes form data_parallel pipelines of "
                             "processes / data_parallel ranks each; each replica runs num_chunks / data_parallel of "
-                            "the global batch's micro-batches and the replicas sum their gradients before the step.")
+                            "the global batch's micro-batches and the replicas sum their gradients before the step. "
+                            "With use_offload each replica runs 1/data_parallel of an offloaded stage's CPU AdamW "
+                            "step and holds that part of its AdamW state (ZeRO-1 on host state).")
     schedule: str = _f("gpipe", "Pipeline schedule.", choices=SCHEDULE_NAMES)
     use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
     use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")

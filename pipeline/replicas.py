@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -98,13 +96,15 @@ class GradSync:
         self.layout = lay
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         host_too = dist.get_backend() != "gloo"
-        self.group = self.host_group = self.pipeline_group = None
+        self.group = self.host_group = self.pipeline_group = self.shard_group = None
         for p in range(lay.pipeline_size):
             ranks = lay.peers(p)
             group = dist.new_group(ranks, timeout=timeout)  # collective: every rank calls
             host = dist.new_group(ranks, timeout=timeout, backend="gloo") if host_too else group
+            # the sharded step's exchange, on the optimizer thread: a group no other thread uses
+            shard = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if p == lay.position:
-                self.group, self.host_group = group, host
+                self.group, self.host_group, self.shard_group = group, host, shard
         for r in range(lay.data_parallel):  # the NORM all-reduce stays within a replica
             group = dist.new_group([lay.global_rank(p, r) for p in range(lay.pipeline_size)], timeout=timeout)
             if r == lay.replica:
@@ -113,9 +113,6 @@ class GradSync:
     def sum_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over this position's D peers (blocking on the host with gloo)."""
         dist.all_reduce(tensor, group=self.host_group if tensor.device.type == "cpu" else self.group)
-
-    def reducer(self) -> Callable[[torch.Tensor], None]:
-        return self.sum_
 
     def sum_loss(self, loss: float | None) -> float | None:
         """The global batch's loss from each replica's share (loss positions only; the peers of
@@ -127,4 +124,36 @@ class GradSync:
         return float(t)
 
 
-__all__ = ["GradSync", "Layout", "check_replicas", "layout", "replica_config", "replica_share"]
+class ShardPeers:
+    """The D peers of a position splitting an offloaded stage's CPU AdamW step (ZeRO-1 on host
+    state, ``offload.store.ShardPeers``): peer r (replica r) steps the r-th range of the flat
+    parameters, ranges aligned to ``ALIGN`` elements so each is a whole number of the fused
+    kernel's vectors (the same bits as one step over everything)."""
+
+    ALIGN = 64
+
+    def __init__(self, lay: Layout, group):
+        self.index, self.peers, self.group = lay.replica, lay.peers(), group
+
+    def bounds(self, numel: int) -> list[tuple[int, int]]:
+        D = len(self.peers)
+        per = -(-numel // (D * self.ALIGN)) * self.ALIGN
+        return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(D)]
+
+    def exchange(self, flat: torch.Tensor) -> None:
+        for src, (lo, hi) in zip(self.peers, self.bounds(flat.numel())):
+            if hi > lo:
+                dist.broadcast(flat[lo:hi], src=src, group=self.group)
+
+
+def shard_peers(sync: "GradSync | None", numel: int) -> ShardPeers | None:
+    """The peers that shard a stage of ``numel`` parameters, or None: one replica, or a stage too
+    small to give every peer a range."""
+    if sync is None:
+        return None
+    peers = ShardPeers(sync.layout, sync.shard_group)
+    return peers if all(hi > lo for lo, hi in peers.bounds(numel)) else None
+
+
+__all__ = ["GradSync", "Layout", "ShardPeers", "check_replicas", "layout", "replica_config", "replica_share",
+           "shard_peers"]

@@ -27,7 +27,7 @@ from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_w
                             partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
 from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
-from pipeline.replicas import GradSync, check_replicas, layout, replica_config, replica_share
+from pipeline.replicas import GradSync, check_replicas, layout, replica_config, replica_share, shard_peers
 from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
@@ -395,13 +395,14 @@ class Trainer:
                                                  initargs=(cpus,)), self.device)
             self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
                           f"{cpus[0]}-{cpus[-1]})")
+        # Before the stores (their sharded steps use its groups), on every rank alike: group
+        # creation is collective.
+        self.replicas = GradSync(self.layout, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
         # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
         # not torchrun's one thread.
         with intra_op_threads(len(share) or torch.get_num_threads()):
             self._build_stages(hf, weights_dir, streams, pool, workers)
         self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s, tied=self.tied, replicas=cfg.data_parallel)
-        # after the p2p groups, on every rank alike: group creation is collective
-        self.replicas = GradSync(self.layout, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
         self.executor = Executor(rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
                                  replicas=self.replicas)
@@ -423,12 +424,22 @@ class Trainer:
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
+            # Replicas split an offloaded stage's CPU step (ZeRO-1 on host state); not a tied
+            # copy's (both copies must step alike) nor a delayed one's.
+            sharded = s in self.offloaded and stage.tied_name is None and not cfg.delayed_update
+            shard = shard_peers(self.replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
             self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype,
                                         offload=s in self.offloaded, optim=optim_settings(cfg, fused=True),
                                         streams=streams, pool=pool, workers=workers, delayed=cfg.delayed_update,
-                                        tied=stage.tied_name, tied_copy=s == S - 1)
+                                        tied=stage.tied_name, tied_copy=s == S - 1, shard=shard)
             self.stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
+        sharded = [s for s in self.stage_ids if self.stores[s].shard is not None]
+        if sharded:
+            mine = sum(hi - lo for lo, hi in (self.stores[s].shard_range for s in sharded))
+            self.log.info(f"data_parallel: the CPU AdamW steps of stages {sharded} are sharded over "
+                          f"{cfg.data_parallel} replicas (rank {self.env.rank} steps {mine} of "
+                          f"{sum(self.stores[s].numel for s in sharded)} parameters, then the peers exchange them)")
         self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "
                       f"and AdamW state placed in {placed:.1f}s")
 
@@ -589,6 +600,11 @@ class Trainer:
             "parts": [[r.start, r.stop] for r in self.parts], "config": cfg.to_dict(),
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
+        # Every step done first: a sharded stage's gather (collective over its peers) uses the group
+        # the optimizer thread's exchanges use, and one group is used by one thread at a time.
+        self.executor.finish()
+        for s in sorted(self.stores):
+            self.stores[s].gather_optimizer_state()
         path = checkpoint.save_training_checkpoint(Path(cfg.save_dir), step, self.saved_stores, self.source, self.env,
                                                    num_stages=cfg.num_stages, trainer_state=trainer_state,
                                                    device=self.device, keep=cfg.keep_checkpoints,

@@ -121,6 +121,8 @@ def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offlo
     proc = run_torchrun(4, _flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 processes (2 replicas of 2)" in proc.stdout, proc.stdout[-2000:]
+    assert ("CPU AdamW steps of stages [1, 3] are sharded over 2 replicas" in proc.stdout) == offload, \
+        proc.stdout[-2000:]
     assert json.loads((out / "results.json").read_text())["data_parallel"] == 2
     _assert_same(_outcome(out), ref)
 
@@ -158,10 +160,11 @@ def test_two_nodes_on_one_machine(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, tmp_path_factory):
-    """2 replicas save a checkpoint after step 2 (written by replica 0 alone); it resumes with 2
-    replicas and with 1 alike, and step 3 then equals the uninterrupted one-pipeline run. A
-    constant lr: the runs' num_iterations differ."""
-    common = dict(lr_schedule="constant", warmup_iterations=0)
+    """2 replicas save a checkpoint after step 2 (written by replica 0 alone, the sharded AdamW
+    state of the offloaded stages gathered); it resumes with 2 replicas (sharded again) and with 1
+    alike, and step 3 then equals the uninterrupted one-pipeline run. A constant lr: the runs'
+    num_iterations differ."""
+    common = dict(lr_schedule="constant", warmup_iterations=0, use_offload=True)
     ref_dir = tmp_path_factory.mktemp("ref")
     proc = run_torchrun(2, _flags(_dp_cfg(tiny_model_dir, ref_dir, **common)))
     assert proc.returncode == 0, proc.stderr[-3000:]
