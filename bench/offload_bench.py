@@ -138,7 +138,8 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
                         "--use_prefetch" if mode in ("prefetch", "hybrid", "delayed") else "--no_prefetch",
-                        "--resident_stages", "-1" if mode == "hybrid" else "0", "--keep_layers", str(args.keep_layers)]
+                        "--resident_stages", "-1" if mode == "hybrid" else "0", "--keep_layers", str(args.keep_layers),
+                        "--data_parallel", str(args.data_parallel)]
         cmd += ["--delayed_update"] if mode == "delayed" else []
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", {"cross": "planned", "sequential": "round_robin"}[mapping], "--timeline"] if mapping else []
@@ -282,6 +283,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations (the first steps also fault in host memory)")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--keep_layers", type=int, default=-1, help="main.py's keep_layers for every row (-1 = auto)")
+    p.add_argument("--data_parallel", type=int, default=1,
+                   help="main.py's data_parallel for every row: replicas of a pipeline of --gpus / D ranks")
     p.add_argument("--budget_s", type=float, default=540)
     p.add_argument("--row_timeout_s", type=float, default=240)
     p.add_argument("--out", default="bench_results")
