@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import os
 import resource
@@ -27,7 +26,8 @@ from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_w
                             partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
 from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
-from pipeline.replicas import GradSync, check_replicas, layout, replica_config, replica_share, shard_peers
+from pipeline.replicas import GradSync, check_replicas, layout, replica_share, shard_peers
+from pipeline.resolve import Resolved, resolve
 from pipeline.timeline import Timeline, write_run_timeline
 
 GENERATED_MODEL = "tiny-llama"
@@ -320,9 +320,9 @@ class Trainer:
     """Everything one rank owns: its stages and stores, its action list, the executor."""
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
-                 kept: tuple[int, ...] | None = None):
-        from pipeline.plan import resolve_kept, resolve_resident
-
+                 resolved: Resolved | None = None):
+        """``resolved``: the automatic choices, made by ``train()`` on rank 0; without it (tests)
+        this rank makes them."""
         self.device = pick_device(cfg.device, env)
         self.dtype = compute_dtype(cfg, self.device)
         if self.device.type == "cuda" and cfg.gpu_memory_gb:
@@ -333,15 +333,11 @@ class Trainer:
         # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
         self.layout = layout(cfg, env.rank, env.world_size)
         rank, world = self.layout.position, self.layout.pipeline_size
-        if cfg.resident_stages < 0:  # train() decides it on rank 0; direct use (tests) here
-            resident = resolve_resident(replica_config(cfg), hf, world)[0].resident_stages
-            cfg = dataclasses.replace(cfg, resident_stages=resident)
-        # train() decides it on rank 0 too, after the resident stages it shares the GPU with
-        self.kept = kept if kept is not None else resolve_kept(replica_config(cfg), hf, world)[0]
+        resolved = resolved or resolve(cfg, env.world_size, hf)
+        cfg, self.kept, one = resolved.cfg, resolved.kept, resolved.replica
         self.cfg, self.env = cfg, env
         S = cfg.num_stages
         # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
-        one = replica_config(cfg)
         self.placement = resolve_placement(one, DistEnv(env.rank, world, env.local_rank,
                                                         min(env.local_world_size, world)),
                                            hf, self.device, self.dtype)
@@ -705,12 +701,11 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
-    whole = cfg  # data_parallel: plan one replica's pipeline (pipeline.replicas)
-    cfg, world_size = replica_config(cfg), world_size // cfg.data_parallel
-    cfg, resident = plan_mod.resolve_resident(cfg, source.config, world_size)
-    kept, recompute = plan_mod.resolve_kept(cfg, source.config, world_size)
-    text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size, kept)
-    text += "".join(f"\n{line}" for line in (resident, recompute) if line)
+    whole, resolved = cfg, resolve(cfg, world_size, source.config)
+    cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
+    text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size,
+                           resolved.kept)
+    text += "".join(f"\n{line}" for line in resolved.lines)
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
@@ -723,29 +718,24 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
-    from pipeline.plan import check_fits, resolve_kept, resolve_resident
+    from pipeline.plan import check_fits
 
     check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
-    # data_parallel: what is planned and checked is one replica's pipeline (pipeline.replicas)
-    whole, cfg, world = cfg, replica_config(cfg), env.world_size // cfg.data_parallel
-    # Rank 0 decides the resident stages, then the layers that keep their activations (auto
-    # reads its GPU's size); every rank runs its choice.
-    kept = None
+    # Rank 0 makes the automatic choices (auto reads its GPU's size); every rank runs them.
+    resolved = None
     if env.rank == 0:
-        cfg, line = resolve_resident(cfg, source.config, world)
-        kept, recompute = resolve_kept(cfg, source.config, world)
-        for text in (line, recompute):
-            if text:
-                print(text, flush=True)
-    cfg = dataclasses.replace(cfg, resident_stages=broadcast_object(cfg.resident_stages))
-    kept = broadcast_object(kept)
-    # Before any weight is read: a run that cannot fit stops here, with advice. Any mapping the
-    # placement picks gives each rank the stages of some rank under round-robin, so the per-rank
-    # estimates are the same.
-    check_fits(cfg, source.config, sched.round_robin(cfg.num_stages, world), world, kept)
-    trainer = Trainer(dataclasses.replace(whole, resident_stages=cfg.resident_stages), env, source, kept)
+        resolved = resolve(cfg, env.world_size, source.config)
+        for line in resolved.lines:
+            print(line, flush=True)
+    resolved = broadcast_object(resolved)
+    # Before any weight is read: a run that cannot fit stops here, with advice. What is checked
+    # is one replica's pipeline; any mapping the placement picks gives each rank the stages of
+    # some rank under round-robin, so the per-rank estimates are the same.
+    one, size = resolved.replica, resolved.pipeline_size
+    check_fits(one, source.config, sched.round_robin(one.num_stages, size), size, resolved.kept)
+    trainer = Trainer(cfg, env, source, resolved)
     history = trainer.train()
     cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:
