@@ -718,9 +718,10 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
+    """Train ``cfg`` (checked by ``check_config`` and ``check_files`` before the process group
+    existed) on this rank, then save what it asks for."""
     from pipeline.plan import check_fits
 
-    check_config(cfg, env.world_size)
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
     # Rank 0 makes the automatic choices (auto reads its GPU's size); every rank runs them.
