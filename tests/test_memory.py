@@ -226,8 +226,9 @@ def test_checkpointed_head_counts_one_loss_chunk():
 def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     from pipeline import plan
 
-    cfg = make_config(dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512,
-                           use_offload=False, activation_checkpointing=False, device="cuda", gpu_memory_gb=48))
+    cfg = make_config(dict(model="llama-2-7b", schedule="gpipe", num_stages=8, num_chunks=16, batch_size=64,
+                           seq_length=512, use_offload=False, activation_checkpointing=False, device="cuda",
+                           gpu_memory_gb=48))
     hf = preset_config("llama-2-7b")
     monkeypatch.setattr(plan, "host_available", lambda: 512 * 2**30)
     with pytest.raises(ConfigError) as err:

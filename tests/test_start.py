@@ -17,11 +17,11 @@ from schedule.mapping import choose_mapping
 def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29611")
-    cfg = make_config({"batch_size": 16, "schedule": "1f1b"})
+    cfg = make_config({"batch_size": 16, "schedule": "gpipe"})
     lines = start_line(cfg, "fine_tune.yaml", DistEnv(0, 2, 0, 2)).splitlines()
     assert lines[0].startswith("run: 2 processes, rendezvous 127.0.0.1:29611; config fine_tune.yaml + flags, "
                                "2 settings differ from the defaults:")
-    assert lines[1:] == ["  batch_size: 16", "  schedule: '1f1b'"]
+    assert lines[1:] == ["  batch_size: 16", "  schedule: 'gpipe'"]
 
 
 def test_no_topology_advice_without_gpus():
