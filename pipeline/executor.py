@@ -30,7 +30,7 @@ _OP_WORDS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_F: "send ac
 def describe(a: Action, mapping: list[int]) -> str:
     """``2F3`` -> "forward of stage 2, micro-batch 3, input from rank 1"."""
     if a.op is Op.NORM:
-        return "gradient-norm all-reduce over every rank"
+        return "gradient-norm all-reduce over every rank (data_parallel: first each stage's sum over the replicas)"
     text = f"{_OP_WORDS[a.op]} of stage {a.stage}" + (f", micro-batch {a.mb}" if a.mb is not None else "")
     if a.op is Op.TIE:
         first, last = tied_stages(len(mapping))

@@ -196,8 +196,11 @@ def _eval_losses(save_dir) -> list[float]:
     ("tiny", dict(schedule="1f1b", use_offload=True, resident_stages=1, eval_every=3, eval_batches=2,
                   save_metrics=True)),
     ("qwen2_tied", dict(schedule="interleaved", use_offload=True, dataset="synthetic")),
+    # no NORM: each stage's gradient is summed at its STEP, during the backward
+    ("tiny", dict(schedule="1f1b", use_offload=True, grad_clip=0.0, max_skipped_steps=-1)),
 ])
-def test_replicas_with_resident_stages_evaluation_and_tied_embeddings(tiny_model_dir, tmp_path_factory, model, kw):
+def test_replicas_with_resident_stages_evaluation_tied_embeddings_no_norm(tiny_model_dir, tmp_path_factory, model,
+                                                                         kw):
     """A resident stage's gradient (on the device) and an offloaded one's (in host memory) are
     summed alike; validation sums the replicas' token losses; tied copies on two ranks of each
     replica exchange their gradient within the replica, then each copy is summed over the replicas."""
