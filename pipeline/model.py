@@ -337,7 +337,7 @@ def check_tied_checkpoint(model_dir: Path) -> None:
     names = ["model.embed_tokens.weight", "lm_head.weight"]
     tensors = {k: t for name in names for k, t in _read(files[name], [name])}
     if not torch.equal(*(tensors[k] for k in names)):
-        raise ValueError(f"config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from "
+        raise ValueError("config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from "
                          "model.embed_tokens.weight (transformers would train them apart); set "
                          "tie_word_embeddings to false in config.json to train them as two matrices")
 

@@ -69,7 +69,7 @@ def _hf(path: Path, impl: str):
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
 
 
-def _cfg(path: Path, **kw):
+def tiny_cfg(path: Path, **kw):
     base = dict(model=str(path), dataset="synthetic", seq_length=SEQ, batch_size=4, num_chunks=2, num_iterations=3,
                 num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1, weight_decay=0.01,
                 grad_clip=1.0, attn_implementation="eager", save_model=False, save_metrics=False)
@@ -142,7 +142,7 @@ def _train(cfg):
     ("qwen2_tied", "eager", dict(num_stages=1, schedule="gpipe", use_offload=True, activation_checkpointing=True)),
 ])
 def test_training_matches_hf(models_root, arch, impl, kw):
-    cfg = _cfg(make_model(arch, models_root), attn_implementation=impl, **kw)
+    cfg = tiny_cfg(make_model(arch, models_root), attn_implementation=impl, **kw)
     losses, params = _train(cfg)
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
 
@@ -165,7 +165,7 @@ def _with_head_saved(src: Path, dst: Path, noise: float = 0.0) -> Path:
 
 def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
     path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "with_head")
-    cfg = _cfg(path, num_stages=1, schedule="gpipe", save_dir=str(tmp_path / "out"), save_model=True)
+    cfg = tiny_cfg(path, num_stages=1, schedule="gpipe", save_dir=str(tmp_path / "out"), save_model=True)
     trainer = in_process_trainer(cfg)
     stage = trainer.stages[0]
     assert stage.lm_head.weight is stage.model.embed_tokens.weight
@@ -188,7 +188,7 @@ def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path):
 
     path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "other_head", noise=0.01)
     with pytest.raises(ConfigError, match="lm_head.weight differs from model.embed_tokens.weight") as e:
-        resolve_model(_cfg(path, num_stages=1))
+        resolve_model(tiny_cfg(path, num_stages=1))
     assert "\n" not in str(e.value)
 
 
@@ -204,7 +204,7 @@ def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
     config.update(use_sliding_window=False)  # sliding_window becomes None, layer_types still say sliding
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="sliding_attention layers but sliding_window is None"):
-        resolve_model(_cfg(dst))
+        resolve_model(tiny_cfg(dst))
 
 
 # --- several processes ------------------------------------------------------------------------
@@ -212,11 +212,11 @@ def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
 @pytest.mark.parametrize("arch,impl", [("mistral", "eager"), ("qwen2_sliding", "sdpa")])
 def test_torchrun_sliding_window_matches_hf(models_root, tmp_path, arch, impl):
     """2 processes x 2 stages: the windowed layers sit on both ranks."""
-    from test_equivalence import _flags, run_torchrun
+    from runs import cli_flags, run_torchrun
 
-    cfg = _cfg(make_model(arch, models_root), attn_implementation=impl, schedule="interleaved", num_stages=4,
+    cfg = tiny_cfg(make_model(arch, models_root), attn_implementation=impl, schedule="interleaved", num_stages=4,
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, _flags(cfg))
+    proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
     params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)

@@ -119,16 +119,16 @@ def test_compare_and_describe_plan():
 # --- L2: two processes, permuted mapping, timeline -----------------------------------------------------
 @pytest.fixture(scope="module")
 def cross_run(tiny_model_dir, tmp_path_factory):
-    from test_equivalence import _cfg, _flags, run_torchrun
+    from runs import tiny_cfg, cli_flags, run_torchrun
 
     out = tmp_path_factory.mktemp("cross")
     topo = out / "topo.yaml"
     # GPU 0's host link is slow: the planner gives position 0 (first load exposed) to rank 1.
     topo.write_text("gpus:\n  - {index: 0, root: 0, bandwidth_gbps: 1}\n  - {index: 1, root: 1, bandwidth_gbps: 25}\n")
-    cfg = _cfg(tiny_model_dir, schedule="interleaved", num_stages=4, use_offload=True, save_dir=str(out),
+    cfg = tiny_cfg(tiny_model_dir, schedule="interleaved", num_stages=4, use_offload=True, save_dir=str(out),
                save_params=True, save_results=str(out / "results.json"), mapping="planned", topology=str(topo),
                timeline=True)
-    proc = run_torchrun(2, _flags(cfg))
+    proc = run_torchrun(2, cli_flags(cfg))
     return cfg, out, proc
 
 
@@ -137,7 +137,7 @@ def test_torchrun_permuted_mapping_matches_reference(tiny_model_dir, cross_run):
     import torch
 
     from reference import assert_same_training
-    from test_equivalence import _reference
+    from runs import reference_result
 
     cfg, out, proc = cross_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_torchrun_permuted_mapping_matches_reference(tiny_model_dir, cross_run):
     results = json.loads((out / "results.json").read_text())
     losses = [row["loss"] for row in results["iterations"]]
     params = torch.load(out / "params.pt", weights_only=True)
-    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from conftest import ROOT, env_without_dist
 from pipeline.config import ConfigError, make_config
 from pipeline.replicas import Layout, check_replicas, replica_config, replica_share
 from pipeline.train import check_config
-from test_equivalence import _cfg, _flags, run_torchrun
+from runs import tiny_cfg, cli_flags, run_torchrun
 
 RTOL = 1e-6  # only the order of two float32 sums differs (micro-batch gradients, replica losses)
 
@@ -83,7 +83,7 @@ def test_plan_describes_replicas(tiny_model_dir):
 
 # --- L2: several processes ---------------------------------------------------------------------------
 def _dp_cfg(model_dir, save_dir, **kw):
-    return _cfg(model_dir, **{"schedule": "gpipe", "num_stages": 4, "save_dir": str(save_dir), "save_params": True,
+    return tiny_cfg(model_dir, **{"schedule": "gpipe", "num_stages": 4, "save_dir": str(save_dir), "save_params": True,
                               "save_results": str(save_dir / "results.json"), **kw})
 
 
@@ -98,7 +98,7 @@ def _one_pipeline(model_dir: str, save_dir: str, offload: bool):
     from pathlib import Path
 
     out = Path(save_dir)
-    proc = run_torchrun(2, _flags(_dp_cfg(model_dir, out, use_offload=offload)))
+    proc = run_torchrun(2, cli_flags(_dp_cfg(model_dir, out, use_offload=offload)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _outcome(out)
 
@@ -118,7 +118,7 @@ def _assert_same(got, want):
 def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offload):
     ref = _one_pipeline(str(tiny_model_dir), str(tmp_path_factory.mktemp("one")), offload)
     out = tmp_path_factory.mktemp("dp")
-    proc = run_torchrun(4, _flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)))
+    proc = run_torchrun(4, cli_flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 processes (2 replicas of 2)" in proc.stdout, proc.stdout[-2000:]
     assert ("CPU AdamW steps of stages [1, 3] are sharded over 2 replicas" in proc.stdout) == offload, \
@@ -139,7 +139,7 @@ def test_two_nodes_on_one_machine(tiny_model_dir, tmp_path_factory):
     one replica of the 2-rank pipeline, and the training is that of one pipeline."""
     ref = _one_pipeline(str(tiny_model_dir), str(tmp_path_factory.mktemp("one")), False)
     out = tmp_path_factory.mktemp("nodes")
-    flags = _flags(_dp_cfg(tiny_model_dir, out, data_parallel=2))
+    flags = cli_flags(_dp_cfg(tiny_model_dir, out, data_parallel=2))
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                                "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_id", "mmoc-test",
@@ -166,11 +166,11 @@ def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, t
     num_iterations differ."""
     common = dict(lr_schedule="constant", warmup_iterations=0, use_offload=True)
     ref_dir = tmp_path_factory.mktemp("ref")
-    proc = run_torchrun(2, _flags(_dp_cfg(tiny_model_dir, ref_dir, **common)))
+    proc = run_torchrun(2, cli_flags(_dp_cfg(tiny_model_dir, ref_dir, **common)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref_losses, ref_params = _outcome(ref_dir)
     first = tmp_path_factory.mktemp("first")
-    proc = run_torchrun(4, _flags(_dp_cfg(tiny_model_dir, first, data_parallel=2, num_iterations=2,
+    proc = run_torchrun(4, cli_flags(_dp_cfg(tiny_model_dir, first, data_parallel=2, num_iterations=2,
                                           checkpoint_every=2, **common)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = first / "checkpoints" / "step_00000002"
@@ -179,7 +179,7 @@ def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, t
     assert sorted(p.name for p in (ckpt / "train_state").glob("rank*.pt")) == ["rank00000.pt", "rank00001.pt"]
     for nproc, dp in ((4, 2), (2, 1)):
         out = tmp_path_factory.mktemp(f"resumed{dp}")
-        proc = run_torchrun(nproc, _flags(_dp_cfg(tiny_model_dir, out, data_parallel=dp, resume=str(ckpt), **common)))
+        proc = run_torchrun(nproc, cli_flags(_dp_cfg(tiny_model_dir, out, data_parallel=dp, resume=str(ckpt), **common)))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "resumed from" in proc.stdout, proc.stdout[-2000:]
         losses, params = _outcome(out)
@@ -210,7 +210,7 @@ def test_replicas_with_resident_stages_evaluation_tied_embeddings_no_norm(tiny_m
     runs = {}
     for nproc, dp in ((2, 1), (4, 2)):
         out = tmp_path_factory.mktemp(f"dp{dp}")
-        proc = run_torchrun(nproc, _flags(_dp_cfg(model_dir, out, data_parallel=dp, **kw)), timeout=300)
+        proc = run_torchrun(nproc, cli_flags(_dp_cfg(model_dir, out, data_parallel=dp, **kw)), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[dp] = out
     _assert_same(_outcome(runs[2]), _outcome(runs[1]))

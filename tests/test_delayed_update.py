@@ -9,7 +9,7 @@ from pipeline.config import ConfigError, make_config
 from pipeline.optim import lr_at
 from pipeline.train import check_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from test_equivalence import _cfg
+from runs import tiny_cfg
 
 
 def reference_train_delayed(cfg, model_dir) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -57,7 +57,7 @@ def reference_train_delayed(cfg, model_dir) -> tuple[list[float], dict[str, torc
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,grad_clip", [("gpipe", 1.0), ("1f1b", 0.0), ("interleaved", 1.0)])
 def test_delayed_update_is_adamw_one_step_late(tiny_model_dir, schedule, grad_clip):
-    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=True, use_prefetch=True, delayed_update=True,
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=True, use_prefetch=True, delayed_update=True,
                grad_clip=grad_clip, num_iterations=4)
     trainer = in_process_trainer(cfg)
     history = trainer.train()
@@ -65,7 +65,7 @@ def test_delayed_update_is_adamw_one_step_late(tiny_model_dir, schedule, grad_cl
     ref = reference_train_delayed(cfg, str(tiny_model_dir))
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *ref)
     # and it is not the exact training: the delay changes the weights
-    exact_losses, exact_params = reference_train(_cfg(tiny_model_dir, grad_clip=grad_clip, num_iterations=4),
+    exact_losses, exact_params = reference_train(tiny_cfg(tiny_model_dir, grad_clip=grad_clip, num_iterations=4),
                                                  str(tiny_model_dir))
     with pytest.raises(AssertionError):
         assert_same_training([h["loss"] for h in history], trainer_masters(trainer), exact_losses, exact_params)

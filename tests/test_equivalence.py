@@ -7,38 +7,13 @@ stage's gradient is lost, or a layer is skipped.
 """
 from __future__ import annotations
 
-import functools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from pipeline.config import make_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from conftest import ROOT, env_without_dist, scratch_save_dir
-
-ITERS = 3
-
-
-def _cfg(model_dir, **kw):
-    # adam_eps 1e-6, not 1e-8: AdamW divides by sqrt(v) + eps, so with 1e-8 a weight whose
-    # gradient is near float noise (|g| ~ 1e-9) takes an lr-sized step of either sign, and the
-    # summation order of two correct implementations decides which. A lost gradient, a skipped
-    # layer or wrong labels still move the weights by orders of magnitude more than the tolerance.
-    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
-                num_iterations=ITERS, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
-                weight_decay=0.01, grad_clip=1.0, attn_implementation="eager", save_model=False, adam_eps=1e-6,
-                save_metrics=False, save_dir=scratch_save_dir())
-    base.update(kw)
-    return make_config(base)
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(model_dir: str, num_layers: int = 0):
-    return reference_train(_cfg(model_dir, num_layers=num_layers), model_dir)
-
+from runs import ITERS, cli_flags, reference_result, run_torchrun, tiny_cfg
 
 def _run_in_process(cfg):
     trainer = in_process_trainer(cfg)
@@ -49,9 +24,9 @@ def _run_in_process(cfg):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("offload,prefetch", [(False, False), (True, False), (True, True)])
 def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetch):
-    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=offload, use_prefetch=prefetch)
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, use_prefetch=prefetch)
     losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("schedule,resident", [("gpipe", 1), ("interleaved", 3), ("1f1b", 2)])
@@ -59,12 +34,12 @@ def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetc
 def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, grad_clip):
     """Offload with some stages kept resident (their AdamW on the device, the others' on the
     optimizer thread): the training is the same, with and without the clipping norm."""
-    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=True, resident_stages=resident, grad_clip=grad_clip)
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=True, resident_stages=resident, grad_clip=grad_clip)
     trainer = in_process_trainer(cfg)
     assert sorted(s for s, st in trainer.stores.items() if not st.offload) == list(range(resident))
     history = trainer.train()
-    ref = reference_train(_cfg(tiny_model_dir, grad_clip=grad_clip), str(tiny_model_dir)) if grad_clip == 0.0 \
-        else _reference(str(tiny_model_dir))
+    ref = reference_train(tiny_cfg(tiny_model_dir, grad_clip=grad_clip), str(tiny_model_dir)) if grad_clip == 0.0 \
+        else reference_result(str(tiny_model_dir))
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *ref)
 
 
@@ -73,21 +48,21 @@ def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, gra
 def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     """Activation checkpointing recomputes every layer, and the last stage's head and loss, in
     the backward: the training is the same."""
-    cfg = _cfg(tiny_model_dir, schedule=schedule, use_offload=True, activation_checkpointing=True)
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=True, activation_checkpointing=True)
     losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("schedule,keep", [("1f1b", 1), pytest.param("gpipe", 2, marks=pytest.mark.slow)])
 def test_kept_layers_match_reference(tiny_model_dir, schedule, keep):
     """Checkpointing that keeps some layers' activations (``keep_layers``: the stages' last
     layers run without recompute) trains the same."""
-    cfg = _cfg(tiny_model_dir, schedule=schedule, num_stages=2, use_offload=True, activation_checkpointing=True,
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=2, use_offload=True, activation_checkpointing=True,
                keep_layers=keep)
     trainer = in_process_trainer(cfg)
     assert all(stage.recomputed == len(stage.model.layers) - keep for stage in trainer.stages.values())
     history = trainer.train()
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
 def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
@@ -100,26 +75,26 @@ def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
     monkeypatch.setattr(model_mod, "checkpoint",
                         lambda fn, *a, **kw: calls.append(getattr(fn, "__name__", "")) or real(fn, *a, **kw))
-    cfg = _cfg(tiny_model_dir, schedule="1f1b", num_stages=2, activation_checkpointing=True)
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, activation_checkpointing=True)
     trainer = in_process_trainer(cfg)
     history = trainer.train()
     assert calls.count("_loss") == ITERS * cfg.num_chunks * -(-cfg.batch_size // cfg.num_chunks * cfg.seq_length // 7)
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
 def test_truncated_model_matches_reference(tiny_model_dir):
-    cfg = _cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
+    cfg = tiny_cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
     losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *_reference(str(tiny_model_dir), 3))
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir), 3))
 
 
 # --- the comparison must be able to fail -------------------------------------------------------
 def _expect_mismatch(tiny_model_dir, monkeypatch, patch, **cfg) -> None:
     patch(monkeypatch)
-    losses, params = _run_in_process(_cfg(tiny_model_dir, **{"schedule": "interleaved", "use_offload": True, **cfg}))
+    losses, params = _run_in_process(tiny_cfg(tiny_model_dir, **{"schedule": "interleaved", "use_offload": True, **cfg}))
     with pytest.raises(AssertionError):
-        assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+        assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 def test_detects_wrong_labels(tiny_model_dir, monkeypatch):
@@ -181,48 +156,30 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
 
 
 # --- several processes over gloo ------------------------------------------------------------------
-def run_torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "main.py"), "--config", "", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=timeout)
-
-
-def _flags(cfg) -> list[str]:
-    out = []
-    for k, v in cfg.to_dict().items():
-        if k in ("nproc", "master_port", "cuda_visible_devices"):  # train.sh's, not main.py's business
-            continue
-        if isinstance(v, bool):
-            out.append(f"--{k}" if v else ("--no_" + k[4:] if k.startswith("use_") else f"--no_{k}"))
-        elif v != "":
-            out += [f"--{k}", str(v)]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_torchrun_matches_reference(tiny_model_dir, tmp_path, nproc, schedule, offload):
-    cfg = _cfg(tiny_model_dir, schedule=schedule, num_stages=2 * nproc, use_offload=offload,
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=2 * nproc, use_offload=offload,
                save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(nproc, _flags(cfg))
+    proc = run_torchrun(nproc, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     losses = [row["loss"] for row in results["iterations"]]
     params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training(losses, params, *_reference(str(tiny_model_dir)))
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
 def test_torchrun_resident_stages_match_reference(tiny_model_dir, tmp_path, schedule):
     """Two processes, each keeping its first stage resident and offloading its second."""
-    cfg = _cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=True, resident_stages=1,
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=True, resident_stages=1,
                save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, _flags(cfg))
+    proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "offload: 1 of 2 stages per GPU stay resident" in proc.stdout, proc.stdout[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training([row["loss"] for row in results["iterations"]], params, *_reference(str(tiny_model_dir)))
+    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))

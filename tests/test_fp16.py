@@ -30,7 +30,7 @@ def test_loss_scaler_policy():
     assert restored.state_dict() == s.state_dict()
 
 
-def _cfg(model_dir, tmp_path, **kw):
+def tiny_cfg(model_dir, tmp_path, **kw):
     base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
                 num_iterations=3, num_stages=4, device="cpu", lr=1e-3, grad_clip=1.0, schedule="1f1b",
                 attn_implementation="eager", save_model=False, save_metrics=False, save_dir=str(tmp_path))
@@ -47,8 +47,8 @@ def _train(cfg):
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.slow
 def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
-    _, ref, ref_params = _train(_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
-    trainer, half, params = _train(_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
+    _, ref, ref_params = _train(tiny_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
+    trainer, half, params = _train(tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
     assert trainer.scaler is not None and not any(h["skipped"] for h in half)
     for a, b in zip(half, ref):
         assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (a["loss"], b["loss"])
@@ -58,7 +58,7 @@ def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
 
 
 def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
                num_iterations=1)
     trainer = in_process_trainer(cfg)
     before = trainer_masters(trainer)
@@ -70,7 +70,7 @@ def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
                num_iterations=4, max_skipped_steps=2)
     with pytest.raises(TrainingError, match="3 steps in a row"):
         _train(cfg)

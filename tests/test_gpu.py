@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from test_equivalence import run_torchrun
+from runs import run_torchrun
 
 pytestmark = pytest.mark.gpu
 needs_gpus = lambda n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs")  # noqa: E731

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import schedule as sched
 from conftest import ROOT, env_without_dist, scratch_save_dir

@@ -22,7 +22,7 @@ from reference import in_process_trainer, trainer_masters
 EVAL_BATCHES = 3
 
 
-def _cfg(model_dir, tmp_path, **kw):
+def tiny_cfg(model_dir, tmp_path, **kw):
     base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
                 num_iterations=2, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
                 grad_clip=1.0, attn_implementation="eager", save_model=False, save_dir=str(tmp_path),
@@ -78,7 +78,7 @@ def _rows(path):
 # --- validation ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule,offload", [pytest.param("gpipe", False, marks=pytest.mark.slow), ("interleaved", True)])
 def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offload):
-    cfg = _cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
                eval_batches=EVAL_BATCHES)
     trainer = in_process_trainer(cfg)
     assert {a.op.value for a in trainer.eval_actions} <= {"F", "SEND_F", "RECV_F", "L", "D"}
@@ -108,7 +108,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
 
 @pytest.mark.slow
 def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
                save_metrics=True)
     in_process_trainer(cfg).train()
     assert [(r["kind"], r.get("step")) for r in _rows(tmp_path / "metrics.jsonl")] == [
@@ -119,7 +119,7 @@ def test_eval_needs_a_validation_split(tiny_model_dir, tmp_path):
     from data import SAMPLE_TRAIN
     from pipeline.config import ConfigError
 
-    cfg = _cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
     with pytest.raises(ConfigError, match="has no validation split .* set eval_dataset"):
         in_process_trainer(cfg)
 
@@ -144,7 +144,7 @@ def _poison(monkeypatch, bad_iterations: set[int], num_chunks: int = 4) -> None:
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.slow
 def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offload):
-    cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
     trainer = in_process_trainer(cfg)
     _poison(monkeypatch, {1})
     snaps, steps = [], []
@@ -176,7 +176,7 @@ def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offl
 
 @pytest.mark.slow
 def test_too_many_nan_steps_stop(tiny_model_dir, tmp_path, monkeypatch):
-    cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
     trainer = in_process_trainer(cfg)
     assert any(a.op.value == "NORM" for a in trainer.actions)  # skipping needs the norm even without clipping
     _poison(monkeypatch, {1, 2, 3, 4, 5})
@@ -202,8 +202,8 @@ def test_skip_guard_counts_consecutive():
 def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
     from pipeline.optim import needs_norm
 
-    assert needs_norm(_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
-    assert not needs_norm(_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))
+    assert needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
+    assert not needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))
 
 
 # --- the plot -----------------------------------------------------------------------------------
@@ -239,11 +239,11 @@ def test_plot_edge_cases(tmp_path):
 # --- several processes --------------------------------------------------------------------------
 @pytest.mark.slow
 def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
-    from test_equivalence import _flags, run_torchrun
+    from runs import cli_flags, run_torchrun
 
-    cfg = _cfg(tiny_model_dir, tmp_path, schedule="1f1b", eval_every=2, eval_batches=EVAL_BATCHES,
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule="1f1b", eval_every=2, eval_batches=EVAL_BATCHES,
                save_params=True)
-    proc = run_torchrun(2, _flags(cfg))
+    proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(tmp_path / "metrics.jsonl")
     ev = [r for r in rows if r["kind"] == "eval"]
@@ -257,7 +257,7 @@ def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_stops_after_too_many_nan_steps(tiny_model_dir, tmp_path, monkeypatch):
-    from test_equivalence import _flags, run_torchrun
+    from runs import cli_flags, run_torchrun
 
     # Every loss is NaN in the workers: a sitecustomize patches cross_entropy before main runs.
     hook = tmp_path / "hook"
@@ -269,8 +269,8 @@ def test_torchrun_stops_after_too_many_nan_steps(tiny_model_dir, tmp_path, monke
         "    _ce = F.cross_entropy\n"
         "    F.cross_entropy = lambda *a, **k: _ce(*a, **k) * float('nan')\n")
     monkeypatch.setenv("PYTHONPATH", str(hook))  # env_without_dist puts the repo root first
-    cfg = _cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
-    proc = run_torchrun(2, _flags(cfg))
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
+    proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: stopping at step 2: 2 steps in a row (steps 1-2)")

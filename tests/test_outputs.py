@@ -6,15 +6,15 @@ import json
 
 import torch
 
-from test_equivalence import _cfg, _flags, _reference, run_torchrun
+from runs import tiny_cfg, cli_flags, reference_result, run_torchrun
 
 
 def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = _cfg(tiny_model_dir, schedule="1f1b", num_stages=4, save_model=True, save_params=True,
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=4, save_model=True, save_params=True,
                save_dir=str(tmp_path), save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, _flags(cfg))
+    proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "model"
     assert not (tmp_path / "model.partial").exists()
@@ -22,7 +22,7 @@ def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
 
     saved = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     AutoTokenizer.from_pretrained(out)  # the tokenizer travels with the model
-    _, ref_params = _reference(str(tiny_model_dir))
+    _, ref_params = reference_result(str(tiny_model_dir))
     trained = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     trained.load_state_dict(ref_params)  # ordinary training's result
     x = torch.randint(3, saved.config.vocab_size, (2, 32))

@@ -8,13 +8,13 @@ import pytest
 
 from reference import assert_same_training, in_process_trainer, trainer_masters
 from schedule.ir import Op
-from test_equivalence import ITERS, _cfg, _reference
+from runs import ITERS, tiny_cfg, reference_result
 
 SLOW_S = 0.5
 
 
 def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
-    trainer = in_process_trainer(_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, use_prefetch=True))
+    trainer = in_process_trainer(tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, use_prefetch=True))
     slow = trainer.stores[3]  # the last stage: stepped last, computed last
     real_step, step_ends = slow._fused_step_chunks, []
 
@@ -43,7 +43,7 @@ def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
     waits = [h["optimizer_wait_seconds"] for h in history]
     assert all(w > SLOW_S / 3 for w in waits[1:]), waits
     # ... and the training is still exactly ordinary training.
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *_reference(str(tiny_model_dir)))
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir)
     process collects as before."""
     import gc
 
-    trainer = in_process_trainer(_cfg(tiny_model_dir, schedule="gpipe", use_offload=True))
+    trainer = in_process_trainer(tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True))
     frozen = []
     real_forward = trainer.executor._handlers[Op.FORWARD]
 

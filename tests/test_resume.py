@@ -19,7 +19,7 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.config import ConfigError
-from test_equivalence import _cfg, _flags
+from runs import tiny_cfg, cli_flags
 from conftest import ROOT, env_without_dist
 from reference import in_process_trainer
 
@@ -45,12 +45,12 @@ def _signal_during(trainer, call: int, signum=signal.SIGTERM) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir):
-    return _losses(in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS)).train())
+    return _losses(in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS)).train())
 
 
 @pytest.mark.slow
 def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterrupted, capsys):
-    cfg = _cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), use_offload=True)
+    cfg = tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), use_offload=True)
     first = in_process_trainer(cfg)
     _signal_during(first, 3)
     before = _losses(first.train())
@@ -65,7 +65,7 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
     assert state["num_stages"] == 4 and state["world_size"] == 1 and state["mapping"] == [0, 0, 0, 0]
     assert state["data"]["position"] == 3 * cfg.batch_size
 
-    resumed = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
+    resumed = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
     assert resumed.start_iteration == 3
     after = _losses(resumed.train())
     assert before + after == uninterrupted  # exact: same weights, AdamW state, data and lr
@@ -73,19 +73,19 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
 
 @pytest.mark.slow
 def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninterrupted, capsys):
-    cfg = _cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), checkpoint_every=2, keep_checkpoints=2,
+    cfg = tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), checkpoint_every=2, keep_checkpoints=2,
                schedule="1f1b")
     assert _losses(in_process_trainer(cfg).train()) == uninterrupted
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["step_00000004", "step_00000006"]
 
     # Resuming from an explicit path (not the newest) continues exactly too.
-    from_4 = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path),
+    from_4 = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path),
                            resume=str(checkpoint.checkpoint_dir(tmp_path, 4))))
     assert _losses(from_4.train()) == uninterrupted[4:]
 
     capsys.readouterr()
-    done = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
+    done = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
     assert done.train() == []
     assert "nothing left to train" in capsys.readouterr().out
 
@@ -98,11 +98,11 @@ def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninte
 
 @pytest.mark.slow
 def test_resume_with_other_stage_count_restarts_adam(tiny_model_dir, tmp_path, uninterrupted, capsys):
-    first = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path)))
+    first = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path)))
     _signal_during(first, 3, signal.SIGINT)
     first.train()
     capsys.readouterr()
-    two = in_process_trainer(_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest",
+    two = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest",
                         num_stages=2, schedule="interleaved"))
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "fresh AdamW state" in err and "4 stages" in err
@@ -114,7 +114,7 @@ def test_resume_with_other_stage_count_restarts_adam(tiny_model_dir, tmp_path, u
 
 @pytest.mark.slow
 def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
-    cfg = _cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path), checkpoint_every=1)
+    cfg = tiny_cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path), checkpoint_every=1)
     in_process_trainer(cfg).train()
     root = tmp_path / "checkpoints"
     assert checkpoint.find_latest(tmp_path, print) == checkpoint.checkpoint_dir(tmp_path, 3)
@@ -136,7 +136,7 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     assert "model-00002-of-00002.safetensors has" in text and "truncated" in text
     assert "step_00000002: no COMPLETE marker" in text
 
-    resumed = in_process_trainer(_cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path),
+    resumed = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path),
                             resume="latest", checkpoint_every=1, keep_checkpoints=1))
     assert resumed.start_iteration == 1
     assert "skipping" in capsys.readouterr().err
@@ -146,7 +146,7 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     assert checkpoint.validate_checkpoint(root / "step_00000003") is None
 
     with pytest.raises(ConfigError, match="not a complete checkpoint: no COMPLETE marker"):
-        in_process_trainer(_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
+        in_process_trainer(tiny_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
 
 
 # --- torchrun: SIGTERM, agreement across ranks, resume -------------------------------------------
@@ -262,8 +262,8 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     # A constant lr does not depend on num_iterations, so a long run that is stopped can be
     # compared with a short uninterrupted one.
     common = dict(num_stages=4, schedule="1f1b", use_offload=True, lr_schedule="constant", warmup_iterations=0)
-    long_run = _cfg(tiny_model_dir, num_iterations=10_000, save_dir=str(tmp_path / "run"), **common)
-    proc = _launch(_flags(long_run))
+    long_run = tiny_cfg(tiny_model_dir, num_iterations=10_000, save_dir=str(tmp_path / "run"), **common)
+    proc = _launch(cli_flags(long_run))
     _wait_for_line(proc, r"^step +2/", timeout=240)
     # torchrun forwards SIGTERM to every worker; a batch system may signal the workers directly.
     for pid in ([proc.pid] if target == "torchrun" else _worker_pids(proc.pid)):
@@ -285,16 +285,16 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     assert not (tmp_path / "run" / "model").exists()  # the checkpoint is the stopped run's model
     if target == "torchrun":
         # The optimizer state is saved per stage: one process holding all 4 stages restores it too.
-        one = in_process_trainer(_cfg(tiny_model_dir, num_iterations=step + 2, resume=str(ckpt), **common))
+        one = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=step + 2, resume=str(ckpt), **common))
         one_losses = _losses(one.train())
 
     total = step + 2
-    resumed = _cfg(tiny_model_dir, num_iterations=total, save_dir=str(tmp_path / "run"), resume="latest",
+    resumed = tiny_cfg(tiny_model_dir, num_iterations=total, save_dir=str(tmp_path / "run"), resume="latest",
                    save_results=str(tmp_path / "resumed.json"), **common)
-    ref = _cfg(tiny_model_dir, num_iterations=total, save_dir=str(tmp_path / "ref"),
+    ref = tiny_cfg(tiny_model_dir, num_iterations=total, save_dir=str(tmp_path / "ref"),
                save_results=str(tmp_path / "ref.json"), **common)
     for cfg in (resumed, ref):
-        p = _launch(_flags(cfg))
+        p = _launch(cli_flags(cfg))
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
     rows = json.loads((tmp_path / "resumed.json").read_text())["iterations"]
@@ -309,9 +309,9 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
 def test_a_hung_peer_stops_the_run_with_the_stalled_action(tiny_model_dir, tmp_path):
     """A rank that stops responding (SIGSTOP) makes its peer's wait time out after
     comm_timeout_s, with a message naming the rank and the action; nobody waits forever."""
-    cfg = _cfg(tiny_model_dir, num_iterations=10_000, num_stages=4, schedule="1f1b", save_dir=str(tmp_path / "run"),
+    cfg = tiny_cfg(tiny_model_dir, num_iterations=10_000, num_stages=4, schedule="1f1b", save_dir=str(tmp_path / "run"),
                comm_timeout_s=10.0)
-    proc = _launch(_flags(cfg), extra_env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
+    proc = _launch(cli_flags(cfg), extra_env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})
     _wait_for_line(proc, r"^step +2/", timeout=240)
     t0 = time.monotonic()
     workers = _worker_pids(proc.pid)

@@ -3,7 +3,6 @@ the processes meet; no GPU advice on a CPU machine; --plan without torchrun."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 

@@ -13,7 +13,7 @@ from torch import nn
 import offload.store as store_mod
 from offload.store import BufferPool, OptimSettings, StageStore, Streams, Workers
 from reference import assert_same_training, in_process_trainer, trainer_masters
-from test_equivalence import _cfg
+from runs import tiny_cfg
 
 CPU = torch.device("cpu")
 
@@ -151,7 +151,7 @@ def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, pre
     monkeypatch.setattr(store_mod, "CHUNK", 4096)
     runs = []
     for offload in (False, True):
-        trainer = in_process_trainer(_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload,
+        trainer = in_process_trainer(tiny_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload,
                                           use_prefetch=prefetch and offload, resident_stages=0))
         history = trainer.train()
         runs.append(([h["loss"] for h in history], trainer_masters(trainer)))
@@ -164,7 +164,7 @@ def test_bf16_offload_without_the_refresh_is_caught(tiny_model_dir, monkeypatch)
     DROP) compute with the previous iteration's weights, and the comparison fails."""
     runs = []
     for offload in (False, True):
-        trainer = in_process_trainer(_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload, resident_stages=0))
+        trainer = in_process_trainer(tiny_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload, resident_stages=0))
         if offload:
             for st in trainer.stores.values():
                 st._refresh_work = lambda: None

@@ -20,7 +20,7 @@ from pipeline.config import ConfigError
 from schedule.ir import Action, Op
 from schedule.validate import ScheduleError, simulate, validate
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from test_architectures import _cfg, make_model
+from test_architectures import tiny_cfg, make_model
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def _train(cfg):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_tied_training_matches_hf(models_root, arch, num_stages, schedule, offload):
-    cfg = _cfg(make_model(arch, models_root), num_stages=num_stages, schedule=schedule, use_offload=offload,
+    cfg = tiny_cfg(make_model(arch, models_root), num_stages=num_stages, schedule=schedule, use_offload=offload,
                use_prefetch=offload)
     assert cfg.grad_clip > 0
     losses, params = _train(cfg)
@@ -138,7 +138,7 @@ def test_tied_training_matches_hf(models_root, arch, num_stages, schedule, offlo
 def test_tied_unclipped_and_resident_match_hf(models_root, resident):
     """No NORM (an offloaded stage steps right after its OFFLOAD, behind the TIE); and with
     every stage resident (both copies step on the device)."""
-    cfg = _cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="1f1b", use_offload=True,
+    cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="1f1b", use_offload=True,
                resident_stages=resident, grad_clip=0.0 if resident == 0 else 1.0)
     losses, params = _train(cfg)
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
@@ -148,7 +148,7 @@ def test_without_the_exchange_the_comparison_fails(models_root, monkeypatch):
     from pipeline.executor import Executor
 
     monkeypatch.setattr(Executor, "_tie", lambda self, a: None)
-    cfg = _cfg(make_model("llama3_tied", models_root), num_stages=4, schedule="interleaved", use_offload=True)
+    cfg = tiny_cfg(make_model("llama3_tied", models_root), num_stages=4, schedule="interleaved", use_offload=True)
     trainer = in_process_trainer(cfg)
     history = trainer.train()
     with pytest.raises(AssertionError):
@@ -157,7 +157,7 @@ def test_without_the_exchange_the_comparison_fails(models_root, monkeypatch):
 
 def test_copies_stepping_apart_are_refused(models_root):
     """resident_stages 1 of 2 keeps stage 0 on the GPU and offloads stage 1 (the head's copy)."""
-    cfg = _cfg(make_model("qwen2_tied", models_root), num_stages=2, use_offload=True, resident_stages=1)
+    cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, use_offload=True, resident_stages=1)
     with pytest.raises(ConfigError, match=r"tied embeddings: resident_stages 1 keeps stage 0 on the GPU but "
                                           r"offloads stage 1") as e:
         in_process_trainer(cfg)
@@ -167,7 +167,7 @@ def test_copies_stepping_apart_are_refused(models_root):
 def test_saved_model_stores_the_matrix_once(models_root, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = _cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="gpipe", use_offload=True,
+    cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="gpipe", use_offload=True,
                num_iterations=1, save_model=True, save_dir=str(tmp_path))
     trainer = in_process_trainer(cfg)
     trainer.save(trainer.train())
@@ -186,9 +186,9 @@ def test_resume_from_a_checkpoint_is_exact(models_root, tmp_path):
     state comes from the last stage's own state file: training goes on bit for bit."""
     common = dict(num_stages=4, schedule="interleaved", use_offload=True, num_iterations=4, save_dir=str(tmp_path))
     path = make_model("llama3_tied", models_root)
-    straight = in_process_trainer(_cfg(path, **common, checkpoint_every=2))
+    straight = in_process_trainer(tiny_cfg(path, **common, checkpoint_every=2))
     losses = [h["loss"] for h in straight.train()]
-    resumed = in_process_trainer(_cfg(path, **common, resume=str(tmp_path / "checkpoints" / "step_00000002")))
+    resumed = in_process_trainer(tiny_cfg(path, **common, resume=str(tmp_path / "checkpoints" / "step_00000002")))
     assert [h["loss"] for h in resumed.train()] == losses[2:]
     for s in (0, 3):
         assert torch.equal(resumed.stores[s].master, straight.stores[s].master)
@@ -200,11 +200,11 @@ def test_resume_from_a_checkpoint_is_exact(models_root, tmp_path):
                                                                (4, 4, "gpipe", True)])
 def test_torchrun_tied_matches_hf(models_root, tmp_path, nproc, num_stages, schedule, offload):
     """The embedding's and the head's ranks differ: TIE is an all-reduce on their own group."""
-    from test_equivalence import _flags, run_torchrun
+    from runs import cli_flags, run_torchrun
 
-    cfg = _cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=num_stages, use_offload=offload,
+    cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=num_stages, use_offload=offload,
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(nproc, _flags(cfg), timeout=300)
+    proc = run_torchrun(nproc, cli_flags(cfg), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
     params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
@@ -219,14 +219,14 @@ def test_torchrun_tied_matches_hf(models_root, tmp_path, nproc, num_stages, sche
 def test_nccl_tied_matches_hf(models_root, tmp_path, schedule, offload, resident):
     """2 GPUs, float32: TIE's all-reduce over NCCL (no hang, both copies summed). GPU kernels
     against the CPU reference: 1e-3, not the CPU tests' 1e-5 (adam_eps 1e-6 as in test_equivalence)."""
-    from test_equivalence import _flags, run_torchrun
+    from runs import cli_flags, run_torchrun
 
-    cfg = _cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=4, use_offload=offload,
+    cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=4, use_offload=offload,
                use_prefetch=offload, resident_stages=resident, adam_eps=1e-6, device="cuda",
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, _flags(cfg), timeout=300)
+    proc = run_torchrun(2, cli_flags(cfg), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
     params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
-    ref_cfg = _cfg(cfg.model, schedule=schedule, num_stages=4, adam_eps=1e-6)
+    ref_cfg = tiny_cfg(cfg.model, schedule=schedule, num_stages=4, adam_eps=1e-6)
     assert_same_training(losses, params, *reference_train(ref_cfg, cfg.model), rtol=1e-3)
