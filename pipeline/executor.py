@@ -7,6 +7,7 @@ schedule, which was validated and simulated before any process ran it.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -114,12 +115,16 @@ class IterationResult:
 class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                 grad_clip: float, timeline=None, replicas=None):
+                 grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0):
         """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
-        its peers in the other replicas before NORM (or, without NORM, before the stage's STEP)."""
+        its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
+        ``start_offset_s``: this rank's load stagger (``schedule.mapping.plan_stagger``): a training
+        iteration's first action waits this long, so that its first LOAD does not share its root
+        complex's bandwidth with a load another rank needs earlier."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas
+        self.start_offset_s = start_offset_s
         self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
         self.num_stages = len(mapping)
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
@@ -151,6 +156,10 @@ class Executor:
         self.summed: set[int] = set()  # stages whose gradient is summed over the replicas (data parallel)
         self.has_norm = any(a.op is Op.NORM for a in actions)
         self.clock = StepClock(self.device.type == "cuda")
+        if train and self.start_offset_s > 0:
+            # The host is in step with the device here (the last iteration ended with a
+            # synchronize), so waiting delays the first copy.
+            time.sleep(self.start_offset_s)
         with torch.set_grad_enabled(train):
             for action in actions:
                 # A LOAD's copy and a STEP may run later on another thread: their handlers

@@ -342,10 +342,13 @@ class Trainer:
                                                         min(env.local_world_size, world)),
                                            hf, self.device, self.dtype)
         self.mapping = self.placement.choice.stage_to_rank
-        self.start_delay_s = self.placement.choice.start_offset_s[rank]
         self.gc_clock = GcClock()
         self.loss_rank = self.layout.global_rank(self.mapping[-1], replica=0)  # replica 0's speaks
         self.log = Log(env.rank, speaker=self.loss_rank)
+        if cfg.data_parallel > 1 and env.rank == 0 and env.local_world_size % world:
+            # torchrun numbers a node's processes consecutively: whole replicas per node need a multiple of P
+            self.log.warn(f"{env.local_world_size} processes per node is not a multiple of the pipeline's {world} "
+                          "ranks: some replicas span nodes, and their activations cross the network")
         self.log.info(self.placement.choice.reason)
         # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
         self.resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, self.log)
@@ -401,7 +404,7 @@ class Trainer:
         self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s, tied=self.tied, replicas=cfg.data_parallel)
         self.executor = Executor(rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
                                  dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
-                                 replicas=self.replicas)
+                                 replicas=self.replicas, start_offset_s=self.placement.choice.start_offset_s[rank])
         self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
         self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if self.dtype == torch.float16 else None
         if self.resume_point:
@@ -524,11 +527,6 @@ class Trainer:
             if it == timeline_at:
                 recorded = self.executor.timeline = self.new_timeline()
             t0 = time.perf_counter()
-            if self.start_delay_s > 0:
-                # Load stagger (schedule.mapping.plan_stagger): this rank's first LOAD would share its
-                # root complex's bandwidth with an earlier-needed one; the host is in step with the
-                # device here (the last iteration ended with a synchronize), so waiting delays the copy.
-                time.sleep(self.start_delay_s)
             res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
                                     loss_scale=self.scaler.scale if self.scaler else 1.0)
             self.executor.timeline = None
