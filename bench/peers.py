@@ -58,11 +58,11 @@ def peer_command(peer: str, args: argparse.Namespace, json_path: Path, budget_s:
     if peer == "fsdp2":
         env["OMP_NUM_THREADS"] = str(max(1, cores // args.gpus))
         return torchrun + [str(ROOT / "bench/fsdp2_baseline.py"), *common, "--micro_batches", args.fsdp_micro_batches,
-                           "--sync_modes", "deferred,each", "--iterations", "2", "--warmup", "1"], env
+                           "--sync_modes", "deferred,each", "--iterations", "2", "--warmup", "2"], env
     if peer == "deepspeed":
         env.update(OMP_NUM_THREADS=str(max(1, cores // args.gpus)), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
         return torchrun + [str(ROOT / "bench/deepspeed_baseline.py"), *common, "--micro_batches",
-                           args.deepspeed_micro_batches, "--iterations", "2", "--warmup", "1"], env
+                           args.deepspeed_micro_batches, "--iterations", "2", "--warmup", "2"], env
     if peer == "roundpipe":
         env.update(OMP_NUM_THREADS=str(cores), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
                    CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(args.gpus)))
