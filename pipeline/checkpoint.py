@@ -333,3 +333,74 @@ def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | 
         return None
     path, state = value
     return ResumePoint(Path(path), state)
+
+
+class CheckpointManager:
+    """One rank's training checkpoints: what exact continuation needs after a step (weights and
+    AdamW state per stage, data position, loss scale, RNG states, the run's shape), saved with
+    ``save_training_checkpoint`` and restored at start-up (``build_stage`` has read the weights).
+    With data parallelism replica 0 writes; every replica restores."""
+
+    def __init__(self, cfg, env: DistEnv, source, device: torch.device, log, layout, *, stores: dict, stream,
+                 scaler, parts: list[range], mapping: list[int]) -> None:
+        self.cfg, self.env, self.source, self.device, self.log, self.layout = cfg, env, source, device, log, layout
+        self.stores, self.stream, self.scaler, self.parts, self.mapping = stores, stream, scaler, parts, mapping
+
+    def save(self, step: int) -> Path:
+        """Collective; the stores' steps must be done (``Executor.finish``)."""
+        from pipeline.optim import lr_at
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        trainer_state = {
+            "iteration": step,
+            # lr_at is a pure function of the iteration: the iteration is the scheduler's state.
+            "lr_scheduler": {"schedule": cfg.lr_schedule, "iteration": step, "last_lr": lr_at(step - 1, cfg)},
+            "data": self.stream.state_dict(),
+            "num_stages": cfg.num_stages, "world_size": self.env.world_size, "mapping": list(self.mapping),
+            "data_parallel": cfg.data_parallel,
+            "parts": [[r.start, r.stop] for r in self.parts], "config": cfg.to_dict(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+        for s in sorted(self.stores):
+            self.stores[s].gather_optimizer_state()
+        saved = self.stores if self.layout.replica == 0 else {}  # all replicas hold the same
+        path = save_training_checkpoint(Path(cfg.save_dir), step, saved, self.source, self.env,
+                                        num_stages=cfg.num_stages, trainer_state=trainer_state, device=self.device,
+                                        keep=cfg.keep_checkpoints, rank_state=self.layout.replica == 0)
+        self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
+        return path
+
+    def restore(self, point: ResumePoint) -> None:
+        """Continue from ``point``: data position and iteration always; AdamW state when the stages
+        are the same as the checkpoint's (it is saved per stage, so the process count may differ);
+        RNG states when the processes are the same too. The weights were loaded by build_stage."""
+        st, cfg, env = point.state, self.cfg, self.env
+        if self.scaler is not None and st.get("loss_scaler"):
+            self.scaler.load_state_dict(st["loss_scaler"])
+        try:
+            self.stream.load_state_dict(st["data"])
+        except ValueError as e:
+            raise ConfigError(f"resume from {point.path}: {e}") from None
+        same_stages = st["num_stages"] == cfg.num_stages and st["parts"] == [[r.start, r.stop] for r in self.parts]
+        if same_stages:
+            for s, store in self.stores.items():
+                load_stage_state(point.path, store, s)
+            # replica 0's ranks saved theirs; every replica's pipeline rank p draws what its rank p drew
+            then = st["world_size"] // st.get("data_parallel", 1)
+            if then == self.layout.pipeline_size:
+                set_rng_state(load_rank_state(point.path, self.layout.position), self.device)
+            else:  # training draws no random numbers after the initialisation, so nothing is lost
+                self.log.info(f"resume: {then} processes per pipeline then, {self.layout.pipeline_size} now: "
+                              "AdamW state restored per stage, RNG states not restored")
+        elif env.rank == 0:
+            self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
+                          f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")
+        ignore = {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints", "save_dir", "save_model",
+                  "save_params", "save_results", "overwrite", "nproc", "master_port", "cuda_visible_devices",
+                  "debug_schedule"}
+        now = cfg.to_dict()
+        changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in st["config"].items()
+                   if k in now and k not in ignore and now[k] != v]
+        self.log.info(f"resumed from {point.path} at iteration {point.iteration}"
+                      + (f"; changed since: {', '.join(changed)}" if changed else ""))
