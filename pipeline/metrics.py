@@ -354,3 +354,17 @@ def write_plot_png(path: str | Path, rows: Sequence[dict], evals: Sequence[dict]
 def _last(values: list[float]) -> str:
     finite = [v for v in values if not math.isnan(v)]
     return f" (last {finite[-1]:.4f})" if finite else ""
+
+
+def results_rows(per_rank: list[list[dict]], loss_rank: int) -> list[dict]:
+    """``results.json``'s iterations from every rank's history: the loss rank's step figures, each
+    rank's peak memory, and each rank's byte counts and timed parts."""
+    rows = []
+    for i, loss_row in enumerate(per_rank[loss_rank]):
+        rows.append({**{k: loss_row[k] for k in ("iteration", "time_s", "tokens_per_s", "tflops_per_gpu", "loss",
+                                                  "grad_norm", "lr")},
+                     "peak_mem_bytes": [h[i]["peak_mem_bytes"] for h in per_rank],
+                     "per_rank": [{k: v for k, v in h[i].items() if k.endswith(("_bytes", "_seconds"))}
+                                  for h in per_rank]})
+    return rows
+

@@ -21,7 +21,7 @@ from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, barrier, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
-from pipeline.metrics import Metrics, SkipGuard
+from pipeline.metrics import Metrics, SkipGuard, results_rows
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
                             partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
@@ -625,18 +625,10 @@ class Trainer:
             self.log.info(f"saved parameters to {out / 'params.pt'}")
         per_rank = gather_objects(history)
         if self.env.rank == 0:
-            rows = []
-            for i in range(len(history)):
-                loss_row = per_rank[self.loss_rank][i]
-                rows.append({**{k: loss_row[k] for k in ("iteration", "time_s", "tokens_per_s", "tflops_per_gpu",
-                                                          "loss", "grad_norm", "lr")},
-                             "peak_mem_bytes": [h[i]["peak_mem_bytes"] for h in per_rank],
-                             "per_rank": [{k: v for k, v in h[i].items() if k.endswith(("_bytes", "_seconds"))}
-                                          for h in per_rank]})
             checkpoint.write_json_atomic(Path(cfg.results_path),
                                          {"config": cfg.to_dict(), "world_size": self.env.world_size,
                                           "data_parallel": cfg.data_parallel,
-                                          "iterations": rows})
+                                          "iterations": results_rows(per_rank, self.loss_rank)})
         barrier()
 
 
