@@ -346,6 +346,11 @@ class CheckpointManager:
         self.cfg, self.env, self.source, self.device, self.log, self.layout = cfg, env, source, device, log, layout
         self.stores, self.stream, self.scaler, self.parts, self.mapping = stores, stream, scaler, parts, mapping
 
+    @property
+    def saved_stores(self) -> dict:
+        """The stores whose weights and AdamW state are written: replica 0's (all replicas hold the same)."""
+        return self.stores if self.layout.replica == 0 else {}
+
     def save(self, step: int) -> Path:
         """Collective; the stores' steps must be done (``Executor.finish``)."""
         from pipeline.optim import lr_at
@@ -364,8 +369,7 @@ class CheckpointManager:
         }
         for s in sorted(self.stores):
             self.stores[s].gather_optimizer_state()
-        saved = self.stores if self.layout.replica == 0 else {}  # all replicas hold the same
-        path = save_training_checkpoint(Path(cfg.save_dir), step, saved, self.source, self.env,
+        path = save_training_checkpoint(Path(cfg.save_dir), step, self.saved_stores, self.source, self.env,
                                         num_stages=cfg.num_stages, trainer_state=trainer_state, device=self.device,
                                         keep=cfg.keep_checkpoints, rank_state=self.layout.replica == 0)
         self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")

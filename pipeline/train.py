@@ -590,11 +590,6 @@ class Trainer:
         self.executor.finish()
         return self.checkpoints.save(step)
 
-    @property
-    def saved_stores(self) -> dict:
-        """The stores whose weights and AdamW state are written: replica 0's (all replicas hold the same)."""
-        return self.stores if self.layout.replica == 0 else {}
-
     def device_stats(self) -> dict:
         """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""
         out = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -618,10 +613,11 @@ class Trainer:
         cfg = self.cfg
         out = Path(cfg.save_dir)
         if cfg.save_model and not self.stopped_by:  # a stopped run's model is its last checkpoint
-            checkpoint.save_hf_model(out / "model", self.saved_stores, self.source, self.env, cfg.num_stages)
+            checkpoint.save_hf_model(out / "model", self.checkpoints.saved_stores, self.source, self.env,
+                                     cfg.num_stages)
             self.log.info(f"saved Hugging Face model to {out / 'model'}")
         if cfg.save_params and not self.stopped_by:
-            checkpoint.save_params(out / "params.pt", self.saved_stores, self.env)
+            checkpoint.save_params(out / "params.pt", self.checkpoints.saved_stores, self.env)
             self.log.info(f"saved parameters to {out / 'params.pt'}")
         per_rank = gather_objects(history)
         if self.env.rank == 0:
