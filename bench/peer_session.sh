@@ -9,10 +9,11 @@
 #   (default 160),
 #   then PEERS (default "fsdp2,deepspeed,roundpipe") within what is left, each within its
 #   PEER_BUDGETS share (bench/peers.py --peer_budgets, e.g. "fsdp2=150,deepspeed=170,roundpipe=330").
+# GPUS (default 2) is the GPU count of every row and peer.
 # The CPU optimizers of DeepSpeed and RoundPipe JIT-compile (g++/ninja) in the background during
 # the install, before any GPU row runs (JIT_TIMEOUT_S, default 150).
 set -u
-out=${1:-peer_results}; budget=${2:-530}
+out=${1:-peer_results}; budget=${2:-530}; gpus=${GPUS:-2}
 t0=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - t0) )); }
 mkdir -p "$out"
@@ -59,16 +60,16 @@ echo "prelude done at $(( $(date +%s) - t0 ))s"
 rows=${OURS_ROWS-pcie48-hybrid/s16,pcie48-prefetch,pcie48-delayed}
 ours=${OURS_BUDGET_S:-160}; [ "$ours" -gt "$(left)" ] && ours=$(left)
 if [ -n "$rows" ] && [ "$ours" -ge 60 ]; then
-  python3 bench/offload_bench.py --gpus 2 --rows "$rows" --iterations 5 --warmup 2 --budget_s "$ours" \
+  python3 bench/offload_bench.py --gpus "$gpus" --rows "$rows" --iterations 5 --warmup 2 --budget_s "$ours" \
     --row_timeout_s 150 --out "$out/bench" ${BENCH_ARGS:-} >"$out/ours.log" 2>&1
   tail -n 4 "$out/ours.log"
 fi
 echo "our rows done at $(( $(date +%s) - t0 ))s"
 rest=$(left)
 if [ "$rest" -ge 60 ]; then
-  python3 bench/peers.py --out "$out" --ours "$out/bench" --budget_s "$rest" --peers "${PEERS:-fsdp2,deepspeed,roundpipe}" \
+  python3 bench/peers.py --gpus "$gpus" --out "$out" --ours "$out/bench" --budget_s "$rest" --peers "${PEERS:-fsdp2,deepspeed,roundpipe}" \
     --peer_budgets "${PEER_BUDGETS:-}" ${PEERS_ARGS:-}
 else
-  python3 bench/peers.py --summarise "$out" --ours "$out/bench" --peers "${PEERS:-fsdp2,deepspeed,roundpipe}"
+  python3 bench/peers.py --gpus "$gpus" --summarise "$out" --ours "$out/bench" --peers "${PEERS:-fsdp2,deepspeed,roundpipe}"
 fi
 echo "session done at $(( $(date +%s) - t0 ))s"
