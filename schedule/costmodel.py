@@ -31,6 +31,11 @@ An event-driven simulation of the executor (``pipeline/executor.py`` with ``offl
 * ``start_offset_s[r]``: rank ``r`` issues nothing before that time (load staggering: the
   trainer holds the rank's host back that long at the start of the iteration).
 
+With sequence segments (actions with ``seg``), ``stage_compute_s`` stays the time of a whole
+micro-batch and a segment's compute takes its share of it (``segment_share``, default equal;
+``segment_costs`` gives the shares of a balanced partition). A segment's wait for the earlier
+segment of the same rows needs no rule here: both run on the same compute lane, in list order.
+
 Issuing a transfer when the compute lane reaches it is conservative: the real host thread
 runs ahead of the GPU, so a copy can start up to one compute earlier.
 """
@@ -41,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, producer, remote_producer
+from schedule.ir import COMPUTE_OPS, Action, Op, Schedule, num_segments_of, producer, remote_producer
 
 _EPS = 1e-9  # seconds: events closer than this are simultaneous
 
@@ -111,6 +116,7 @@ def predict(
     p2p_latency_s: float = 0.0,
     start_offset_s: Sequence[float] | None = None,
     pending_steps: Mapping[int, float] | None = None,
+    segment_share: Sequence[float] | None = None,
 ) -> Prediction:
     """Simulate one iteration of ``schedule``; see the module docstring for the semantics.
 
@@ -127,8 +133,14 @@ def predict(
         start_offset_s: per rank, seconds before it issues its first action (default none).
         pending_steps: ``{stage: seconds}`` when the previous iteration's step of each stage
             ends, counted from this iteration's start (default none).
+        segment_share: with sequence segments, the fraction of a micro-batch's compute each
+            segment takes (``segment_costs``); default ``1 / K`` each.
     """
     num_stages = len(mapping)
+    num_segments = num_segments_of(schedule)
+    share = [1.0 / num_segments] * num_segments if segment_share is None else [float(x) for x in segment_share]
+    if len(share) != num_segments:
+        raise ValueError(f"segment_share has {len(share)} values ({share}) for a schedule of {num_segments} segments")
     if len(stage_bytes) != num_stages:
         raise ValueError(f"stage_bytes has {len(stage_bytes)} entries for {num_stages} stages")
     off_bytes = stage_bytes if offload_bytes is None else offload_bytes
@@ -214,7 +226,7 @@ def predict(
                 return False
             start = max(now, dep_t, load_t)
             exposed[r] += max(0.0, load_t - max(ready[r], dep_t))  # ready[r]: when the rank got here
-            end = start + stage_compute_s[s][0 if a.op is Op.FORWARD else 1]
+            end = start + stage_compute_s[s][0 if a.op is Op.FORWARD else 1] * (1.0 if a.seg is None else share[a.seg])
             done[a] = end
             ready[r] = end
             timeline[r].append((start, end, a))
@@ -321,3 +333,65 @@ def predict_steady(*args, iterations: int = 4, **kwargs) -> Prediction:
         pending = {a.stage: e - pred.host_end for rows in pred.timeline.values() for _, e, a in rows
                    if a.op is Op.STEP and e > pred.host_end}
     return pred
+
+
+def attention_key_cost(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int | None = None) -> float:
+    """A decoder layer's attention cost per (query, key) pair relative to its cost per token
+    outside attention (``balanced_segments``' ``key_cost``), in FLOPs: the projections and the
+    gated MLP take ``2 (h (q + 2 kv + o) + 3 h f)`` per token, the scores and the weighted sum
+    ``4 heads * head_dim`` per pair. About 4.0e-5 for Llama-2-7B: at 25K positions a token's
+    attention costs as much as the rest of its layer."""
+    head_dim = head_dim or hidden_size // num_heads
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    per_token = 2 * (hidden_size * (2 * q + 2 * kv) + 3 * hidden_size * intermediate_size)
+    return 4 * q / per_token
+
+
+def _prefix_cost(n: int, key_cost: float) -> float:
+    """Cost of positions 0..n-1: each costs 1 plus ``key_cost`` per key it attends (p + 1)."""
+    return n + key_cost * n * (n + 1) / 2
+
+
+def balanced_segments(seq_length: int, num_segments: int, key_cost: float = 0.0, multiple: int = 1) -> list[int]:
+    """Lengths of ``num_segments`` contiguous segments of a causal sequence whose compute is as
+    even as rounding allows (Seq1F1B's partition): position ``p`` costs ``1 + key_cost * (p + 1)``
+    (it attends to ``p + 1`` keys), so later segments are shorter. ``key_cost`` 0 gives the
+    equal split (lengths at most one apart). Boundaries are rounded to a ``multiple`` of tokens
+    where that leaves every segment at least one (kernels like aligned lengths); the last
+    segment takes the remainder.
+
+    Raises:
+        ValueError: fewer tokens than segments, or a negative ``key_cost``.
+    """
+    if num_segments < 1 or seq_length < num_segments:
+        raise ValueError(f"cannot cut a sequence of {seq_length} tokens into {num_segments} segments: "
+                         f"need 1 <= num_segments <= seq_length")
+    if key_cost < 0 or multiple < 1:
+        raise ValueError(f"key_cost ({key_cost}) must be >= 0 and multiple ({multiple}) >= 1")
+    total = _prefix_cost(seq_length, key_cost)
+    bounds = [0]
+    for i in range(1, num_segments):
+        target = total * i / num_segments
+        # Solve n + key_cost n (n + 1) / 2 = target for n (the prefix holding i shares).
+        if key_cost == 0:
+            n = target
+        else:
+            a, b = key_cost / 2, 1 + key_cost / 2
+            n = (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
+        cut = int(math.floor(n / multiple + 0.5)) * multiple
+        if multiple > 1 and not bounds[-1] < cut <= seq_length - (num_segments - i):
+            cut = int(math.floor(n + 0.5))  # alignment would empty a segment: fall back to tokens
+        lo, hi = bounds[-1] + 1, seq_length - (num_segments - i)
+        bounds.append(min(max(cut, lo), hi))
+    bounds.append(seq_length)
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def segment_costs(lengths: Sequence[int], key_cost: float = 0.0) -> list[float]:
+    """The fraction of a sequence's compute each segment of ``lengths`` takes (``predict``'s
+    ``segment_share``), under ``balanced_segments``' cost of a position."""
+    ends = [sum(lengths[:i + 1]) for i in range(len(lengths))]
+    starts = [0] + ends[:-1]
+    total = _prefix_cost(ends[-1], key_cost)
+    return [(_prefix_cost(e, key_cost) - _prefix_cost(s, key_cost)) / total for s, e in zip(starts, ends)]

@@ -17,12 +17,20 @@ The schedules differ only in their orders and warm-up counts:
   chunk-major inside a group, ``W_r = 2 (N - r - 1) + (v - 1) N``.
 * ``1f1b``: the same with one group of all ``M`` micro-batches (breadth-first / looped
   1F1B); with one stage per rank both are classic 1F1B, ``W_r = N - r - 1``.
+
+With ``num_segments`` K > 1 (sequence-level pipelining, Seq1F1B) each micro-batch's rows are
+cut into K sequence segments and the unit of work is (rows, segment): forwards take the
+segments in order, backwards in reverse (the last segment first, since its key/value gradients
+flow to the earlier ones), and a segment waits for its neighbour of the same rows at the same
+stage (``schedule.ir.kv_predecessor``) as well as for its producer. The warm-up counts segments:
+a rank must hold the K forwards of one micro-batch before the backward of its last segment can
+start, so ``W_r`` grows by ``K - 1`` (and the interleaved group term by a factor of K).
 """
 from __future__ import annotations
 
 import math
 
-from schedule.ir import Action, Op, Schedule, producer, round_robin, stages_of
+from schedule.ir import Action, Op, Schedule, kv_predecessor, producer, round_robin, stages_of
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 # Costs the engine orders by; the simulator in validate.py uses the same defaults.
@@ -30,11 +38,14 @@ FORWARD_COST = 1.0
 BACKWARD_COST = 2.0
 
 
-def check_mapping(num_stages: int, num_microbatches: int, mapping: list[int] | None) -> tuple[list[int], int]:
+def check_mapping(num_stages: int, num_microbatches: int, mapping: list[int] | None,
+                  num_segments: int = 1) -> tuple[list[int], int]:
     """The stage -> rank mapping a generator uses (``mapping``, default one stage per rank) and
     its number of ranks; raise if the arguments are malformed."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches ({num_microbatches}) must be >= 1")
+    if num_segments < 1:
+        raise ValueError(f"num_segments ({num_segments}) must be >= 1 (1: whole sequences)")
     if mapping is None:
         mapping = round_robin(num_stages, num_stages)
     if num_stages < 1:
@@ -49,7 +60,8 @@ def check_mapping(num_stages: int, num_microbatches: int, mapping: list[int] | N
     return mapping, num_ranks
 
 
-def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[int] | None = None) -> Schedule:
+def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[int] | None = None,
+             num_segments: int = 1) -> Schedule:
     """Compute-only schedule (F and B actions) of every rank.
 
     Args:
@@ -58,13 +70,15 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
         num_microbatches: micro-batches per iteration, >= 1.
         mapping: ``mapping[s]`` is the rank of stage ``s``; default one stage per rank. For
             virtual stages pass ``round_robin(num_stages, world_size)``.
+        num_segments: sequence segments per micro-batch (K); 1 leaves ``seg`` None.
 
     Returns:
         ``{rank: [Action, ...]}``; a rank's chunks are its stages in ascending order.
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULE_NAMES)}")
-    mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping)
+    mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping, num_segments)
+    K = num_segments
     # A rank's place in the pipeline is the order of its first stage (rank r under round-robin).
     firsts = sorted(range(num_ranks), key=lambda r: stages_of(r, mapping)[0])
     position = {r: i for i, r in enumerate(firsts)}
@@ -74,24 +88,28 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
         stages = stages_of(r, mapping)
         num_chunks = len(stages)
         group = num_ranks if name == "interleaved" else num_microbatches
-        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group)
+        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group, K)
         total = len(f_orders[r])
         if name == "gpipe":
             warmups[r] = total
         elif num_chunks == 1:
-            warmups[r] = min(total, num_ranks - position[r] - 1)
+            warmups[r] = min(total, num_ranks - position[r] - 1 + K - 1)
         else:
-            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group)
-    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe")
+            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group * K + K - 1)
+    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe", num_segments=K)
 
 
-def _grouped_orders(stages: list[int], num_microbatches: int, group: int) -> tuple[list[Action], list[Action]]:
-    """Forward and backward orders: micro-batch groups in turn, chunk-major inside a group."""
+def _grouped_orders(stages: list[int], num_microbatches: int, group: int,
+                    num_segments: int = 1) -> tuple[list[Action], list[Action]]:
+    """Forward and backward orders: micro-batch groups in turn, chunk-major inside a group; a
+    micro-batch's segments in order for forwards, in reverse for backwards."""
+    fsegs = [None] if num_segments == 1 else list(range(num_segments))
+    bsegs = fsegs[::-1]
     forwards, backwards = [], []
     for first in range(0, num_microbatches, group):
         mbs = range(first, min(first + group, num_microbatches))
-        forwards += [Action(s, Op.FORWARD, m) for s in stages for m in mbs]
-        backwards += [Action(s, Op.BACKWARD, m) for s in reversed(stages) for m in mbs]
+        forwards += [Action(s, Op.FORWARD, m, j) for s in stages for m in mbs for j in fsegs]
+        backwards += [Action(s, Op.BACKWARD, m, j) for s in reversed(stages) for m in mbs for j in bsegs]
     return forwards, backwards
 
 
@@ -101,6 +119,7 @@ def list_schedule(
     warmups: dict[int, int],
     num_stages: int,
     backfill: bool = True,
+    num_segments: int = 1,
 ) -> Schedule:
     """Merge each rank's forward and backward orders by simulating the pipeline.
 
@@ -110,7 +129,8 @@ def list_schedule(
     idle otherwise, and a backward only frees memory). If every rank waits (a warm-up count too
     small for an unusual mapping), the smallest relaxation is made: idle ranks take a ready
     backward, or else the lowest idle rank takes a ready extra forward. This cannot stall when
-    the orders are consistent with one global order, as those built here are.
+    the orders are consistent with one global order, as those built here are. With
+    ``num_segments`` > 1 an action is ready only once its ``kv_predecessor`` has finished too.
 
     Raises:
         ValueError: the orders are inconsistent (every rank waits and nothing is ready).
@@ -125,8 +145,8 @@ def list_schedule(
     def ready(a: Action | None) -> bool:
         if a is None:
             return False
-        d = producer(a, num_stages)
-        return d is None or done.get(d, math.inf) <= now
+        d, kv = producer(a, num_stages), kv_predecessor(a, num_segments)
+        return (d is None or done.get(d, math.inf) <= now) and (kv is None or done.get(kv, math.inf) <= now)
 
     def next_f(r: int) -> Action | None:
         return f_orders[r][nf[r]] if nf[r] < len(f_orders[r]) else None
@@ -175,16 +195,19 @@ def list_schedule(
     return out
 
 
-def generate_forward(num_stages: int, num_microbatches: int, mapping: list[int] | None = None) -> Schedule:
+def generate_forward(num_stages: int, num_microbatches: int, mapping: list[int] | None = None,
+                     num_segments: int = 1) -> Schedule:
     """Compute-only schedule with forwards only (evaluation): no B, so no gradients and no step.
 
     Each rank runs its stages in ascending order, every micro-batch of a stage before the next
     stage (stage-major). Nothing waits on a backward, so the pipeline simply fills; with
-    offload a stage is then resident for one interval per call (one LOAD, one DROP).
+    offload a stage is then resident for one interval per call (one LOAD, one DROP). With
+    ``num_segments`` a micro-batch's segments follow each other in order.
     """
-    mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping)
-    f_orders = {r: [Action(s, Op.FORWARD, m) for s in stages_of(r, mapping) for m in range(num_microbatches)]
-                for r in range(num_ranks)}
+    mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping, num_segments)
+    segs = [None] if num_segments == 1 else list(range(num_segments))
+    f_orders = {r: [Action(s, Op.FORWARD, m, j) for s in stages_of(r, mapping) for m in range(num_microbatches)
+                    for j in segs] for r in range(num_ranks)}
     b_orders = {r: [] for r in range(num_ranks)}
     warmups = {r: len(f_orders[r]) for r in range(num_ranks)}
-    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=False)
+    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=False, num_segments=num_segments)

@@ -22,8 +22,17 @@ An action prints compactly and parses back::
                all-reduce between the two ranks (each lists the T of the stage it holds), or a
                local add where one rank holds both (it lists 0T only)
 
-A micro-batch index is opaque to the IR: the data side decides which rows (or, for
-sequence-level pipelining, which slice of a sequence) it stands for.
+A micro-batch index is opaque to the IR: the data side decides which rows it stands for.
+With sequence-level pipelining (``seq_chunks``, docs/seq_pipelining.md) every sequence is cut
+into K contiguous segments and a micro-batch is a pair (rows, segment), printed after a dot::
+
+    2F0.1      forward of stage 2 on the rows of micro-batch 0, segment 1
+    1SEND_B3.0 send the input gradient of stage 1, rows 3, segment 0
+
+Segments of the same rows at one stage depend on each other (``kv_predecessor``): segment j's
+forward attends to the keys and values of segments < j, and segment j's backward needs the
+gradients of its keys and values, which the backwards of segments > j produce. Without
+segments (K = 1) ``seg`` is None and the actions print as before.
 """
 from __future__ import annotations
 
@@ -55,21 +64,24 @@ RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 MICROBATCH_OPS = COMPUTE_OPS | COMM_OPS
 RANK_OPS = frozenset({Op.NORM})
 
-_ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|NORM|F|B|L|D|O|S|T)(\d*)$")
+_ACTION_RE = re.compile(r"^(\d*)(SEND_F|RECV_F|SEND_B|RECV_B|NORM|F|B|L|D|O|S|T)(\d*)(?:\.(\d+))?$")
 
 
 class Action(NamedTuple):
-    """One step of a rank's program. ``stage`` is -1 for rank-level ops (NORM)."""
+    """One step of a rank's program. ``stage`` is -1 for rank-level ops (NORM); ``seg`` is the
+    sequence segment of the micro-batch's rows, None without sequence-level pipelining."""
 
     stage: int
     op: Op
     mb: int | None = None
+    seg: int | None = None
 
     def __str__(self) -> str:
         if self.op in RANK_OPS:
             return self.op.value
         mb = "" if self.mb is None else str(self.mb)
-        return f"{self.stage}{self.op.value}{mb}"
+        seg = "" if self.seg is None else f".{self.seg}"
+        return f"{self.stage}{self.op.value}{mb}{seg}"
 
     def __repr__(self) -> str:
         return str(self)
@@ -78,8 +90,10 @@ class Action(NamedTuple):
     def parse(text: str) -> "Action":
         m = _ACTION_RE.match(text.strip())
         if m is None:
-            raise ValueError(f"cannot parse action {text!r}: expected e.g. '2F0', '1SEND_F3', '3L', 'NORM'")
-        stage, op, mb = m.group(1), Op(m.group(2)), m.group(3)
+            raise ValueError(f"cannot parse action {text!r}: expected e.g. '2F0', '2F0.1', '1SEND_F3', '3L', 'NORM'")
+        stage, op, mb, seg = m.group(1), Op(m.group(2)), m.group(3), m.group(4)
+        if seg is not None and not mb:
+            raise ValueError(f"cannot parse action {text!r}: a segment (.{seg}) needs a micro-batch index")
         if op in RANK_OPS:
             if stage or mb:
                 raise ValueError(f"cannot parse action {text!r}: {op.value} takes no stage or micro-batch")
@@ -89,7 +103,7 @@ class Action(NamedTuple):
         if (op in MICROBATCH_OPS) != bool(mb):
             need = "needs" if op in MICROBATCH_OPS else "takes no"
             raise ValueError(f"cannot parse action {text!r}: {op.value} {need} a micro-batch index")
-        return Action(int(stage), op, int(mb) if mb else None)
+        return Action(int(stage), op, int(mb) if mb else None, None if seg is None else int(seg))
 
 
 Schedule = dict[int, list[Action]]
@@ -159,7 +173,7 @@ def send_for(a: Action) -> Action:
     neighbouring stage; it exists where ``remote_consumer(a, mapping)``."""
     if a.op not in COMPUTE_OPS:
         raise ValueError(f"send_for needs an F or B action, got {a}")
-    return Action(a.stage, Op.SEND_F if a.op is Op.FORWARD else Op.SEND_B, a.mb)
+    return Action(a.stage, Op.SEND_F if a.op is Op.FORWARD else Op.SEND_B, a.mb, a.seg)
 
 
 def recv_for(a: Action) -> Action:
@@ -167,14 +181,14 @@ def recv_for(a: Action) -> Action:
     neighbouring stage; it exists where ``remote_producer(a, mapping)``."""
     if a.op not in COMPUTE_OPS:
         raise ValueError(f"recv_for needs an F or B action, got {a}")
-    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb)
+    return Action(a.stage, Op.RECV_F if a.op is Op.FORWARD else Op.RECV_B, a.mb, a.seg)
 
 
 def peer_recv(send: Action) -> Action:
     """The RECV on the peer rank that matches ``send`` (named by the consumer's stage)."""
     if send.op not in SEND_OPS:
         raise ValueError(f"peer_recv needs a SEND_F or SEND_B action, got {send}")
-    return Action(peer_stage(send), Op.RECV_F if send.op is Op.SEND_F else Op.RECV_B, send.mb)
+    return Action(peer_stage(send), Op.RECV_F if send.op is Op.SEND_F else Op.RECV_B, send.mb, send.seg)
 
 
 Channel = tuple[int, int]  # (src rank, dst rank)
@@ -200,10 +214,29 @@ def channel(a: Action, mapping: list[int]) -> Channel:
 def producer(a: Action, num_stages: int) -> Action | None:
     """The compute whose output compute ``a`` consumes (None for a first-stage forward)."""
     if a.op is Op.FORWARD:
-        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb)
+        return None if a.stage == 0 else Action(a.stage - 1, Op.FORWARD, a.mb, a.seg)
     if a.stage == num_stages - 1:
-        return Action(a.stage, Op.FORWARD, a.mb)
-    return Action(a.stage + 1, Op.BACKWARD, a.mb)
+        return Action(a.stage, Op.FORWARD, a.mb, a.seg)
+    return Action(a.stage + 1, Op.BACKWARD, a.mb, a.seg)
+
+
+def kv_predecessor(a: Action, num_segments: int) -> Action | None:
+    """The compute of the same stage and rows that compute ``a`` (of a segment) must follow on
+    its rank, because of attention across segments: a forward of segment j attends to the
+    keys/values of segment j - 1 (and, through it, of every earlier one), and a backward of
+    segment j needs the gradients of its keys/values, which the backward of segment j + 1
+    completes (the backward of the last segment comes first). None without segments, for the
+    first segment's forward and for the last segment's backward."""
+    if a.seg is None or a.op not in COMPUTE_OPS:
+        return None
+    if a.op is Op.FORWARD:
+        return Action(a.stage, Op.FORWARD, a.mb, a.seg - 1) if a.seg > 0 else None
+    return Action(a.stage, Op.BACKWARD, a.mb, a.seg + 1) if a.seg + 1 < num_segments else None
+
+
+def num_segments_of(schedule: Schedule) -> int:
+    """K of a schedule: one more than its largest segment index, 1 when no action has one."""
+    return 1 + max((a.seg for acts in schedule.values() for a in acts if a.seg is not None), default=0)
 
 
 def remote_producer(a: Action, mapping: list[int]) -> bool:

@@ -266,6 +266,7 @@ def build(
     clip: bool,
     resident: int = 0,
     tied: bool = False,
+    num_segments: int = 1,
 ) -> Schedule:
     """Generate, lower and validate the full program of every rank.
 
@@ -281,16 +282,18 @@ def build(
         resident: with ``offload``, stages per rank that stay on the device (``resident_stages``).
         tied: the first and last stage hold copies of one tied matrix (``tie_word_embeddings``
             over more than one stage): adds their gradient exchange (``add_tie``).
+        num_segments: sequence segments per micro-batch (``seq_chunks``); the passes treat a
+            (micro-batch, segment) like a micro-batch, the generator orders the segments.
     """
     keep = resident_stages(mapping, resident) if offload else frozenset()
-    schedule = generate(name, num_stages, num_microbatches, mapping)
+    schedule = generate(name, num_stages, num_microbatches, mapping, num_segments)
     schedule = add_send_recv(schedule, mapping)
     if offload:
         schedule = add_load_offload(schedule, mapping, prefetch, keep)
     if tied:
         schedule = add_tie(schedule, mapping)
     schedule = add_optimizer(schedule, mapping, clip=clip, offload=offload, resident=keep)
-    validate(schedule, mapping, num_stages, num_microbatches, tied=tied)
+    validate(schedule, mapping, num_stages, num_microbatches, tied=tied, num_segments=num_segments)
     return schedule
 
 
@@ -302,15 +305,16 @@ def build_forward(
     offload: bool,
     prefetch: bool,
     resident: int = 0,
+    num_segments: int = 1,
 ) -> Schedule:
     """The forward-only program of every rank (evaluation): F, SEND_F / RECV_F and, with
     offload, LOAD / DROP; no B, no OFFLOAD, no NORM, no STEP. Validated like ``build``.
 
     Args: as for ``build``.
     """
-    schedule = generate_forward(num_stages, num_microbatches, mapping)
+    schedule = generate_forward(num_stages, num_microbatches, mapping, num_segments)
     schedule = add_send_recv(schedule, mapping)
     if offload:
         schedule = add_load_offload(schedule, mapping, prefetch, resident_stages(mapping, resident))
-    validate(schedule, mapping, num_stages, num_microbatches, forward_only=True)
+    validate(schedule, mapping, num_stages, num_microbatches, forward_only=True, num_segments=num_segments)
     return schedule

@@ -9,6 +9,8 @@ Executor contract modelled here (each rank runs its list strictly in order):
 * A RECV completes once its SEND has been issued and every earlier message on the channel
   completed; a SEND completes once its RECV has been posted (rendezvous).
 * F(s, m) / B(s, m) block until the RECV they consume has completed.
+* With sequence segments (``seg``), a compute of segment j runs after its ``kv_predecessor``
+  on the same rank: F(s, m.j) after F(s, m.j-1), B(s, m.j) after B(s, m.j+1).
 * At the end of its list a rank blocks until all its SENDs completed.
 * NORM is a collective: it blocks until every rank has reached its NORM.
 * TIE (tied embeddings) is a collective of the ranks holding the first and the last stage: it
@@ -27,8 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, NoReturn
 
 from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Channel, Op, Schedule, channel, crosses,
-                         offloaded_stages, peer_recv, peer_stage, producer, recv_for, remote_producer, send_for,
-                         tie_actions, tie_covers)
+                         kv_predecessor, num_segments_of, offloaded_stages, peer_recv, peer_stage, producer, recv_for,
+                         remote_producer, send_for, tie_actions, tie_covers)
 
 # What a forward-only (evaluation) program must not contain.
 _GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP, Op.TIE})
@@ -100,6 +102,7 @@ def validate(
     compute_only: bool = False,
     forward_only: bool = False,
     tied: bool = False,
+    num_segments: int = 1,
 ) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` is a correct program for the executor.
 
@@ -115,8 +118,13 @@ def validate(
         tied: the first and last stage hold copies of one tied matrix: each rank holding one
             runs its ``tie_actions`` once, after its tied stages' last backward and before their
             OFFLOAD and STEP and its NORM; without ``tied`` no TIE may appear.
+        num_segments: sequence segments per micro-batch (K): every (stage, micro-batch,
+            segment) needs its computes, in segment order (``kv_predecessor``); with 1, no
+            action may name a segment.
     """
-    S, M = num_stages, num_microbatches
+    S, M, K = num_stages, num_microbatches, num_segments
+    if K < 1:
+        raise ScheduleError(f"num_segments ({K}) must be >= 1")
     if len(mapping) != S:
         raise ScheduleError(f"mapping has {len(mapping)} entries ({mapping}) but num_stages is {S}")
     num_ranks = max(mapping) + 1
@@ -145,6 +153,9 @@ def validate(
             if a.op in COMPUTE_OPS | COMM_OPS and not (a.mb is not None and 0 <= a.mb < M):
                 _fail(schedule, f"rank {r} step {i}: {a} names micro-batch {a.mb}; micro-batches are "
                                 f"0..{M - 1}", [(r, i)])
+            if a.op in COMPUTE_OPS | COMM_OPS and not (a.seg is None if K == 1 else a.seg is not None and 0 <= a.seg < K):
+                want = "no segment (num_segments 1)" if K == 1 else f"a segment 0..{K - 1}"
+                _fail(schedule, f"rank {r} step {i}: {a} names segment {a.seg}; expected {want}", [(r, i)])
             if mapping[a.stage] != r:
                 _fail(schedule, f"rank {r} step {i}: {a} is on rank {r} but stage {a.stage} belongs to rank "
                                 f"{mapping[a.stage]} (mapping {mapping})", [(r, i)])
@@ -161,18 +172,28 @@ def validate(
     # Every (stage, micro-batch) runs F then B (F only when forward-only), each exactly once,
     # after its local inputs.
     ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
-    missing = [str(Action(s, op, m)) for s in range(S) for m in range(M) for op in ops if Action(s, op, m) not in where]
+    segs = [None] if K == 1 else list(range(K))
+    missing = [str(Action(s, op, m, j)) for s in range(S) for m in range(M) for j in segs for op in ops
+               if Action(s, op, m, j) not in where]
     if missing:
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
         need = "one F" if forward_only else "one F and one B"
+        per = "per micro-batch" if K == 1 else "per micro-batch and segment"
+        count = f"{S} stages x {M} micro-batches" + ("" if K == 1 else f" x {K} segments")
         _fail(schedule, f"missing compute actions: {', '.join(missing[:8])}{more}; every stage needs {need} "
-                        f"per micro-batch ({S} stages x {M} micro-batches)")
+                        f"{per} ({count})")
     for a, (r, i) in sorted(where.items(), key=lambda x: x[1]):
         if a.op not in COMPUTE_OPS:
             continue
-        if a.op is Op.BACKWARD and where[Action(a.stage, Op.FORWARD, a.mb)][1] > i:
-            _fail(schedule, f"rank {r} step {i}: {a} runs before its forward "
-                            f"{Action(a.stage, Op.FORWARD, a.mb)}", [(r, i), where[Action(a.stage, Op.FORWARD, a.mb)]])
+        fwd = Action(a.stage, Op.FORWARD, a.mb, a.seg)
+        if a.op is Op.BACKWARD and where[fwd][1] > i:
+            _fail(schedule, f"rank {r} step {i}: {a} runs before its forward {fwd}", [(r, i), where[fwd]])
+        kv = kv_predecessor(a, K)
+        if kv is not None and where[kv][1] > i:
+            why = ("attends to its keys/values" if a.op is Op.FORWARD
+                   else "produces the gradients of its keys/values (backwards run the last segment first)")
+            _fail(schedule, f"rank {r} step {i}: {a} runs before {kv} (step {where[kv][1]}), which {why}",
+                  [(r, i), where[kv]])
         src = producer(a, S)
         if src is None:
             pass
@@ -345,6 +366,7 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
     """
     cost = cost or default_cost
     num_stages = len(mapping)
+    num_segments = num_segments_of(schedule)
     ranks = sorted(schedule)
     implicit = not any(a.op in COMM_OPS for acts in schedule.values() for a in acts)
     pc = {r: 0 for r in ranks}
@@ -408,8 +430,12 @@ def simulate(schedule: Schedule, mapping: list[int], cost: Callable[[Action], fl
                     check_pair(ch, len(queue) - 1)
                 elif a.op in COMPUTE_OPS:
                     src = producer(a, num_stages)
-                    if a.op is Op.BACKWARD and Action(a.stage, Op.FORWARD, a.mb) not in done:
+                    if a.op is Op.BACKWARD and Action(a.stage, Op.FORWARD, a.mb, a.seg) not in done:
                         _fail(schedule, f"rank {r} step {i}: {a} runs before its forward", [(r, i)])
+                    kv = kv_predecessor(a, num_segments)
+                    if kv is not None and kv not in done:
+                        _fail(schedule, f"rank {r} step {i}: {a} runs before {kv} on the same rank (segment order)",
+                              [(r, i)])
                     if src is None:
                         pass
                     elif not remote_producer(a, mapping):
