@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import IO, Sequence
 
-from pipeline.dist import Log, gather_objects
+import torch
+
+from pipeline.checkpoint import write_json_atomic
+from pipeline.dist import DistEnv, Log, barrier, gather_objects
 
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
@@ -368,3 +372,34 @@ def results_rows(per_rank: list[list[dict]], loss_rank: int) -> list[dict]:
                                   for h in per_rank]})
     return rows
 
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes of the device's allocations (CPU: the process's peak RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_stats(device: torch.device, stores: dict) -> dict:
+    """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank since the last call."""
+    out = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if device.type == "cuda":
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        totals = {"h2d": [0, 0.0], "d2h": [0, 0.0]}
+        for store in stores.values():
+            for kind, (nbytes, secs) in store.pop_transfer_stats().items():
+                totals[kind][0] += nbytes
+                totals[kind][1] += secs
+        for kind, (nbytes, secs) in totals.items():
+            out[f"{kind}_bytes"], out[f"{kind}_seconds"] = nbytes, secs
+    return out
+
+
+def write_results(path: Path, config: dict, env: DistEnv, data_parallel: int, history: list[dict],
+                  loss_rank: int) -> None:
+    """Gather every rank's step rows and write ``results.json`` from rank 0 (collective)."""
+    per_rank = gather_objects(history)
+    if env.rank == 0:
+        write_json_atomic(path, {"config": config, "world_size": env.world_size, "data_parallel": data_parallel,
+                                 "iterations": results_rows(per_rank, loss_rank)})
+    barrier()

@@ -4,11 +4,11 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,17 +18,20 @@ from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.dist import DistEnv, Log, barrier, broadcast_object, cap_gpu_memory, gather_objects, pick_device
+from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
-from pipeline.metrics import Metrics, SkipGuard, results_rows
+from pipeline.metrics import Metrics, SkipGuard, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
                             partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
-from pipeline.placement import load_topology, local_gpus, plan_text, resolve_placement
-from pipeline.replicas import GradSync, check_replicas, layout, replica_share, shard_peers
+from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
+from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
 from pipeline.resolve import Resolved, resolve
 from pipeline.timeline import Timeline, write_run_timeline
+
+if TYPE_CHECKING:
+    from data import BatchStream
 
 GENERATED_MODEL = "tiny-llama"
 
@@ -300,183 +303,268 @@ class GcClock:
         return out
 
 
-def check_tied_steps(cfg: TrainConfig, mapping: list[int]) -> None:
+def check_tied_steps(cfg: TrainConfig, schedule: sched.Schedule, mapping: list[int]) -> None:
     """Raise ConfigError unless both copies of a tied matrix (first and last stage) step the same
-    way: both on the GPU (resident, or no offload) or both on the CPU optimizer thread. The two
-    AdamW kernels would round differently and the copies drift apart."""
-    if not cfg.use_offload:
-        return
+    way in ``schedule``: both on the GPU (resident, or no offload) or both on the CPU optimizer
+    thread. The two AdamW kernels would round differently and the copies drift apart."""
     first, last = sched.tied_stages(len(mapping))
-    keep = sched.resident_stages(mapping, cfg.resident_stages)
-    if (first in keep) != (last in keep):
-        on_gpu, on_cpu = (first, last) if first in keep else (last, first)
+    loaded = sched.offloaded_stages(schedule)  # the program is where resident_stages became stages
+    if (first in loaded) != (last in loaded):
+        on_gpu, on_cpu = (last, first) if first in loaded else (first, last)
         per_rank = len(mapping) // (max(mapping) + 1)
         raise ConfigError(f"tied embeddings: resident_stages {cfg.resident_stages} keeps stage {on_gpu} on the GPU "
                           f"but offloads stage {on_cpu}, so the two copies of the tied matrix would step with "
                           f"different AdamW kernels; use resident_stages 0 or {per_rank} (all)")
 
 
-class Trainer:
-    """Everything one rank owns: its stages and stores, its action list, the executor."""
+def rank_cpus(cfg: TrainConfig, env: DistEnv, device: torch.device) -> list[int]:
+    """This rank's share of the host's cores: of its GPU's NUMA node where known (offload/cpus.py)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    gpu_numa: list[int | None] = [None] * env.local_world_size
+    if device.type == "cuda":  # the NUMA node of each local rank's GPU: topology file, else discovery
+        topo = load_topology(cfg, discover_ok=True)
+        gpus = local_gpus(topo, env.local_world_size) if topo is not None else None
+        if gpus is not None:
+            gpu_numa = [g.numa for g in gpus]
+    return optimizer_cpus(env.local_rank, gpu_numa, node_cpus(), allowed)
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
-                 resolved: Resolved | None = None):
-        """``resolved``: the automatic choices, made by ``train()`` on rank 0; without it (tests)
-        this rank makes them."""
-        self.device = pick_device(cfg.device, env)
-        self.dtype = compute_dtype(cfg, self.device)
-        if self.device.type == "cuda" and cfg.gpu_memory_gb:
-            cap_gpu_memory(self.device, cfg.gpu_memory_gb)
-        self.source = source or resolve_model(cfg)
-        hf = self.source.config
-        # data_parallel: this process is pipeline rank ``rank`` of replica ``layout.replica``;
-        # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
-        self.layout = layout(cfg, env.rank, env.world_size)
-        rank, world = self.layout.position, self.layout.pipeline_size
-        resolved = resolved or resolve(cfg, env.world_size, hf)
-        cfg, self.kept, one = resolved.cfg, resolved.kept, resolved.replica
-        self.cfg, self.env = cfg, env
-        S = cfg.num_stages
-        # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
-        self.placement = resolve_placement(one, DistEnv(env.rank, world, env.local_rank,
-                                                        min(env.local_world_size, world)),
-                                           hf, self.device, self.dtype)
-        self.mapping = self.placement.choice.stage_to_rank
-        self.gc_clock = GcClock()
-        self.loss_rank = self.layout.global_rank(self.mapping[-1], replica=0)  # replica 0's speaks
-        self.log = Log(env.rank, speaker=self.loss_rank)
-        if cfg.data_parallel > 1 and env.rank == 0 and env.local_world_size % world:
-            # torchrun numbers a node's processes consecutively: whole replicas per node need a multiple of P
-            self.log.warn(f"{env.local_world_size} processes per node is not a multiple of the pipeline's {world} "
-                          "ranks: some replicas span nodes, and their activations cross the network")
-        self.log.info(self.placement.choice.reason)
-        # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
-        self.resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, self.log)
-        self.start_iteration = self.resume_point.iteration if self.resume_point else 0
-        self.stopped_by = 0  # the signal that ended the run early, if one did
-        weights_dir = self.resume_point.path if self.resume_point else self.source.weights_dir
-        self.stream, data_line = build_stream(cfg, self.source)
-        if data_line:
-            self.log.info(data_line)
-        self.log.info(token_line(self.stream, cfg.packing))
-        self.eval_batches = build_eval_batches(cfg, self.source) if cfg.eval_every else []
-        # Tied embeddings over several stages: two copies, their gradients summed by a TIE action.
-        self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
-        if self.tied:
-            check_tied_steps(cfg, self.mapping)
-        self.schedule = sched.build(cfg.schedule, S, one.num_chunks, self.mapping, offload=cfg.use_offload,
-                                    prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages,
-                                    tied=self.tied)
-        # Validation runs the same stages with a forward-only program: no B, no optimizer.
-        self.eval_actions = sched.build_forward(S, one.num_chunks, self.mapping, offload=cfg.use_offload,
-                                                prefetch=cfg.use_prefetch, resident=cfg.resident_stages
-                                                )[rank] if cfg.eval_every else []
-        if cfg.debug_schedule and env.rank == 0:
-            print(sched.format_schedule(self.schedule), flush=True)
-        self.actions = self.schedule[rank]
 
-        # Only this rank's stages are ever built.
-        self.parts = partition_layers(hf.num_hidden_layers, S)
-        self.stage_ids = sched.stages_of(rank, self.mapping)
-        # With offload, the stages never loaded stay on the GPU (resident_stages), AdamW included.
-        loaded = sched.offloaded_stages(self.schedule)
-        self.offloaded = [s for s in self.stage_ids if s in loaded]
-        torch.manual_seed(cfg.seed)
-        self.streams = streams = Streams(self.device)
-        pool = BufferPool(self.device)
-        self.stages, self.stores = {}, {}
-        workers, share = None, []
-        if self.offloaded:
-            # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
-            share = self.rank_cpus()
-            cpus = self.optimizer_cpus(share)
-            workers = Workers(ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
-                                                 initargs=(cpus,)), self.device)
-            self.log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores "
-                          f"{cpus[0]}-{cpus[-1]})")
-        # Before the stores (their sharded steps use its groups), on every rank alike: group
-        # creation is collective.
-        self.replicas = GradSync(self.layout, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
-        # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
-        # not torchrun's one thread.
-        with intra_op_threads(len(share) or torch.get_num_threads()):
-            self._build_stages(hf, weights_dir, streams, pool, workers)
-        self.p2p = P2P(self.mapping, timeout_s=cfg.comm_timeout_s, tied=self.tied, replicas=cfg.data_parallel)
-        self.executor = Executor(rank, self.stages, self.stores, self.mapping, self.p2p, device=self.device,
-                                 dtype=self.dtype, hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip,
-                                 replicas=self.replicas, start_offset_s=self.placement.choice.start_offset_s[rank])
-        self.flops_per_token = model_flops_per_token(hf, hf.num_hidden_layers, cfg.seq_length)
-        self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if self.dtype == torch.float16 else None
-        self.checkpoints = checkpoint.CheckpointManager(
-            cfg, env, self.source, self.device, self.log, self.layout, stores=self.stores, stream=self.stream,
-            scaler=self.scaler, parts=self.parts, mapping=self.mapping)
-        if self.resume_point:
-            self.checkpoints.restore(self.resume_point)
+def adamw_cpus(cfg: TrainConfig, share: list[int]) -> list[int]:
+    """The cores of ``share`` the CPU optimizer's threads run on."""
+    if cfg.optimizer_threads:
+        return share[:cfg.optimizer_threads]
+    # Two cores of the share stay free for this rank's main thread (it launches the GPU's
+    # work: starved by busy optimizer threads, it left a GPU idle for half its compute time)
+    # and its loader and communication threads.
+    return share[2:] if len(share) >= 6 else share
 
-    def _build_stages(self, hf, weights_dir, streams: Streams, pool: BufferPool, workers: Workers | None) -> None:
-        """This rank's stages (only those are ever built) and their stores."""
-        cfg, S = self.cfg, self.cfg.num_stages
-        built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
-        for s in self.stage_ids:
+
+@dataclass
+class Rank:
+    """One rank's parts of the job, made by ``build_rank``; the ``Trainer`` runs them.
+
+    Attributes:
+        cfg: the resolved configuration (``Resolved.cfg``).
+        placement: the stage -> rank mapping and why (``placement.choice``).
+        loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
+        schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
+        parts: each stage's decoder layers (``partition_layers``).
+        stages, stores: this rank's stages and their parameter stores, by stage id.
+        replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
+    """
+
+    cfg: TrainConfig
+    env: DistEnv
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    layout: Layout
+    placement: Placement
+    loss_rank: int
+    log: Log
+    resume_point: checkpoint.ResumePoint | None
+    stream: BatchStream
+    eval_batches: list
+    schedule: sched.Schedule
+    actions: list
+    eval_actions: list
+    parts: list
+    stages: dict
+    stores: dict
+    streams: Streams
+    replicas: GradSync | None
+    executor: Executor
+    scaler: LossScaler | None
+
+    @property
+    def mapping(self) -> list[int]:
+        return self.placement.choice.stage_to_rank
+
+
+def build_device(cfg: TrainConfig, env: DistEnv) -> tuple[torch.device, torch.dtype]:
+    """This rank's device, capped at ``gpu_memory_gb``, and the compute dtype."""
+    device = pick_device(cfg.device, env)
+    if device.type == "cuda" and cfg.gpu_memory_gb:
+        cap_gpu_memory(device, cfg.gpu_memory_gb)
+    return device, compute_dtype(cfg, device)
+
+
+def build_data(cfg: TrainConfig, source: ModelSource, log: Log):
+    """The training batch stream and the validation batches (none without ``eval_every``)."""
+    stream, data_line = build_stream(cfg, source)
+    if data_line:
+        log.info(data_line)
+    log.info(token_line(stream, cfg.packing))
+    return stream, build_eval_batches(cfg, source) if cfg.eval_every else []
+
+
+def build_programs(cfg: TrainConfig, one: TrainConfig, mapping: list[int], position: int, tied: bool,
+                   env: DistEnv) -> tuple[sched.Schedule, list, list]:
+    """Every rank's training program, this rank's list of it, and this rank's forward-only list
+    (validation runs the same stages with no B and no optimizer; empty without ``eval_every``).
+    ``one`` is one replica's pipeline (``Resolved.replica``)."""
+    S = cfg.num_stages
+    schedule = sched.build(cfg.schedule, S, one.num_chunks, mapping, offload=cfg.use_offload,
+                           prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages, tied=tied)
+    eval_actions = sched.build_forward(S, one.num_chunks, mapping, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
+                                       resident=cfg.resident_stages)[position] if cfg.eval_every else []
+    if cfg.debug_schedule and env.rank == 0:
+        print(sched.format_schedule(schedule), flush=True)
+    return schedule, schedule[position], eval_actions
+
+
+def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
+                 offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
+                 replicas: GradSync | None, log: Log) -> tuple[dict, dict, Streams]:
+    """This rank's stages (only those are ever built) and their stores."""
+    S = cfg.num_stages
+    streams, pool = Streams(device), BufferPool(device)
+    workers, share = None, []
+    if offloaded:
+        # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
+        share = rank_cpus(cfg, env, device)
+        cpus = adamw_cpus(cfg, share)
+        workers = Workers(ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
+                                             initargs=(cpus,)), device)
+        log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
+    stages, stores = {}, {}
+    built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
+    # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
+    # not torchrun's one thread.
+    with intra_op_threads(len(share) or torch.get_num_threads()):
+        for s in stage_ids:
             t0 = time.perf_counter()
-            stage = build_stage(hf, s, S, self.parts[s], model_dir=weights_dir, seed=cfg.seed,
-                                checkpointing=cfg.activation_checkpointing, kept_layers=self.kept[s],
-                                init_device=self.device)
-            stage.rotary_emb.to(self.device)
+            stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
+                                checkpointing=cfg.activation_checkpointing, kept_layers=kept[s], init_device=device)
+            stage.rotary_emb.to(device)
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
             # Replicas split an offloaded stage's CPU step (ZeRO-1 on host state); not a tied
             # copy's (both copies must step alike) nor a delayed one's.
-            sharded = s in self.offloaded and stage.tied_name is None and not cfg.delayed_update
-            shard = shard_peers(self.replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
-            self.stores[s] = StageStore(stage, device=self.device, compute_dtype=self.dtype,
-                                        offload=s in self.offloaded, optim=optim_settings(cfg, fused=True),
-                                        streams=streams, pool=pool, workers=workers, delayed=cfg.delayed_update,
-                                        tied=stage.tied_name, tied_copy=s == S - 1, shard=shard)
-            self.stages[s] = stage
+            sharded = s in offloaded and stage.tied_name is None and not cfg.delayed_update
+            shard = shard_peers(replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
+            stores[s] = StageStore(stage, device=device, compute_dtype=dtype, offload=s in offloaded,
+                                   optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
+                                   workers=workers, delayed=cfg.delayed_update, tied=stage.tied_name,
+                                   tied_copy=s == S - 1, shard=shard)
+            stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
-        sharded = [s for s in self.stage_ids if self.stores[s].shard is not None]
-        if sharded:
-            mine = sum(hi - lo for lo, hi in (self.stores[s].shard_range for s in sharded))
-            self.log.info(f"data_parallel: the CPU AdamW steps of stages {sharded} are sharded over "
-                          f"{cfg.data_parallel} replicas (rank {self.env.rank} steps {mine} of "
-                          f"{sum(self.stores[s].numel for s in sharded)} parameters, then the peers exchange them)")
-        self.log.info(f"start-up (rank {self.env.rank}): stages built in {built:.1f}s, their weights, gradients "
-                      f"and AdamW state placed in {placed:.1f}s")
+    sharded = [s for s in stage_ids if stores[s].shard is not None]
+    if sharded:
+        mine = sum(hi - lo for lo, hi in (stores[s].shard_range for s in sharded))
+        log.info(f"data_parallel: the CPU AdamW steps of stages {sharded} are sharded over "
+                 f"{cfg.data_parallel} replicas (rank {env.rank} steps {mine} of "
+                 f"{sum(stores[s].numel for s in sharded)} parameters, then the peers exchange them)")
+    log.info(f"start-up (rank {env.rank}): stages built in {built:.1f}s, their weights, gradients "
+             f"and AdamW state placed in {placed:.1f}s")
+    return stages, stores, streams
 
-    def rank_cpus(self) -> list[int]:
-        """This rank's share of the host's cores: of its GPU's NUMA node where known (offload/cpus.py)."""
-        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            list(range(os.cpu_count() or 1))
-        gpu_numa: list[int | None] = [None] * self.env.local_world_size
-        if self.device.type == "cuda":  # the NUMA node of each local rank's GPU: topology file, else discovery
-            topo = load_topology(self.cfg, discover_ok=True)
-            gpus = local_gpus(topo, self.env.local_world_size) if topo is not None else None
-            if gpus is not None:
-                gpu_numa = [g.numa for g in gpus]
-        return optimizer_cpus(self.env.local_rank, gpu_numa, node_cpus(), allowed)
 
-    def optimizer_cpus(self, share: list[int]) -> list[int]:
-        """The cores of ``share`` the CPU optimizer's threads run on."""
-        if self.cfg.optimizer_threads:
-            return share[:self.cfg.optimizer_threads]
-        # Two cores of the share stay free for this rank's main thread (it launches the GPU's
-        # work: starved by busy optimizer threads, it left a GPU idle for half its compute time)
-        # and its loader and communication threads.
-        return share[2:] if len(share) >= 6 else share
+def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
+               resolved: Resolved | None = None) -> Rank:
+    """Build everything this rank runs: device, placement, data, programs, stages and stores,
+    p2p and executor. Collective (the placement's broadcast, the replicas' groups, the resume
+    point): every rank calls it alike.
+
+    Args:
+        resolved: the automatic choices, made by ``train()`` on rank 0; without it (tests) this
+            rank makes them.
+    """
+    device, dtype = build_device(cfg, env)
+    source = source or resolve_model(cfg)
+    hf = source.config
+    # data_parallel: this process is pipeline rank ``position`` of replica ``lay.replica``;
+    # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
+    lay = layout(cfg, env.rank, env.world_size)
+    position, size = lay.position, lay.pipeline_size
+    resolved = resolved or resolve(cfg, env.world_size, hf)
+    cfg, one = resolved.cfg, resolved.replica
+    S = cfg.num_stages
+    # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
+    placement = resolve_placement(one, DistEnv(env.rank, size, env.local_rank, min(env.local_world_size, size)),
+                                  hf, device, dtype)
+    mapping = placement.choice.stage_to_rank
+    loss_rank = lay.global_rank(mapping[-1], replica=0)  # replica 0's speaks
+    log = Log(env.rank, speaker=loss_rank)
+    if cfg.data_parallel > 1 and env.rank == 0 and env.local_world_size % size:
+        # torchrun numbers a node's processes consecutively: whole replicas per node need a multiple of P
+        log.warn(f"{env.local_world_size} processes per node is not a multiple of the pipeline's {size} "
+                 "ranks: some replicas span nodes, and their activations cross the network")
+    log.info(placement.choice.reason)
+    # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
+    resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, log)
+    weights_dir = resume_point.path if resume_point else source.weights_dir
+    stream, eval_batches = build_data(cfg, source, log)
+    # Tied embeddings over several stages: two copies, their gradients summed by a TIE action.
+    tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
+    schedule, actions, eval_actions = build_programs(cfg, one, mapping, position, tied, env)
+    if tied:
+        check_tied_steps(cfg, schedule, mapping)
+    parts = partition_layers(hf.num_hidden_layers, S)
+    stage_ids = sched.stages_of(position, mapping)
+    # With offload, the stages the program never loads stay on the GPU (resident_stages), AdamW
+    # included: the program is the one record of which stages those are.
+    loaded = sched.offloaded_stages(schedule)
+    offloaded = [s for s in stage_ids if s in loaded]
+    torch.manual_seed(cfg.seed)
+    # Before the stores (their sharded steps use its groups), on every rank alike: group
+    # creation is collective.
+    replicas = GradSync(lay, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
+    stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
+                                           device, dtype, replicas, log)
+    p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=tied, replicas=cfg.data_parallel)
+    executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
+                        hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
+                        start_offset_s=placement.choice.start_offset_s[position])
+    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
+    return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
+                schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)
+
+
+class Trainer:
+    """One rank's training loop over the parts ``build_rank`` made; checkpoints go through a
+    ``CheckpointManager``, step figures and results through ``pipeline.metrics``."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
+                 resolved: Resolved | None = None):
+        """``resolved``: the automatic choices, made by ``train()`` on rank 0; without it (tests)
+        this rank makes them."""
+        self.rank = r = build_rank(cfg, env, source, resolved)
+        self.cfg, self.env = r.cfg, env
+        self.start_iteration = r.resume_point.iteration if r.resume_point else 0
+        self.stopped_by = 0  # the signal that ended the run early, if one did
+        self.gc_clock = GcClock()
+        self.flops_per_token = model_flops_per_token(r.source.config, r.source.config.num_hidden_layers,
+                                                     r.cfg.seq_length)
+        self.checkpoints = checkpoint.CheckpointManager(
+            r.cfg, env, r.source, r.device, r.log, r.layout, stores=r.stores, stream=r.stream, scaler=r.scaler,
+            parts=r.parts, mapping=r.mapping)
+        if r.resume_point:
+            self.checkpoints.restore(r.resume_point)
+
+    # The parts tests and tools reach for.
+    stages = property(lambda self: self.rank.stages)
+    stores = property(lambda self: self.rank.stores)
+    executor = property(lambda self: self.rank.executor)
+    stream = property(lambda self: self.rank.stream)
+    actions = property(lambda self: self.rank.actions)
+    eval_actions = property(lambda self: self.rank.eval_actions)
+    scaler = property(lambda self: self.rank.scaler)
 
     def microbatches(self, batch) -> list[MicroBatch]:
         from data.batching import to_device
 
-        return [MicroBatch(*(to_device(t, self.device) for t in (mb.input_ids, mb.targets, mb.position_ids,
-                                                                   mb.segment_ids)))
-                for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.layout)]
+        device = self.rank.device
+        return [MicroBatch(*(to_device(t, device) for t in (mb.input_ids, mb.targets, mb.position_ids,
+                                                              mb.segment_ids)))
+                for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.rank.layout)]
 
     def sum_loss(self, loss: float | None) -> float | None:
         """The global batch's loss from this replica's share (the executor's loss is this
         replica's micro-batches' sum, each normalised by the global batch's target count)."""
-        return self.replicas.sum_loss(loss) if self.replicas is not None else loss
+        return self.rank.replicas.sum_loss(loss) if self.rank.replicas is not None else loss
 
     def evaluate(self) -> dict:
         """Validation loss over ``eval_batches`` (token-weighted mean; None off the loss rank)."""
@@ -485,22 +573,22 @@ class Trainer:
             return self.sum_loss(self.executor.run(self.eval_actions, self.microbatches(batch), 1, 0.0,
                                                    train=False).loss)
 
-        return evaluate(run, self.eval_batches)
+        return evaluate(run, self.rank.eval_batches)
 
     def train(self) -> list[dict]:
-        cfg = self.cfg
+        cfg, r = self.cfg, self.rank
         if self.start_iteration >= cfg.num_iterations:
-            self.log.info(f"resume: {self.resume_point.path} is at iteration {self.start_iteration}, "
-                          f"num_iterations is {cfg.num_iterations}: nothing left to train "
-                          "(raise num_iterations to go on)")
+            r.log.info(f"resume: {r.resume_point.path} is at iteration {self.start_iteration}, "
+                       f"num_iterations is {cfg.num_iterations}: nothing left to train "
+                       "(raise num_iterations to go on)")
             return []
-        self.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
-                      f"{self.env.world_size} processes"
-                      + (f" ({cfg.data_parallel} replicas of {self.layout.pipeline_size})" if cfg.data_parallel > 1
-                         else "")
-                      + f" ({self.device.type}, {self.dtype}), schedule {cfg.schedule}, "
-                      f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
-        metrics = Metrics(self.log, speaks=self.env.rank == self.loss_rank, num_steps=cfg.num_iterations,
+        r.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
+                   f"{self.env.world_size} processes"
+                   + (f" ({cfg.data_parallel} replicas of {r.layout.pipeline_size})" if cfg.data_parallel > 1
+                      else "")
+                   + f" ({r.device.type}, {r.dtype}), schedule {cfg.schedule}, "
+                   f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
+        metrics = Metrics(r.log, speaks=self.env.rank == r.loss_rank, num_steps=cfg.num_iterations,
                           save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar)
         guard = SkipGuard(cfg.max_skipped_steps)
         # What exists now (modules, stores, torch's and transformers' own objects: some 400k for
@@ -514,7 +602,7 @@ class Trainer:
             with faults.StopRequest() as self.stop:
                 metrics.start(self.start_iteration)
                 history = self._train_loop(metrics, guard)
-                metrics.finish(self.peak_memory())
+                metrics.finish(peak_memory(r.device))
         finally:
             metrics.close()
             gc.callbacks.remove(self.gc_clock)
@@ -522,67 +610,68 @@ class Trainer:
         return history
 
     def _train_loop(self, metrics: Metrics, guard: SkipGuard) -> list[dict]:
-        cfg, history = self.cfg, []
+        cfg, r, history = self.cfg, self.rank, []
         timeline_at = cfg.timeline_iteration % cfg.num_iterations if cfg.timeline else None
         recorded = None
         for it in range(self.start_iteration, cfg.num_iterations):
-            batch = self.stream.next_batch()
+            batch = r.stream.next_batch()
             if it == timeline_at:
-                recorded = self.executor.timeline = self.new_timeline()
+                recorded = r.executor.timeline = self.new_timeline()
             t0 = time.perf_counter()
-            res = self.executor.run(self.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
-                                    loss_scale=self.scaler.scale if self.scaler else 1.0)
-            self.executor.timeline = None
+            res = r.executor.run(r.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
+                                 loss_scale=r.scaler.scale if r.scaler else 1.0)
+            r.executor.timeline = None
             res.loss = self.sum_loss(res.loss)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # host sync: end of iteration, for honest timing
+            if r.device.type == "cuda":
+                torch.cuda.synchronize(r.device)  # host sync: end of iteration, for honest timing
             dt = time.perf_counter() - t0
             tokens = batch.input_ids.numel()
             row = {"iteration": it, "time_s": dt, "tokens_per_s": tokens / dt, "loss": res.loss,
-                   "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": self.peak_memory(),
+                   "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": peak_memory(r.device),
                    "tflops_per_gpu": self.flops_per_token * tokens / dt / self.env.world_size / 1e12,
                    "skipped": res.skipped, **res.clock.seconds(), "gc_seconds": self.gc_clock.take(),
-                   **self.device_stats()}
+                   **device_stats(r.device, r.stores)}
             history.append(row)
             metrics.log_step({"step": it + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": row["lr"],
                               "tokens": tokens, "tokens_per_s": row["tokens_per_s"],
                               "tflops_per_gpu": row["tflops_per_gpu"], "step_time_s": dt,
                               "peak_mem_bytes": row["peak_mem_bytes"], "skipped": res.skipped})
-            overflow = self.scaler.update(res.skipped) if self.scaler is not None else False
+            overflow = r.scaler.update(res.skipped) if r.scaler is not None else False
             if overflow:  # float16: an overflow of the loss scale, which has just halved; not a fault
-                self.log.info(f"step {it + 1}: gradients overflowed float16, loss scale now {self.scaler.scale:g}")
+                r.log.info(f"step {it + 1}: gradients overflowed float16, loss scale now {r.scaler.scale:g}")
             # raises on every rank alike past max_skipped_steps
             guard.update(it + 1, res.skipped and not overflow)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
                 metrics.log_eval({"step": it + 1, **self.evaluate()})
-            self.stopped_by = self.stop.agreed(self.device)
+            self.stopped_by = self.stop.agreed(r.device)
             every = cfg.checkpoint_every
             if self.stopped_by or (every and ((it + 1) % every == 0 or it + 1 == cfg.num_iterations)):
                 self.save_checkpoint(it + 1)
             if self.stopped_by:
-                self.log.info(f"stopped by {faults.signal_name(self.stopped_by)} after step {it + 1}, checkpoint "
-                              f"saved; continue with --resume latest")
+                r.log.info(f"stopped by {faults.signal_name(self.stopped_by)} after step {it + 1}, checkpoint "
+                           f"saved; continue with --resume latest")
                 break
-        self.executor.finish()
+        r.executor.finish()
         if recorded is not None:  # every rank alike: the stop step is agreed
             self.write_timeline(recorded)
         return history
 
     def new_timeline(self) -> Timeline:
-        lanes = {"load": self.streams.load, "offload": self.streams.offload} if self.streams.cuda else None
-        return Timeline(self.layout.position, self.device.type, streams=lanes)
+        streams = self.rank.streams
+        lanes = {"load": streams.load, "offload": streams.offload} if streams.cuda else None
+        return Timeline(self.rank.layout.position, self.rank.device.type, streams=lanes)
 
     def write_timeline(self, recorded: Timeline) -> None:
         """Gather the recorded iteration to rank 0 and write the trace, Gantt and prediction (collective)."""
+        r = self.rank
         # replica 0's ranks: the other replicas run the same lists
-        events = [e for rank_events in gather_objects(recorded.events())[:self.layout.pipeline_size]
+        events = [e for rank_events in gather_objects(recorded.events())[:r.layout.pipeline_size]
                   for e in rank_events]
         if self.env.rank == 0:
-            _, line = write_run_timeline(self.cfg.save_dir, events, self.schedule, self.mapping,
-                                         self.placement.stage_bytes, self.placement.rank_groups)
+            _, line = write_run_timeline(self.cfg.save_dir, events, r.schedule, r.mapping,
+                                         r.placement.stage_bytes, r.placement.rank_groups)
             print(line, flush=True)
 
-    # --- checkpoints and resume ------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
         """Everything exact continuation needs after ``step`` completed steps (collective)."""
         # Every step done first: a sharded stage's gather (collective over its peers) uses the group
@@ -590,42 +679,19 @@ class Trainer:
         self.executor.finish()
         return self.checkpoints.save(step)
 
-    def device_stats(self) -> dict:
-        """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank."""
-        out = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        if self.device.type == "cuda":
-            out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
-            totals = {"h2d": [0, 0.0], "d2h": [0, 0.0]}
-            for store in self.stores.values():
-                for kind, (nbytes, secs) in store.pop_transfer_stats().items():
-                    totals[kind][0] += nbytes
-                    totals[kind][1] += secs
-            for kind, (nbytes, secs) in totals.items():
-                out[f"{kind}_bytes"], out[f"{kind}_seconds"] = nbytes, secs
-        return out
-
-    def peak_memory(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: peak RSS of the process
-
     def save(self, history: list[dict]) -> None:
-        cfg = self.cfg
+        """The run's outputs: the Hugging Face model and params.pt (not after a stop: its model is
+        its last checkpoint), then results.json (collective)."""
+        cfg, r = self.cfg, self.rank
         out = Path(cfg.save_dir)
-        if cfg.save_model and not self.stopped_by:  # a stopped run's model is its last checkpoint
-            checkpoint.save_hf_model(out / "model", self.checkpoints.saved_stores, self.source, self.env,
+        if cfg.save_model and not self.stopped_by:
+            checkpoint.save_hf_model(out / "model", self.checkpoints.saved_stores, r.source, self.env,
                                      cfg.num_stages)
-            self.log.info(f"saved Hugging Face model to {out / 'model'}")
+            r.log.info(f"saved Hugging Face model to {out / 'model'}")
         if cfg.save_params and not self.stopped_by:
             checkpoint.save_params(out / "params.pt", self.checkpoints.saved_stores, self.env)
-            self.log.info(f"saved parameters to {out / 'params.pt'}")
-        per_rank = gather_objects(history)
-        if self.env.rank == 0:
-            checkpoint.write_json_atomic(Path(cfg.results_path),
-                                         {"config": cfg.to_dict(), "world_size": self.env.world_size,
-                                          "data_parallel": cfg.data_parallel,
-                                          "iterations": results_rows(per_rank, self.loss_rank)})
-        barrier()
+            r.log.info(f"saved parameters to {out / 'params.pt'}")
+        write_results(Path(cfg.results_path), cfg.to_dict(), self.env, cfg.data_parallel, history, r.loss_rank)
 
 
 def plan(cfg: TrainConfig, world_size: int) -> str:
@@ -681,4 +747,4 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     return history
 
 
-__all__ = ["Trainer", "check_config", "check_files", "plan", "resolve_model", "train"]
+__all__ = ["Rank", "Trainer", "build_rank", "check_config", "check_files", "plan", "resolve_model", "train"]
