@@ -16,7 +16,7 @@ from pipeline.topology import GpuLink, Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.model import stage_param_counts
-from pipeline.optim import needs_norm
+from pipeline.programs import program_spec
 from schedule.mapping import MappingChoice, choose_mapping, describe_plan
 
 
@@ -90,12 +90,11 @@ def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dty
     topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping == "planned")
     groups, links, why = rank_topology(topo, env)
     try:
+        # Planned without the tied embeddings' TIE: one small all-reduce, no parameter load.
         choice = choose_mapping(
-            cfg.mapping, env.world_size, S, rank_groups=groups, rank_link_gbps=links, stage_bytes=stage_bytes,
-            schedule_name=cfg.schedule, num_microbatches=cfg.num_chunks, offload=cfg.use_offload,
-            prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
-            tokens_per_microbatch=cfg.batch_size // cfg.num_chunks * cfg.seq_length, tflops=cfg.plan_tflops,
-            has_gpus=device.type == "cuda", stagger=cfg.stagger_loads,
+            cfg.mapping, env.world_size, program_spec(cfg), rank_groups=groups, rank_link_gbps=links,
+            stage_bytes=stage_bytes, tokens_per_microbatch=cfg.batch_size // cfg.num_chunks * cfg.seq_length,
+            tflops=cfg.plan_tflops, has_gpus=device.type == "cuda", stagger=cfg.stagger_loads,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             topology_source=topo.source if topo is not None else "")
     except ValueError as e:
@@ -122,9 +121,8 @@ def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
     """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
     assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
     params = stage_param_counts(hf_config, cfg.num_stages)
-    return describe_plan(topology.groups(), params, cfg.schedule, cfg.num_chunks, cfg.seq_length,
-                         cfg.batch_size // cfg.num_chunks, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
-                         clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0), gpu_ids=topology.indices(),
+    return describe_plan(topology.groups(), params, program_spec(cfg), cfg.seq_length,
+                         cfg.batch_size // cfg.num_chunks, gpu_ids=topology.indices(),
                          link_gbps=topology.link_gbps(), tflops=cfg.plan_tflops)
 
 

@@ -13,7 +13,8 @@ import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.model import partition_layers, stage_param_counts
-from pipeline.optim import compute_dtype, needs_norm
+from pipeline.optim import compute_dtype
+from pipeline.programs import program_spec
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
@@ -46,9 +47,7 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     parts, counts = partition_layers(hf_config.num_hidden_layers, S), stage_param_counts(hf_config, S)
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
-    program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
-                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
-                          tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1)
+    program = program_spec(cfg, tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1).build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu",

@@ -24,8 +24,9 @@ from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import Metrics, SkipGuard, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
                             partition_layers, preset_config)
-from pipeline.optim import LossScaler, compute_dtype, lr_at, needs_norm, optim_settings
+from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
+from pipeline.programs import build_programs, program_spec
 from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
 from pipeline.resolve import Resolved, resolve
 from pipeline.timeline import Timeline, write_run_timeline
@@ -399,21 +400,6 @@ def build_data(cfg: TrainConfig, source: ModelSource, log: Log):
     return stream, build_eval_batches(cfg, source) if cfg.eval_every else []
 
 
-def build_programs(cfg: TrainConfig, one: TrainConfig, mapping: list[int], position: int, tied: bool,
-                   env: DistEnv) -> tuple[sched.Schedule, list, list]:
-    """Every rank's training program, this rank's list of it, and this rank's forward-only list
-    (validation runs the same stages with no B and no optimizer; empty without ``eval_every``).
-    ``one`` is one replica's pipeline (``Resolved.replica``)."""
-    S = cfg.num_stages
-    schedule = sched.build(cfg.schedule, S, one.num_chunks, mapping, offload=cfg.use_offload,
-                           prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=cfg.resident_stages, tied=tied)
-    eval_actions = sched.build_forward(S, one.num_chunks, mapping, offload=cfg.use_offload, prefetch=cfg.use_prefetch,
-                                       resident=cfg.resident_stages)[position] if cfg.eval_every else []
-    if cfg.debug_schedule and env.rank == 0:
-        print(sched.format_schedule(schedule), flush=True)
-    return schedule, schedule[position], eval_actions
-
-
 def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
                  offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
                  replicas: GradSync | None, log: Log) -> tuple[dict, dict, Streams]:
@@ -499,7 +485,9 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     stream, eval_batches = build_data(cfg, source, log)
     # Tied embeddings over several stages: two copies, their gradients summed by a TIE action.
     tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
-    schedule, actions, eval_actions = build_programs(cfg, one, mapping, position, tied, env)
+    spec = program_spec(one, tied=tied)
+    schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
+                                                     show=cfg.debug_schedule and env.rank == 0)
     if tied:
         check_tied_steps(cfg, schedule, mapping)
     parts = partition_layers(hf.num_hidden_layers, S)

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from schedule.costmodel import predict
 from schedule.ir import COMPUTE_OPS, Op, Schedule, round_robin
 from schedule.lower import build as build_schedule
+from schedule.spec import ProgramSpec
 
 EXHAUSTIVE_MAX = 8   # 8! = 40320 permutations: still well under a second of bookkeeping
 _REL_TIE = 1e-9      # step times this close (relative) are a tie
@@ -254,17 +255,11 @@ class MappingChoice:
 def choose_mapping(
     mode: str,
     num_ranks: int,
-    num_stages: int,
+    program: ProgramSpec,
     *,
     rank_groups: list[int] | None,
     rank_link_gbps: list[float] | None = None,
     stage_bytes: list[int] | None = None,
-    schedule_name: str = "interleaved",
-    num_microbatches: int = 1,
-    offload: bool = True,
-    prefetch: bool = True,
-    clip: bool = False,
-    resident: int = 0,
     stage_compute_s: dict[int, tuple[float, float]] | None = None,
     tokens_per_microbatch: int = 4096,
     tflops: float = DEFAULT_TFLOPS,
@@ -279,8 +274,8 @@ def choose_mapping(
     Args:
         rank_groups: root group of the GPU each rank runs on (rank order), None if unknown.
         rank_link_gbps: host link GB/s of each rank's GPU (default 25 each).
+        program: what the ranks' programs are built from (stages included).
         stage_bytes: bytes a LOAD of each stage moves.
-        schedule_name, num_microbatches, offload, prefetch, clip, resident: as for ``schedule.lower.build``.
         has_gpus: the ranks run on GPUs ("auto" plans only then).
         stagger: let ``plan_stagger`` hold back ranks whose first load would slow an
             earlier stage's load under the same root.
@@ -288,6 +283,7 @@ def choose_mapping(
     """
     if mode not in MAPPING_MODES:
         raise ValueError(f"mapping {mode!r}: choose one of {', '.join(MAPPING_MODES)}")
+    num_stages, offload, prefetch = program.num_stages, program.offload, program.prefetch
     identity = list(range(num_ranks))
     zeros = [0.0] * num_ranks
 
@@ -310,17 +306,16 @@ def choose_mapping(
     if why_not is not None:
         return fixed(f"mapping planned -> round_robin: {why_not}")
     links = rank_link_gbps or [25.0] * num_ranks
-    plan = plan_mapping(rank_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
+    plan = plan_mapping(rank_groups, num_stages, stage_bytes, program.schedule, program.num_microbatches,
                         stage_compute_s=stage_compute_s, link_gbps=links, gpu_ids=identity, offload=offload,
-                        prefetch=prefetch, clip=clip, resident=resident, tokens_per_microbatch=tokens_per_microbatch,
-                        tflops=tflops)
+                        prefetch=prefetch, clip=program.clip, resident=program.resident,
+                        tokens_per_microbatch=tokens_per_microbatch, tflops=tflops)
     stage_to_rank = position_mapping(plan.gpu_of_rank, num_stages)
     offsets, note = zeros, ""
     if stagger and offload and prefetch:
         compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
-        program = build_schedule(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
-                                 prefetch=prefetch, clip=clip, resident=resident)
-        st = plan_stagger(program, stage_to_rank, identity, rank_groups, compute, stage_bytes, links, max(links))
+        st = plan_stagger(program.build(stage_to_rank), stage_to_rank, identity, rank_groups, compute, stage_bytes,
+                          links, max(links))
         offsets = st.offsets
         note = (f"; load stagger: rank start offsets {[float(f'{o:.3g}') for o in offsets]} s, predicted step "
                 f"{st.base_step_time:.4g}s -> {st.step_time:.4g}s" if any(offsets) else
@@ -455,15 +450,10 @@ def compare_mappings(
 def describe_plan(
     topology_groups: list[int],
     stage_params: Sequence[int],
-    schedule_name: str,
-    num_microbatches: int,
+    program: ProgramSpec,
     seq_length: int,
     micro_batch_size: int,
     *,
-    offload: bool = True,
-    prefetch: bool = True,
-    clip: bool = True,
-    resident: int = 0,
     gpu_ids: list[int] | None = None,
     link_gbps: float | list[float] = 25.0,
     root_gbps: float | dict[int, float] | None = None,
@@ -476,11 +466,9 @@ def describe_plan(
 
     Args:
         topology_groups: root group of each GPU (``Topology.groups()``), one rank per GPU.
-        stage_params: parameter count of each stage (``len`` = number of stages).
-        schedule_name, num_microbatches: the pipeline schedule and micro-batches per iteration.
+        stage_params: parameter count of each stage (``len`` = ``program.num_stages``).
+        program: what the ranks' programs are built from.
         seq_length, micro_batch_size: tokens of a micro-batch = their product.
-        offload, prefetch, clip, resident: as the run's ``use_offload``, ``use_prefetch``, ``grad_clip > 0``,
-            ``resident_stages``.
         gpu_ids: physical GPU ids in ``topology_groups`` order (``Topology.indices()``).
         link_gbps, root_gbps: host link / root uplink GB/s (``Topology.link_gbps()``).
         bytes_per_param: bytes per parameter of the compute copy (2 for bf16).
@@ -488,11 +476,15 @@ def describe_plan(
             backward (twice that).
     """
     stage_bytes = [int(p) * bytes_per_param for p in stage_params]
+    if len(stage_bytes) != program.num_stages:
+        raise ValueError(f"stage_params has {len(stage_bytes)} entries but the program has {program.num_stages} stages")
     tokens = seq_length * micro_batch_size
+    schedule_name, num_microbatches = program.schedule, program.num_microbatches
+    offload, prefetch, resident = program.offload, program.prefetch, program.resident
     plan, rows = compare_mappings(topology_groups, stage_bytes, schedule_name, num_microbatches,
                                   tokens_per_microbatch=tokens, tflops=tflops, link_gbps=link_gbps,
-                                  root_gbps=root_gbps, gpu_ids=gpu_ids, offload=offload, prefetch=prefetch, clip=clip,
-                                  resident=resident)
+                                  root_gbps=root_gbps, gpu_ids=gpu_ids, offload=offload, prefetch=prefetch,
+                                  clip=program.clip, resident=resident)
     ids = list(range(len(topology_groups))) if gpu_ids is None else list(gpu_ids)
     roots = " ".join(f"GPU{g}:{chr(65 + r) if r < 26 else r}" for g, r in zip(ids, topology_groups))
     links = link_gbps if isinstance(link_gbps, (int, float)) else "/".join(f"{x:g}" for x in link_gbps)

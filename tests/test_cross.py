@@ -13,6 +13,7 @@ from schedule.costmodel import predict
 from schedule.ir import Action, Op
 from schedule.mapping import (MAPPING_MODES, choose_mapping, compare_mappings, describe_plan, plan_stagger,
                               position_mapping)
+from schedule.spec import ProgramSpec
 
 GB = 10**9
 
@@ -49,11 +50,11 @@ def test_position_mapping_errors():
 
 
 # --- L0: choosing the mapping -----------------------------------------------------------------------
-def _choose(mode, groups, **kw):
+def _choose(mode, groups, offload=True, **kw):
     n = 4 if groups is None else len(groups)
-    base = dict(rank_groups=groups, stage_bytes=[GB] * 2 * n, schedule_name="interleaved", num_microbatches=8,
-                stage_compute_s={s: (0.01, 0.02) for s in range(2 * n)})
-    return choose_mapping(mode, n, 2 * n, **{**base, **kw})
+    program = ProgramSpec("interleaved", 2 * n, 8, offload=offload, prefetch=True)
+    base = dict(rank_groups=groups, stage_bytes=[GB] * 2 * n, stage_compute_s={s: (0.01, 0.02) for s in range(2 * n)})
+    return choose_mapping(mode, n, program, **{**base, **kw})
 
 
 def test_modes():
@@ -109,7 +110,8 @@ def test_compare_and_describe_plan():
     assert by["cross"].gpu_of_rank == [0, 2, 1, 3] and by["sequential"].gpu_of_rank == [0, 1, 2, 3]
     assert by["cross"].step_time < by["sequential"].step_time <= by["worst"].step_time
     assert all(r.staggered_step_time <= r.step_time for r in rows)
-    text = describe_plan([0, 1, 0, 1], [840_000_000] * 8, "interleaved", 16, 1024, 1, gpu_ids=[4, 5, 6, 7])
+    program = ProgramSpec("interleaved", 8, 16, offload=True, prefetch=True, clip=True)
+    text = describe_plan([0, 1, 0, 1], [840_000_000] * 8, program, 1024, 1, gpu_ids=[4, 5, 6, 7])
     assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in text and "GPU4:A GPU5:B GPU6:A GPU7:B" in text
     for name in ("cross", "sequential", "worst"):
         assert f"\n  {name} " in text

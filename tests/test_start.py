@@ -11,6 +11,7 @@ from main import start_line
 from pipeline.config import make_config
 from pipeline.dist import DistEnv
 from schedule.mapping import choose_mapping
+from schedule.spec import ProgramSpec
 
 
 def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):
@@ -24,8 +25,8 @@ def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):
 
 
 def test_no_topology_advice_without_gpus():
-    choice = choose_mapping("planned", num_stages=4, num_ranks=2, rank_groups=None, stage_bytes=None,
-                            has_gpus=False, offload=True)
+    choice = choose_mapping("planned", 2, ProgramSpec("interleaved", 4, 1, offload=True, prefetch=True),
+                            rank_groups=None, stage_bytes=None, has_gpus=False)
     assert choice.reason == "mapping planned -> round_robin: no GPUs"
 
 

@@ -1,0 +1,35 @@
+"""A run's programs: the ``ProgramSpec`` its configuration defines, and the programs built from it.
+
+The run, the memory plan and the placement all take the spec from ``program_spec``, so the
+program they reason about is the one that runs.
+"""
+from __future__ import annotations
+
+import schedule as sched
+from pipeline.config import TrainConfig
+from pipeline.optim import needs_norm
+from schedule.spec import ProgramSpec
+
+
+def program_spec(cfg: TrainConfig, *, tied: bool = False) -> ProgramSpec:
+    """The spec of ``cfg``'s programs; ``cfg`` is one pipeline's (``Resolved.replica``: its
+    ``num_chunks`` are one replica's micro-batches). An unresolved ``resident_stages`` (-1, the
+    memory plan's candidates before ``resolve``) counts as 0."""
+    return ProgramSpec(cfg.schedule, cfg.num_stages, cfg.num_chunks, offload=cfg.use_offload,
+                       prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
+                       tied=tied)
+
+
+def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, evaluate: bool,
+                   show: bool = False) -> tuple[sched.Schedule, list, list]:
+    """Every rank's training program, this rank's list of it, and this rank's forward-only list
+    (validation runs the same stages with no B and no optimizer; empty unless ``evaluate``).
+    ``show`` prints every rank's program (``debug_schedule``)."""
+    schedule = spec.build(mapping)
+    eval_actions = spec.build_forward(mapping)[position] if evaluate else []
+    if show:
+        print(sched.format_schedule(schedule), flush=True)
+    return schedule, schedule[position], eval_actions
+
+
+__all__ = ["ProgramSpec", "build_programs", "program_spec"]

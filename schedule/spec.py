@@ -1,0 +1,53 @@
+"""What defines a pipeline's programs, as one value.
+
+Every rank's program is a pure function of the stage -> rank mapping and of a ``ProgramSpec``;
+the run, the memory plan and the mapping planner build from the same spec, so they cannot
+disagree about what the program is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schedule.ir import Schedule
+from schedule.lower import build, build_forward
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """The settings a program is built from (``schedule.lower.build``).
+
+    Attributes:
+        schedule: schedule name (``schedule.generate.SCHEDULE_NAMES``).
+        num_stages: pipeline stages, virtual stages included.
+        num_microbatches: micro-batches per iteration (of one replica's pipeline).
+        offload: parameters live on the host and are loaded per residency interval.
+        prefetch: each LOAD is issued one interval early (only with ``offload``).
+        clip: the global gradient norm is needed (a NORM before the steps).
+        resident: with ``offload``, stages per rank that stay on the device.
+        tied: the first and last stage hold copies of one tied matrix (a TIE before the steps).
+        num_segments: sequence segments per micro-batch's rows (1: whole sequences).
+    """
+
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    offload: bool = False
+    prefetch: bool = False
+    clip: bool = False
+    resident: int = 0
+    tied: bool = False
+    num_segments: int = 1
+
+    def build(self, mapping: list[int]) -> Schedule:
+        """Every rank's training program, validated."""
+        return build(self.schedule, self.num_stages, self.num_microbatches, mapping, offload=self.offload,
+                     prefetch=self.prefetch, clip=self.clip, resident=self.resident, tied=self.tied,
+                     num_segments=self.num_segments)
+
+    def build_forward(self, mapping: list[int]) -> Schedule:
+        """Every rank's forward-only program (evaluation), validated."""
+        return build_forward(self.num_stages, self.num_microbatches, mapping, offload=self.offload,
+                             prefetch=self.prefetch, resident=self.resident, num_segments=self.num_segments)
+
+
+__all__ = ["ProgramSpec"]
