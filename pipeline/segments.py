@@ -1,0 +1,231 @@
+"""Sequence segments through a stage, exactly (Seq1F1B, docs/seq_pipelining.md).
+
+With ``seq_chunks: K`` every row of a micro-batch is cut into K contiguous segments and a stage
+computes one (rows, segment) at a time. Causal attention makes the segments of one row depend on
+each other:
+
+* forward: segment j's queries attend to the keys and values of segments 0..j. Each layer's
+  keys/values of a segment are kept after its forward (after RoPE, before the GQA repeat) as
+  *carried* tensors: detached leaves that require grad. Segment j's attention concatenates the
+  carried keys/values of segments < j in front of its own. Positions continue across segments
+  (the rotary embedding sees the absolute positions), and the mask is explicit: query column
+  ``start + i`` may see key columns ``<= start + i`` (and within the window, for sliding layers).
+* backward: runs segment K-1 first, down to 0. Segment j's backward accumulates into the carried
+  leaves of segments < j the gradients of their keys/values (``.grad``); when segment j's own
+  backward runs, those accumulated gradients are fed in as extra output gradients of its keys
+  and values, beside the gradient of its output. Every parameter gradient is then the unsplit
+  sequence's, up to float summation order.
+
+The keys/values go in and out through the ``past_key_values`` argument of the Hugging Face
+attention modules (Llama, Mistral, Qwen2 on transformers 5.17 and 5.23 call
+``past_key_values.update(key_states, value_states, layer_idx)`` after RoPE and attend to what it
+returns); ``_KVCarry`` is a minimal object with that contract, so no attention code is copied.
+
+``SegmentStage`` is the stage-level API an executor can call per action: ``forward(mb, seg, x)``
+for ``sFm.j`` and ``backward(mb, seg, grad)`` for ``sBm.j``; it holds what the backward needs and
+checks the segment order the schedule guarantees (``schedule.ir.kv_predecessor``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pipeline.model import Stage, additive_mask
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class _KVCarry:
+    """``past_key_values`` for one segment's pass through a stage.
+
+    ``update`` is what a Hugging Face attention module calls with the segment's keys and values
+    of a layer: it records them (``new``) and returns them behind the ``past`` keys/values of
+    the earlier segments, which the module then attends to. ``past`` is a snapshot: a later
+    segment appending to the stage's carry does not change what this segment attended to."""
+
+    def __init__(self, past: dict[int, list[KV]]):
+        self.past = {layer: list(kvs) for layer, kvs in past.items()}
+        self.new: dict[int, KV] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> KV:
+        if layer_idx in self.new:
+            raise RuntimeError(f"layer {layer_idx} updated the segment cache twice (a recompute under "
+                               f"activation checkpointing?); segments do not support that yet")
+        self.new[layer_idx] = (key_states, value_states)
+        past = self.past.get(layer_idx, [])
+        if not past:
+            return key_states, value_states
+        keys = torch.cat([k for k, _ in past] + [key_states], dim=-2)
+        values = torch.cat([v for _, v in past] + [value_states], dim=-2)
+        return keys, values
+
+
+def segment_bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` columns of each segment of a row cut into ``lengths``."""
+    out, start = [], 0
+    for n in lengths:
+        if n < 1:
+            raise ValueError(f"segment lengths must be >= 1, got {list(lengths)}")
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def segment_allowed(start: int, end: int, window: int | None, device: torch.device,
+                    doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask, True where a query of columns ``start..end-1`` may attend a key of columns
+    ``0..end-1``: key column <= query column, within ``window`` columns for a sliding layer
+    (as ``pipeline.model.attend_mask``), and with packed rows (``doc_ids`` [B, end], the
+    columns' record ids so far) within the query's record. Shape [1, 1, T, end] or [B, 1, T, end]."""
+    q = torch.arange(start, end, device=device)[:, None]
+    k = torch.arange(end, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    if doc_ids is None:
+        return allowed[None, None]
+    same = doc_ids[:, start:end, None] == doc_ids[:, None, :end]
+    return (allowed & same)[:, None]
+
+
+class SegmentStage:
+    """Runs a ``pipeline.model.Stage`` one (rows, segment) at a time, exactly.
+
+    Args:
+        stage: the stage; float computation as it is set up (no activation checkpointing).
+        lengths: the segment lengths of a row (``schedule.costmodel.balanced_segments``); every
+            micro-batch is cut the same way.
+
+    Per micro-batch it keeps each layer's carried keys/values of the segments forwarded so far
+    (leaves whose ``.grad`` collects the later segments' gradients), and per (micro-batch,
+    segment) what the backward needs: the input leaf, the output and the segment's own
+    keys/values in the graph. The backward of segment 0 frees the micro-batch's state.
+    """
+
+    def __init__(self, stage: Stage, lengths: Sequence[int]):
+        if stage.recomputed or stage.checkpointing:
+            raise ValueError("sequence segments do not support activation checkpointing yet "
+                             "(a recompute would update the keys/values a second time)")
+        if stage.attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(f"sequence segments need attn_implementation eager or sdpa (an explicit mask over "
+                             f"the carried keys), got {stage.attn_implementation!r}")
+        self.stage = stage
+        self.lengths = list(lengths)
+        self.bounds = segment_bounds(self.lengths)
+        self.carry: dict[int, dict[int, list[KV | None]]] = {}  # mb -> layer -> per segment
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, dict[int, KV]]] = {}
+        self.forwarded: dict[int, int] = {}   # mb -> segments forwarded
+        self.backed: dict[int, int] = {}      # mb -> lowest segment backed up so far (K: none)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.lengths)
+
+    def forward(self, mb: int, seg: int, x: torch.Tensor, targets: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward of (rows ``mb``, segment ``seg``) through the stage.
+
+        Args:
+            x: the segment's token ids [B, T] (first stage) or hidden states [B, T, H].
+            targets: the last stage's targets of the segment's columns [B, T] (-100: none).
+            position_ids: [B, T] or [1, T], default the segment's columns (``start..end-1``).
+            doc_ids: packed rows: the record id of every column up to the segment's end [B, end].
+
+        Returns:
+            The hidden states, or on the last stage the summed token loss with ``targets``
+            (logits without).
+        """
+        stage = self.stage
+        done = self.forwarded.get(mb, 0)
+        if seg != done:
+            raise RuntimeError(f"forward of micro-batch {mb} segment {seg} out of order: segments 0..{done - 1} are "
+                               f"done, so the next is {done} (its keys/values are attended to by later segments)")
+        start, end = self.bounds[seg]
+        if x.shape[1] != end - start:
+            raise ValueError(f"segment {seg} of micro-batch {mb} has {x.shape[1]} columns; lengths {self.lengths} "
+                             f"give it {end - start}")
+        inp = None
+        if stage.is_first:
+            h = stage.model.embed_tokens(x)
+        else:
+            # A leaf of this segment's graph: its .grad is what the backward sends upstream.
+            inp = x.detach().requires_grad_(torch.is_grad_enabled())
+            h = inp
+        carry = self.carry.setdefault(mb, {})
+        kv_cache = _KVCarry({layer: kvs for layer, kvs in carry.items()})
+        if len(stage.model.layers):
+            if position_ids is None:
+                position_ids = torch.arange(start, end, device=h.device)[None]
+            position_embeddings = stage.rotary_emb(h, position_ids)
+            masks = {w: self._mask(start, end, w, h, doc_ids) for w in set(stage.windows)}
+            for layer, window in zip(stage.model.layers.values(), stage.windows):
+                h = layer(h, attention_mask=masks[window], position_ids=position_ids,
+                          position_embeddings=position_embeddings, past_key_values=kv_cache)
+                if isinstance(h, tuple):  # older transformers return (hidden_states,)
+                    h = h[0]
+        for layer, (k, v) in kv_cache.new.items():
+            # Carried as leaves: later segments' graphs end here, and their backwards leave the
+            # gradients of this segment's keys/values in .grad for this segment's backward.
+            grad = torch.is_grad_enabled()
+            carry.setdefault(layer, []).append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
+        if stage.is_last:
+            out = stage._loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
+        else:
+            out = h
+        self.forwarded[mb] = seg + 1
+        if torch.is_grad_enabled():
+            self.saved[(mb, seg)] = (inp, out, kv_cache.new)
+        elif seg == self.num_segments - 1:
+            self._free(mb)  # forward only (evaluation): nothing waits for a backward
+        return out
+
+    def backward(self, mb: int, seg: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Backward of (rows ``mb``, segment ``seg``): the gradient of its output (``grad_output``;
+        None on the last stage's loss means d loss = 1) plus the gradients of its keys/values
+        that the later segments' backwards accumulated. Accumulates the parameter gradients and
+        the earlier segments' key/value gradients; returns the gradient of the segment's input
+        (None on the first stage)."""
+        expected = self.backed.get(mb, self.num_segments) - 1
+        if seg != expected or self.forwarded.get(mb, 0) != self.num_segments:
+            raise RuntimeError(f"backward of micro-batch {mb} segment {seg} out of order: it needs every segment "
+                               f"forwarded ({self.forwarded.get(mb, 0)} of {self.num_segments}) and the backwards "
+                               f"of segments {seg + 1}..{self.num_segments - 1} done; the next backward is "
+                               f"segment {expected}")
+        inp, out, new = self.saved.pop((mb, seg))
+        roots, grads = [out], [grad_output if grad_output is not None else torch.ones_like(out)]
+        roots_kv, grads_kv = kv_gradients(new, self.carry[mb], seg)
+        torch.autograd.backward(roots + roots_kv, grads + grads_kv)
+        for kvs in self.carry[mb].values():
+            kvs[seg] = None  # its gradient is consumed; the graphs that read it are gone
+        self.backed[mb] = seg
+        if seg == 0:
+            self._free(mb)
+        return None if inp is None else inp.grad
+
+    def _free(self, mb: int) -> None:
+        self.carry.pop(mb, None)
+        self.forwarded.pop(mb, None)
+        self.backed.pop(mb, None)
+
+    def _mask(self, start: int, end: int, window: int | None, h: torch.Tensor,
+              doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """The explicit mask of a segment (never None: sdpa's causal kernel would align the
+        diagonal to the top left of the [T, end] scores, and eager reads None as no mask)."""
+        allowed = segment_allowed(start, end, window, h.device, doc_ids)
+        return allowed if self.stage.attn_implementation == "sdpa" else additive_mask(allowed, h.dtype)
+
+
+def kv_gradients(new: dict[int, KV], carry: dict[int, list[KV | None]], seg: int) -> tuple[list, list]:
+    """The extra (root, gradient) pairs of segment ``seg``'s backward: each layer's keys/values
+    of the segment in the graph, with the gradients the later segments accumulated in the
+    carried leaves. None where nothing later attended to them (the last segment; keys outside
+    every later query's window)."""
+    roots, grads = [], []
+    for layer, (k, v) in new.items():
+        leaf_k, leaf_v = carry[layer][seg]
+        for t, leaf in ((k, leaf_k), (v, leaf_v)):
+            if leaf.grad is not None:
+                roots.append(t)
+                grads.append(leaf.grad)
+    return roots, grads

@@ -1,0 +1,261 @@
+"""Sequence segments (pipeline/segments.py), one process: a stage run segment by segment
+(keys/values carried forward, their gradients carried back) gives the unsplit sequence's loss
+and parameter gradients, for Llama (GQA), Mistral (sliding window), Qwen2 (q/k/v bias, sliding
+layers) and tied embeddings, with eager and sdpa attention and rows of different lengths.
+Mutations (keys of a segment dropped, key/value gradients lost, positions restarted, labels of
+another segment) must fail the same comparison.
+
+Tolerances: in float64 (sdpa) the gradients agree to 1e-10, so any difference of method shows.
+In float32
+the loss agrees to 2e-6 and each parameter's gradient to 2e-6 relative, or, where the unsplit
+float32 gradient itself is further than that from the float64 one, to 4x that distance: a
+k_proj bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by all keys),
+so its float32 value is summation noise (about 5e-5 relative), in either order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeline.segments as segments
+from pipeline.model import build_stage
+from pipeline.segments import SegmentStage, segment_bounds
+from schedule.costmodel import balanced_segments
+
+SEQ = 96
+WINDOW = 32  # sliding layers: a window shorter than the sequence, crossing segment boundaries
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ARCHS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "qwen2_sliding": ("Qwen2Config", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=WINDOW,
+                                          max_window_layers=2)),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
+}
+LENGTHS = {"equal": [24, 24, 24, 24], "balanced": balanced_segments(SEQ, 3, key_cost=0.02), "two": [50, 46]}
+TOL = 2e-6  # relative error (norm) of the loss and of each parameter's gradient
+
+
+def make_config(arch: str, impl: str):
+    import transformers
+
+    cls_name, extra = ARCHS[arch]
+    config = getattr(transformers, cls_name)(**_BASE, **extra)
+    config._attn_implementation = impl
+    return config
+
+
+def make_stages(config, num_stages: int = 1) -> list:
+    """The model as ``num_stages`` stages with random weights; the 1-D ones (norms, biases)
+    moved off their init so that they matter. Tied over several stages, the head copies the
+    embedding (what the TIE action keeps equal)."""
+    from pipeline.model import partition_layers
+
+    parts = partition_layers(config.num_hidden_layers, num_stages)
+    stages = [build_stage(config, s, num_stages, parts[s], model_dir=None, seed=3) for s in range(num_stages)]
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for stage in stages:
+            for p in stage.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        if num_stages > 1 and stages[0].tied_name:
+            stages[-1].lm_head.weight.copy_(stages[0].model.embed_tokens.weight)
+    return stages
+
+
+def make_batch(vocab: int, rows_len=(SEQ, 50, 20), seed: int = 0):
+    """Right-padded rows of different lengths; targets are the next token, -100 on padding and
+    on a prompt of 5 tokens (as the data side makes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.zeros(len(rows_len), SEQ, dtype=torch.long)
+    targets = torch.full((len(rows_len), SEQ), -100, dtype=torch.long)
+    for i, n in enumerate(rows_len):
+        x[i, :n] = torch.randint(3, vocab, (n,), generator=gen)
+        targets[i, 5:n - 1] = x[i, 6:n]
+    return x, targets
+
+
+def grads_of(stage) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+
+
+def reference(stage, x, targets):
+    stage.zero_grad(set_to_none=True)
+    loss = stage(x, targets)
+    loss.backward()
+    return loss.detach(), grads_of(stage)
+
+
+def run_segments(stage, x, targets, lengths, *, positions=None, shift_labels=False):
+    """Forward every segment in order, then backward from the last; optional mutations:
+    ``positions`` restart at 0 in every segment, ``shift_labels`` gives segment 1 the labels
+    of segment 0's columns."""
+    stage.zero_grad(set_to_none=True)
+    runner = SegmentStage(stage, lengths)
+    bounds = segment_bounds(lengths)
+    loss = 0
+    for j, (a, b) in enumerate(bounds):
+        t = targets[:, a:b]
+        if shift_labels and j == 1:
+            t = targets[:, :b - a]
+        pos = torch.arange(0, b - a)[None] if positions == "restart" else None
+        loss = loss + runner.forward(0, j, x[:, a:b], t, position_ids=pos).detach()
+    for j in reversed(range(len(bounds))):
+        assert runner.backward(0, j) is None  # the first stage sends no input gradient
+    assert not runner.carry and not runner.saved  # segment 0's backward freed the micro-batch
+    return loss, grads_of(stage)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def noise_floor(stage, x, targets, ref) -> dict[str, float]:
+    """Per parameter, 4x the relative distance of the float32 unsplit gradient from the float64
+    one (at least ``TOL``): how far two correct float32 summation orders may differ."""
+    stage.double()
+    try:
+        _, exact = reference(stage, x, targets)
+    finally:
+        stage.float()
+    return {n: max(TOL, 4 * rel(g.double(), exact[n])) for n, g in ref[1].items()}
+
+
+def mismatch(ref, got, tol: float | dict[str, float] = TOL, loss_tol: float = TOL) -> list[str]:
+    """What differs between two (loss, grads) results beyond ``loss_tol`` and ``tol`` (one
+    value, or one per parameter); empty when they agree."""
+    (loss_r, g_r), (loss_g, g_g) = ref, got
+    limit = tol if isinstance(tol, dict) else dict.fromkeys(g_r, tol)
+    out = [] if rel(loss_g, loss_r) < loss_tol else [f"loss {loss_g.item():.10g} vs {loss_r.item():.10g}"]
+    if sorted(g_r) != sorted(g_g):
+        out.append(f"parameters with a gradient differ: {sorted(set(g_r) ^ set(g_g))}")
+    out += [f"{n}: relative error {rel(g_g[n], g_r[n]):.2e} (limit {limit[n]:.1e})" for n in sorted(g_r)
+            if n in g_g and rel(g_g[n], g_r[n]) >= limit[n]]
+    return out
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_segments_equal_the_unsplit_sequence(arch, impl):
+    torch.manual_seed(0)
+    config = make_config(arch, impl)
+    (stage,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size)
+    ref = reference(stage, x, targets)
+    floor = noise_floor(stage, x, targets, ref)
+    for name, lengths in LENGTHS.items():
+        got = run_segments(stage, x, targets, lengths)
+        assert not mismatch(ref, got, floor), (name, lengths, mismatch(ref, got, floor))
+    if impl == "eager":
+        return  # Hugging Face's eager softmax runs in float32 whatever the dtype: no float64 check
+    # float64: a difference of method shows far above rounding. The stage's cross-entropy stays
+    # float32 (the loss, summed per segment here, hence its 1e-6).
+    stage.double()
+    ref = reference(stage, x, targets)
+    got = run_segments(stage, x, targets, LENGTHS["balanced"])
+    assert not mismatch(ref, got, 1e-10, loss_tol=1e-6), mismatch(ref, got, 1e-10, loss_tol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_mutations_fail_the_comparison(impl, monkeypatch):
+    """What the comparison must catch: each mutation alone makes it fail."""
+    config = make_config("mistral", impl)  # GQA and a window that crosses segments
+    (stage,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size)
+    ref = reference(stage, x, targets)
+    lengths = LENGTHS["equal"]
+    assert not mismatch(ref, run_segments(stage, x, targets, lengths))
+
+    assert mismatch(ref, run_segments(stage, x, targets, lengths, positions="restart"))
+    assert mismatch(ref, run_segments(stage, x, targets, lengths, shift_labels=True))
+
+    with monkeypatch.context() as m:  # the key/value gradients of later segments are lost
+        m.setattr(segments, "kv_gradients", lambda new, carry, seg: ([], []))
+        got = run_segments(stage, x, targets, lengths)
+        assert rel(got[0], ref[0]) < TOL  # the forward is right ...
+        assert any("k_proj" in line or "v_proj" in line for line in mismatch(ref, got))  # ... the gradients not
+
+    class DropOne(segments._KVCarry):
+        """Segment 1's carried keys/values replaced by zeros where later segments read them."""
+
+        def __init__(self, past):
+            super().__init__(past)
+            for kvs in self.past.values():
+                if len(kvs) > 1:
+                    kvs[1] = (torch.zeros_like(kvs[1][0]), torch.zeros_like(kvs[1][1]))
+
+    with monkeypatch.context() as m:
+        m.setattr(segments, "_KVCarry", DropOne)
+        got = run_segments(stage, x, targets, lengths)
+        assert mismatch(ref, got) and rel(got[0], ref[0]) >= TOL
+
+
+def test_forward_only_logits_equal():
+    config = make_config("qwen2_sliding", "sdpa")
+    (stage,) = make_stages(config)
+    x, _ = make_batch(config.vocab_size)
+    lengths = LENGTHS["balanced"]
+    runner = SegmentStage(stage, lengths)
+    with torch.no_grad():
+        full = stage(x)
+        parts = [runner.forward(0, j, x[:, a:b]) for j, (a, b) in enumerate(segment_bounds(lengths))]
+    assert not runner.carry  # nothing kept for a backward
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_two_stages_by_hand():
+    """The input gradient and the key/value gradients together, across a stage boundary."""
+    config = make_config("llama_tied", "sdpa")
+    (whole,) = make_stages(config)
+    first, last = make_stages(config, 2)
+    x, targets = make_batch(config.vocab_size)
+    lengths = LENGTHS["balanced"]
+    bounds = segment_bounds(lengths)
+    r0, r1 = SegmentStage(first, lengths), SegmentStage(last, lengths)
+    ref_loss = last(first(x), targets)
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for st in (first, last) for n, p in st.named_parameters()}
+    for st in (first, last):
+        st.zero_grad(set_to_none=True)
+    loss = 0
+    for j, (a, b) in enumerate(bounds):
+        loss = loss + r1.forward(0, j, r0.forward(0, j, x[:, a:b]), targets[:, a:b]).detach()
+    for j in reversed(range(len(bounds))):
+        r0.backward(0, j, r1.backward(0, j))
+    assert rel(loss, ref_loss.detach()) < TOL
+    for st in (first, last):
+        for n, p in st.named_parameters():
+            assert rel(p.grad, ref[n]) < TOL, n
+    del whole
+
+
+def test_order_is_checked():
+    config = make_config("llama", "eager")
+    (stage,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size)
+    runner = SegmentStage(stage, [48, 48])
+    with pytest.raises(RuntimeError, match="forward of micro-batch 0 segment 1 out of order"):
+        runner.forward(0, 1, x[:, 48:], targets[:, 48:])
+    runner.forward(0, 0, x[:, :48], targets[:, :48])
+    with pytest.raises(RuntimeError, match=r"backward of micro-batch 0 segment 0 out of order.*forwarded \(1 of 2\)"):
+        runner.backward(0, 0)
+    runner.forward(0, 1, x[:, 48:], targets[:, 48:])
+    with pytest.raises(RuntimeError, match="the next backward is segment 1"):
+        runner.backward(0, 0)
+    with pytest.raises(ValueError, match="has 40 columns; lengths \\[48, 48\\] give it 48"):
+        runner.forward(1, 0, x[:, :40])
+
+
+def test_refuses_checkpointing_and_flash():
+    config = make_config("llama", "eager")
+    stage = build_stage(config, 0, 1, range(4), model_dir=None, seed=0, checkpointing=True)
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        SegmentStage(stage, [48, 48])
+    config = make_config("llama", "eager")
+    (stage,) = make_stages(config)
+    stage.attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="eager or sdpa"):
+        SegmentStage(stage, [48, 48])
