@@ -174,7 +174,7 @@ def summarise(res: dict, mode: str, args) -> dict:
     gb = 2**30
     h2d_b, h2d_s, d2h_b, d2h_s = (total(k) for k in ("h2d_bytes", "h2d_seconds", "d2h_bytes", "d2h_seconds"))
     last = res["iterations"][-1]
-    step = mean([r["time_s"] for r in its])
+    step = mean([r.get("step_time_s", r.get("time_s")) for r in its])  # time_s: results.json before the rename
     parts = {f"{k}_s": mean([rank.get(f"{k}_seconds", 0) for rank in per_rank]) for k in BREAKDOWN}
     return {
         "status": "ok",

@@ -69,7 +69,7 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales:
     measured = measured_step_time(events)
     scaled = {f: calibrated_prediction(scale_steps(events, f), program, mapping, stage_bytes, groups).host_end
               for f in step_scales}
-    per_iteration = [it["time_s"] for it in saved["iterations"]]
+    per_iteration = [it.get("step_time_s", it.get("time_s")) for it in saved["iterations"]]  # time_s: older files
     return {"row": row_dir.name, "measured_timeline_step_s": measured,
             "clean_start": {"host_end_s": clean.host_end, "step_time_s": clean.step_time},
             "steady_state": {"host_end_s": steady.host_end, "step_time_s": steady.step_time},

@@ -10,7 +10,7 @@ Per stage, everything is kept in flat buffers so that a transfer is one large co
   into it. With offload it exists only between LOAD and DROP/OFFLOAD.
 * ``grad``    device gradient buffer (parameter ``.grad`` views into it, so autograd
   accumulates micro-batches in place); with offload its fp32 values are copied into
-  ``master_grad`` (pinned) in chunks of ``GRAD_CHUNK`` elements, converted on the device,
+  ``master_grad`` (pinned) in chunks of ``GRAD_SLICE_NUMEL`` elements, converted on the device,
   so the host reads fp32 gradients without converting them.
 
 Transfers run on their own CUDA streams and are ordered by events, never by host syncs,
@@ -22,9 +22,10 @@ With ``Workers`` (offload), the host side runs off the main thread:
 * OFFLOAD, when the schedule has a NORM, queues the squared norm of the stage's gradients
   on the optimizer thread (it waits there for the copy), so NORM finds it ready.
 * STEP queues AdamW on the optimizer thread (FIFO: after that stage's norm). It updates the
-  masters ``CHUNK`` elements at a time and says how far it got; it does not touch ``work``.
-* The first LOAD after a step copies the fp32 masters themselves, ``CHUNK`` at a time through
-  a staging buffer, and converts them on the device: with the step still running, the
+  masters ``MASTER_SLICE_NUMEL`` elements at a time and says how far it got; it does not touch
+  ``work``.
+* The first LOAD after a step copies the fp32 masters themselves, ``MASTER_SLICE_NUMEL``
+  elements at a time through a staging buffer, and converts them on the device: with the step still running, the
   loader thread copies each chunk as soon as the step has written it, so the copy streams
   behind the step instead of starting after it, and the host is spared the conversion pass
   on that path. The same LOAD queues the refresh of ``work`` (fp32 -> compute dtype) on the
@@ -47,10 +48,12 @@ from torch import nn
 
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
-GRAD_CHUNK = 16 * 2**20  # elements converted to fp32 at a time on the device at OFFLOAD (64 MiB)
+# Elements (as in every *_NUMEL; micro-batches are chunks) converted to fp32 at a time on the
+# device at OFFLOAD (64 MiB).
+GRAD_SLICE_NUMEL = 16 * 2**20
 # Elements a CPU step updates, and a LOAD from the masters copies, at a time (128 MiB fp32). A
 # multiple of the fused kernel's vector width, so the chunked step is bit for bit the whole one.
-CHUNK = 32 * 2**20
+MASTER_SLICE_NUMEL = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,11 @@ class Streams:
         self.staging_lock = threading.Lock()  # the main and the loader thread both issue loads
 
     def staging(self, numel: int) -> torch.Tensor:
-        """The load stream's fp32 buffer (one per rank, ``min(CHUNK, numel)`` elements for the
-        largest stage it served): a master chunk lands here and is converted into the stage's
+        """The load stream's fp32 buffer (one per rank, ``min(MASTER_SLICE_NUMEL, numel)``
+        elements for the largest stage it served): a master chunk lands here and is converted into the stage's
         device buffer. Made, used and replaced only on the load stream, in stream order, by
         whoever holds ``staging_lock``."""
-        want = min(CHUNK, numel)
+        want = min(MASTER_SLICE_NUMEL, numel)
         if self._staging is None or self._staging.numel() < want:
             with self.on("load"):
                 self._staging = torch.empty(want, dtype=torch.float32, device=self.device)
@@ -302,7 +305,7 @@ class StageStore:
         # stage's step must not copy its own device gradient over it again
         self._grads_summed = False
         self._gathered: dict | None = None  # sharded: the whole AdamW state, for the next save
-        self.resident = not offload
+        self.loaded = not offload
         self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
 
     def _leaf_ranges(self, lo_s: int, hi_s: int) -> list[tuple[float, list[tuple[int, int]]]]:
@@ -356,7 +359,7 @@ class StageStore:
         dev, ready = self.pool.take(self.numel, self.dtype)
         self.dev = dev
         self._bind(self.dev, self.grad)
-        self.resident = True
+        self.loaded = True
         progress, self._progress = self._progress, None
         if progress is not None:  # first load since a step: from the masters, chunk by chunk behind the step
             src, after = self.master, self._step_future
@@ -383,8 +386,8 @@ class StageStore:
         with self.streams.on("load"):
             self.streams.wait("load", ready)  # the buffer's previous user is done with it
             start = self.streams.mark("load")
-            for lo in range(0, self.numel, CHUNK):
-                hi = min(self.numel, lo + CHUNK)
+            for lo in range(0, self.numel, MASTER_SLICE_NUMEL):
+                hi = min(self.numel, lo + MASTER_SLICE_NUMEL)
                 if progress is not None and not progress.wait(hi):
                     after.result()  # the step failed: re-raise its error at the compute that needs it
                     raise RuntimeError(f"optimizer step of the stage with {self.names[0]} ended early")
@@ -423,7 +426,7 @@ class StageStore:
         zeroed gradient buffer (autograd then accumulates every micro-batch into it in place).
         ``clock`` gets the waits: ``optimizer_wait`` (host, for the stage's step) and
         ``load_wait`` (the compute stream, or on the CPU the host, for the copy)."""
-        if not self.resident:
+        if not self.loaded:
             raise RuntimeError(f"stage with {self.names[0]} computed while its parameters are not loaded")
         if self._load_future is not None:
             t0 = time.perf_counter()
@@ -456,7 +459,7 @@ class StageStore:
         self.pool.give(self.dev, self.streams.event("compute"))
         self.dev = None
         self._bind(None, self.grad)
-        self.resident = False
+        self.loaded = False
 
     def offload_grads(self, norm: bool = False) -> None:
         """OFFLOAD: fp32 gradients device -> host on the offload stream, then free device memory;
@@ -478,20 +481,20 @@ class StageStore:
         self.pool.give(self.grad, self._grads_event)
         self.dev = self.grad = None
         self._bind(None, None)
-        self.resident = False
+        self.loaded = False
         if norm and self.workers is not None:
             self._norm_future = self.workers.optimizer.submit(self._squared_norm)
 
     def _copy_out(self) -> None:
-        """Chunk by chunk: to fp32 on the device (a transient of GRAD_CHUNK floats on the offload
-        stream, reused chunk after chunk in stream order), then into master_grad. Nothing else
+        """Slice by slice: to fp32 on the device (a transient of GRAD_SLICE_NUMEL floats on the
+        offload stream, reused chunk after chunk in stream order), then into master_grad. Nothing else
         runs on the offload stream: under NCCL a squared norm taken here on the device (cuBLAS's
         dot or a reduction kernel) deadlocked the first backward of clipped runs, a peer's
         gradient send never received (cause unknown; docs/design.md, "Known limitations"), so
         ``_squared_norm`` takes the norm on the host."""
-        for lo in range(0, self.numel, GRAD_CHUNK):
-            chunk = self.grad[lo:lo + GRAD_CHUNK].float()  # a view when already fp32
-            self.master_grad[lo:lo + GRAD_CHUNK].copy_(chunk, non_blocking=True)
+        for lo in range(0, self.numel, GRAD_SLICE_NUMEL):
+            chunk = self.grad[lo:lo + GRAD_SLICE_NUMEL].float()  # a view when already fp32
+            self.master_grad[lo:lo + GRAD_SLICE_NUMEL].copy_(chunk, non_blocking=True)
 
     def _squared_norm(self) -> torch.Tensor:
         """On the optimizer thread (offload, the rank's share of the cores) or the main thread
@@ -607,8 +610,8 @@ class StageStore:
 
     def _fused_step_chunks(self, lr: float, grad_scale: torch.Tensor | None, progress: StepProgress) -> None:
         """What ``optimizer.step()`` does with ``fused=True`` (the same kernel, arguments and
-        state; elementwise, so the result is bit for bit the same), ``CHUNK`` elements at a
-        time, telling ``progress`` how far the flat master is written."""
+        state; elementwise, so the result is bit for bit the same), ``MASTER_SLICE_NUMEL``
+        elements at a time, telling ``progress`` how far the flat master is written."""
         done = 0
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -618,8 +621,8 @@ class StageStore:
                 p, g = leaf.detach(), leaf.grad
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
-                for lo in range(0, p.numel(), CHUNK):
-                    hi = min(p.numel(), lo + CHUNK)
+                for lo in range(0, p.numel(), MASTER_SLICE_NUMEL):
+                    hi = min(p.numel(), lo + MASTER_SLICE_NUMEL)
                     torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
                                         amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,

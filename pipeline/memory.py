@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.store import CHUNK, GRAD_CHUNK
+from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
 from pipeline.model import loss_chunk_tokens
 from schedule.ir import Action, Op, crosses, offloaded_stages
 
@@ -166,7 +166,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
     params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
     if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
-        params_static += min(CHUNK, max(inp.stages[s].numel for s in offloaded)) * 4
+        params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
 
     pool_free: dict[int, int] = {}   # numel -> free buffers
     pool_bytes = 0
@@ -198,7 +198,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             give(inp.stages[s].numel)
             has_grad.discard(s)
             if d < 4:  # the fp32 chunk the gradients go through on their way to the host
-                fwd_t = min(inp.stages[s].numel, GRAD_CHUNK) * 4 / tokens
+                fwd_t = min(inp.stages[s].numel, GRAD_SLICE_NUMEL) * 4 / tokens
         elif a.op is Op.FORWARD:
             per_tok, fwd_t, _ = _per_token(inp, s)
             per_mb[(s, a.mb)] = per_tok * tokens

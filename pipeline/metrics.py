@@ -30,6 +30,9 @@ from pipeline.dist import DistEnv, Log, barrier, gather_objects
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+# A training step's figures, as metrics.jsonl and results.json both name them (step counts from 1).
+STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tflops_per_gpu", "step_time_s",
+             "peak_mem_bytes", "skipped")
 
 
 class TrainingError(RuntimeError):
@@ -365,7 +368,7 @@ def results_rows(per_rank: list[list[dict]], loss_rank: int) -> list[dict]:
     rank's peak memory, and each rank's byte counts and timed parts."""
     rows = []
     for i, loss_row in enumerate(per_rank[loss_rank]):
-        rows.append({**{k: loss_row[k] for k in ("iteration", "time_s", "tokens_per_s", "tflops_per_gpu", "loss",
+        rows.append({**{k: loss_row[k] for k in ("step", "step_time_s", "tokens_per_s", "tflops_per_gpu", "loss",
                                                   "grad_norm", "lr")},
                      "peak_mem_bytes": [h[i]["peak_mem_bytes"] for h in per_rank],
                      "per_rank": [{k: v for k, v in h[i].items() if k.endswith(("_bytes", "_seconds"))}

@@ -21,7 +21,7 @@ from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
-from pipeline.metrics import Metrics, SkipGuard, device_stats, peak_memory, write_results
+from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
                             partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
@@ -614,16 +614,14 @@ class Trainer:
                 torch.cuda.synchronize(r.device)  # host sync: end of iteration, for honest timing
             dt = time.perf_counter() - t0
             tokens = batch.input_ids.numel()
-            row = {"iteration": it, "time_s": dt, "tokens_per_s": tokens / dt, "loss": res.loss,
+            # this rank's row of results.json; metrics.jsonl gets its STEP_KEYS, under the same names
+            row = {"step": it + 1, "step_time_s": dt, "tokens": tokens, "tokens_per_s": tokens / dt, "loss": res.loss,
                    "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": peak_memory(r.device),
                    "tflops_per_gpu": self.flops_per_token * tokens / dt / self.env.world_size / 1e12,
                    "skipped": res.skipped, **res.clock.seconds(), "gc_seconds": self.gc_clock.take(),
                    **device_stats(r.device, r.stores)}
             history.append(row)
-            metrics.log_step({"step": it + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": row["lr"],
-                              "tokens": tokens, "tokens_per_s": row["tokens_per_s"],
-                              "tflops_per_gpu": row["tflops_per_gpu"], "step_time_s": dt,
-                              "peak_mem_bytes": row["peak_mem_bytes"], "skipped": res.skipped})
+            metrics.log_step({k: row[k] for k in STEP_KEYS})
             overflow = r.scaler.update(res.skipped) if r.scaler is not None else False
             if overflow:  # float16: an overflow of the loss scale, which has just halved; not a fault
                 r.log.info(f"step {it + 1}: gradients overflowed float16, loss scale now {r.scaler.scale:g}")

@@ -34,5 +34,5 @@ def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["world_size"] == 2 and len(results["iterations"]) == cfg.num_iterations
     for row in results["iterations"]:
-        assert row["time_s"] > 0 and row["tokens_per_s"] > 0 and row["loss"] > 0
+        assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0 and row["loss"] > 0
         assert len(row["peak_mem_bytes"]) == 2 and min(row["peak_mem_bytes"]) > 0

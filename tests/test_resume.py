@@ -299,7 +299,7 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
         assert p.returncode == 0, err[-3000:]
     rows = json.loads((tmp_path / "resumed.json").read_text())["iterations"]
     ref_rows = json.loads((tmp_path / "ref.json").read_text())["iterations"]
-    assert [r["iteration"] for r in rows] == [step, step + 1]
+    assert [r["step"] for r in rows] == [step + 1, step + 2]
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows[step:]]
     if target == "torchrun":
         torch.testing.assert_close(one_losses, [r["loss"] for r in ref_rows[step:]], rtol=1e-5, atol=0)

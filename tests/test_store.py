@@ -43,7 +43,7 @@ def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
     clip coefficient folded in and without, over several steps, both parameter groups.
     (Chunks must start at multiples of the kernel's vector width: an element that falls in a
     scalar tail is rounded differently, chunks of 5 elements differ in the last bit.)"""
-    monkeypatch.setattr(store_mod, "CHUNK", chunk)
+    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", chunk)
     chunked, whole = _store(offload=True), _store(offload=False)
     for i, coef in enumerate([0.37, None, 0.81]):
         _set_grads([chunked, whole], seed=i)
@@ -60,7 +60,7 @@ def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
 def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
     """With the step still running, the loader thread copies chunk by chunk behind it: the
     load has copied the first chunks before the step is done, and ends with the new weights."""
-    monkeypatch.setattr(store_mod, "CHUNK", 64)
+    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 64)
     workers = Workers(ThreadPoolExecutor(1), CPU)
     st = _store(offload=True, workers=workers)
     copied, step_done = [], threading.Event()
@@ -96,7 +96,7 @@ def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
 
 
 def test_failed_step_reaches_the_compute_instead_of_hanging(monkeypatch):
-    monkeypatch.setattr(store_mod, "CHUNK", 64)
+    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 64)
     workers = Workers(ThreadPoolExecutor(1), CPU)
     st = _store(offload=True, workers=workers)
     gate = threading.Event()
@@ -148,7 +148,7 @@ def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, pre
     """In bf16 the offloaded stages' loads convert the masters (first load after a step) or copy
     the refreshed ``work`` (later loads); resident stages convert on the device. Same numbers,
     whatever the main thread's and the optimizer thread's thread counts (the norm test above)."""
-    monkeypatch.setattr(store_mod, "CHUNK", 4096)
+    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 4096)
     runs = []
     for offload in (False, True):
         trainer = in_process_trainer(tiny_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload,
