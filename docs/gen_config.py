@@ -2,14 +2,13 @@
 
     python3 docs/gen_config.py > docs/config.md
 
-Sections follow the ``# --- name ---`` comments in ``pipeline/config.py``; each row is a field:
+Sections are ``pipeline.config.SECTIONS``; each row is a field:
 its YAML key and flag(s), its default, and its help text. ``tests/test_docs.py`` regenerates the
 page and fails when the committed docs/config.md is out of date.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from pathlib import Path
 
@@ -17,10 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipeline.config import TrainConfig, _negative_flag  # noqa: E402
-
-SECTION = re.compile(r"^\s*# -+ (?P<name>.+?) -+\s*$")
-FIELD = re.compile(r"^\s{4}(?P<name>[a-z_][a-z0-9_]*)\s*:\s*[A-Za-z]")
+from pipeline.config import SECTIONS, TrainConfig, _negative_flag  # noqa: E402
 
 HEADER = """\
 # Configuration reference
@@ -31,7 +27,8 @@ HEADER = """\
 Every key below is a key of `fine_tune.yaml` and a flag of `main.py` / `train.sh` of the same
 name. Precedence: the defaults here < the YAML file (`--config`, default `fine_tune.yaml`) <
 flags. Unknown keys and wrongly typed values are one `error:` line. A boolean `use_x` or `x` is
-set with `--use_x` / `--x` and cleared with `--no_x`.
+set with `--use_x` / `--x` and cleared with `--no_x`. In the YAML file a key may also sit under
+the name of its section below (`optimizer: {lr: 1.0e-5}`); a key in the wrong section is an error.
 
 Besides the keys, `main.py` takes `--config FILE`, `--check_only` (check the configuration and
 exit; `train.sh` runs it first) and `--plan` (alias `--dry_run`: memory per GPU and host, the
@@ -40,33 +37,8 @@ action lists, whether the run fits; loads no weights).
 
 
 def sections() -> list[tuple[str, list[str]]]:
-    """``[(section title, [field names])]`` in source order."""
-    source = (ROOT / "pipeline" / "config.py").read_text().splitlines()
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    out: list[tuple[str, list[str]]] = []
-    inside = False
-    for line in source:
-        if line.startswith("class TrainConfig"):
-            inside = True
-            continue
-        if not inside:
-            continue
-        if line and not line.startswith((" ", "\t")):
-            break  # end of the class body
-        m = SECTION.match(line)
-        if m:
-            out.append((m.group("name").strip(), []))
-            continue
-        m = FIELD.match(line)
-        if m and m.group("name") in names:
-            if not out:
-                out.append(("general", []))
-            out[-1][1].append(m.group("name"))
-    listed = {n for _, fields in out for n in fields}
-    missing = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in listed]
-    if missing:
-        out.append(("other", missing))
-    return out
+    """``[(section title, [field names])]``: ``pipeline.config.SECTIONS``, in its order."""
+    return [(name, list(names)) for name, names in SECTIONS.items()]
 
 
 def _cell(text: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ConfigError
+from pipeline.config import RESUME_FREE, ConfigError
 from pipeline.dist import DistEnv, barrier, broadcast_object, gather_objects
 
 
@@ -400,11 +400,8 @@ class CheckpointManager:
         elif env.rank == 0:
             self.log.warn(f"resume: {point.path} has {st['num_stages']} stages (layers {st['parts']}), this run "
                           f"{cfg.num_stages}; continuing from its weights with a fresh AdamW state")
-        ignore = {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints", "save_dir", "save_model",
-                  "save_params", "save_results", "overwrite", "nproc", "master_port", "cuda_visible_devices",
-                  "debug_schedule"}
         now = cfg.to_dict()
         changed = [f"{k} {v!r} -> {now[k]!r}" for k, v in st["config"].items()
-                   if k in now and k not in ignore and now[k] != v]
+                   if k in now and k not in RESUME_FREE and now[k] != v]
         self.log.info(f"resumed from {point.path} at iteration {point.iteration}"
                       + (f"; changed since: {', '.join(changed)}" if changed else ""))

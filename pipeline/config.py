@@ -1,7 +1,10 @@
 """The one typed configuration of a run: defaults here < ``fine_tune.yaml`` < command-line flags.
 
 Every field is a YAML key and a flag of the same name (``--batch_size 8``). A boolean field
-``use_x`` or ``x`` is set with ``--use_x`` / ``--x`` and cleared with ``--no_x``.
+``use_x`` or ``x`` is set with ``--use_x`` / ``--x`` and cleared with ``--no_x``. The fields
+fall into sections (``SECTIONS``: model, data, parallelism, offload, optimizer, output, launch);
+a YAML file may give its keys flat or under their section (``optimizer: {lr: 1e-5}``), and the
+code reads them flat (``cfg.lr``).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class TrainConfig:
-    # --- model -----------------------------------------------------------------------
+    # --- model ----------------------------------------------------------------
     model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
                     "(tiny, llama-2-7b, llama-2-13b), or 'generated' (small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
@@ -43,7 +46,7 @@ class TrainConfig:
     num_heads: int = _f(0, "Must equal the model's num_attention_heads if set (0 = read from the model).")
     attn_implementation: str = _f("sdpa", "Attention kernel: sdpa or eager.", choices=ATTN_IMPLS)
     cache_dir: str = _f(".cache", "Where the generated model and tokenizer are kept.")
-    # --- data ------------------------------------------------------------------------
+    # --- data -----------------------------------------------------------------
     dataset: str = _f("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a "
                       "save_to_disk directory, .json/.jsonl/.parquet/.csv file(s), or a cached dataset name.")
     dataset_split: str = _f("train", "Split to train on.")
@@ -56,7 +59,10 @@ class TrainConfig:
                        "is batch_size packed rows. Needs attn_implementation sdpa or eager. Validation is not packed.")
     batch_size: int = _f(8, "Sequences per iteration (global batch).")
     num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
-    # --- pipeline --------------------------------------------------------------------
+    eval_dataset: str = _f("", "Validation data, same forms as dataset; default: the training source's validation "
+                           "split (the bundled validation file for dataset: sample).")
+    eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).")
+    # --- parallelism ----------------------------------------------------------
     num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages).")
     data_parallel: int = _f(1, "Replicas of the pipeline: the processes form data_parallel pipelines of "
                             "processes / data_parallel ranks each; each replica runs num_chunks / data_parallel of "
@@ -66,12 +72,6 @@ class TrainConfig:
     schedule: str = _f("1f1b", "Pipeline schedule: 1f1b keeps fewer micro-batches in flight than gpipe and was the "
                        "fastest on GPUs; gpipe runs every forward first; interleaved is 1F1B over virtual "
                        "stages.", choices=SCHEDULE_NAMES)
-    use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
-    use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
-    resident_stages: int = _f(-1, "With use_offload: stages per GPU that stay on it, AdamW state included (their "
-                              "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
-                              "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
-                              "80% of the GPU (0 without a GPU).")
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
                                                 "last stage's head and loss).")
     keep_layers: int = _f(0, "With activation_checkpointing: decoder layers per stage that keep their activations "
@@ -79,11 +79,6 @@ class TrainConfig:
                           "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
                           "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
                           "stays in 80% of the GPU beside the resident stages (not yet measured on GPUs).")
-    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
-    optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
-                                   "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
-    debug_schedule: bool = _f(False, "Print every rank's action list before training.")
-    # --- stage placement and timeline ------------------------------------------------
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -94,10 +89,24 @@ class TrainConfig:
     plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.")
     stagger_loads: bool = _f(True, "With the planner: hold back a rank's first load when the cost model predicts "
                              "it would slow an earlier stage's load under the same root complex.")
-    timeline: bool = _f(False, "Record one iteration per rank; write save_dir/timeline.json (Chrome trace), "
-                        "timeline.png (Gantt) and timeline_predicted.json (cost model).")
-    timeline_iteration: int = _f(-1, "Iteration the timeline records (-1 = the last).")
-    # --- optimisation ----------------------------------------------------------------
+    device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
+    comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
+                               "an error naming the stalled action.")
+    # --- offload --------------------------------------------------------------
+    use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
+    use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
+    resident_stages: int = _f(-1, "With use_offload: stages per GPU that stay on it, AdamW state included (their "
+                              "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
+                              "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
+                              "80% of the GPU (0 without a GPU).")
+    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
+    optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
+                                   "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
+    delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
+                              "CPU AdamW step overlaps the next iteration instead of delaying it (ZeRO-Offload's "
+                              "delayed parameter update): the gradients are one update stale. Needs use_offload; "
+                              "every stage is offloaded (resident_stages 0); no eval_every, checkpoints or resume.")
+    # --- optimizer ------------------------------------------------------------
     num_iterations: int = _f(20, "Optimizer steps to run.")
     lr: float = _f(1e-4, "Peak learning rate (AdamW).")
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr (linear/cosine).")
@@ -108,10 +117,6 @@ class TrainConfig:
     adam_beta2: float = _f(0.95, "AdamW beta2.")
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
     grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).")
-    delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
-                              "CPU AdamW step overlaps the next iteration instead of delaying it (ZeRO-Offload's "
-                              "delayed parameter update): the gradients are one update stale. Needs use_offload; "
-                              "every stage is offloaded (resident_stages 0); no eval_every, checkpoints or resume.")
     seed: int = _f(0, "Seed for data order and random initialisation.")
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
                     choices=DTYPES)
@@ -121,21 +126,7 @@ class TrainConfig:
     max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
                                 "error after more than this many in a row (0 = stop at the first; -1 = no check, "
                                 "non-finite steps are applied).")
-    # --- evaluation and metrics ------------------------------------------------------
-    eval_every: int = _f(0, "Validation loss and perplexity every N steps and after the last (0 = off).")
-    eval_dataset: str = _f("", "Validation data, same forms as dataset; default: the training source's validation "
-                           "split (the bundled validation file for dataset: sample).")
-    eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).")
-    progress_bar: bool = _f(True, "tqdm progress bar on the rank that computes the loss (only when stdout is a terminal).")
-    save_metrics: bool = _f(True, "Write save_dir/metrics.jsonl (a row per step and evaluation) and save_dir/metrics.png.")
-    # --- devices and launch ----------------------------------------------------------
-    device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
-    cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
-    nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU).")
-    master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun.")
-    comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
-                               "an error naming the stalled action.")
-    # --- outputs ---------------------------------------------------------------------
+    # --- output ---------------------------------------------------------------
     save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
                        "holds an earlier run is refused unless resume or overwrite is set.")
     overwrite: bool = _f(False, "Start afresh in a save_dir that holds an earlier run, replacing its model, "
@@ -144,7 +135,13 @@ class TrainConfig:
     save_params: bool = _f(False, "Also write the whole state dict to save_dir/params.pt.")
     save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank "
                            "(empty = save_dir/results.json).")
-    # --- checkpoints and resume --------------------------------------------------------
+    save_metrics: bool = _f(True, "Write save_dir/metrics.jsonl (a row per step and evaluation) and save_dir/metrics.png.")
+    progress_bar: bool = _f(True, "tqdm progress bar on the rank that computes the loss (only when stdout is a terminal).")
+    eval_every: int = _f(0, "Validation loss and perplexity every N steps and after the last (0 = off).")
+    timeline: bool = _f(False, "Record one iteration per rank; write save_dir/timeline.json (Chrome trace), "
+                        "timeline.png (Gantt) and timeline_predicted.json (cost model).")
+    timeline_iteration: int = _f(-1, "Iteration the timeline records (-1 = the last).")
+    debug_schedule: bool = _f(False, "Print every rank's action list before training.")
     checkpoint_every: int = _f(0, "Save a training checkpoint (weights, AdamW state, data position) to "
                                "save_dir/checkpoints/step_N every N steps and at the end (0 = only when "
                                "stopped by SIGINT/SIGTERM).")
@@ -152,6 +149,10 @@ class TrainConfig:
                                "one is complete.")
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
                      "start fresh) or a checkpoint directory; empty = start from the model.")
+    # --- launch ---------------------------------------------------------------
+    cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
+    nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU).")
+    master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,8 +163,58 @@ class TrainConfig:
         return self.save_results or os.path.join(self.save_dir, "results.json")
 
 
+# Every field in exactly one section (checked below). ``launch`` is train.sh's: which processes
+# run where, nothing about the training itself.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "tokenizer", "num_layers", "embedding_dim", "ff_dim", "num_heads", "attn_implementation",
+              "cache_dir"),
+    "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
+             "eval_dataset", "eval_batches"),
+    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers", "mapping",
+                    "topology", "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
+    "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
+                "delayed_update"),
+    "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
+                  "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
+                  "loss_scale_window", "max_skipped_steps"),
+    "output": ("save_dir", "overwrite", "save_model", "save_params", "save_results", "save_metrics", "progress_bar",
+               "eval_every", "timeline", "timeline_iteration", "debug_schedule", "checkpoint_every",
+               "keep_checkpoints", "resume"),
+    "launch": ("cuda_visible_devices", "nproc", "master_port"),
+}
+# Keys a resumed run may change without it being reported as a change of the run: the launch
+# section, and where, how long and how often it writes.
+RESUME_FREE = frozenset(SECTIONS["launch"]) | {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints",
+                                                "save_dir", "save_model", "save_params", "save_results", "overwrite",
+                                                "debug_schedule"}
+
+
 def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+_SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+assert sorted(_SECTION_OF) == sorted(_fields()) and len(_SECTION_OF) == sum(map(len, SECTIONS.values())), \
+    "every TrainConfig field belongs to exactly one section of SECTIONS"
+
+
+def flatten_sections(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
+    """``values`` with each section given as a mapping (``optimizer: {lr: 1e-5}``) replaced by its
+    keys; flat keys pass through. A section's key must belong to it and be given once."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):
+            items = value.items()
+            for name, _ in items:
+                if _SECTION_OF.get(name, key) != key:
+                    raise ConfigError(f"{source}: key {name!r} is in section {_SECTION_OF[name]!r}, not {key!r}")
+        else:
+            items = [(key, value)]
+        for name, v in items:
+            if name in flat:
+                raise ConfigError(f"{source}: key {name!r} is given twice (flat and in its section)")
+            flat[name] = v
+    return flat
 
 
 def _negative_flag(name: str) -> str:
@@ -223,14 +274,14 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must be a mapping of key: value, got {type(data).__name__}")
-    return data
+    return flatten_sections(data, f"config file {path!r}")
 
 
 def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """defaults < yaml_values < overrides; unknown keys and wrongly typed values are errors."""
     fields = _fields()
     values: dict[str, Any] = {}
-    for source in (yaml_values or {}, overrides or {}):
+    for source in (flatten_sections(yaml_values or {}), overrides or {}):
         for key, value in source.items():
             if key not in fields:
                 close = [k for k in fields if k.split("_")[0] == key.split("_")[0]]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, env_without_dist, scratch_save_dir
-from pipeline.config import ConfigError, make_config, parse_args
+from pipeline.config import RESUME_FREE, SECTIONS, ConfigError, load_yaml, make_config, parse_args
 
 
 def _yaml(tmp_path, text: str) -> str:
@@ -29,6 +29,28 @@ def test_precedence_defaults_yaml_flags(tmp_path):
     assert cfg.use_prefetch is False
     assert cfg.lr == 0.001
     assert cfg.seq_length == make_config().seq_length  # untouched default
+
+
+def test_yaml_sections_read_like_flat_keys(tmp_path):
+    flat = _yaml(tmp_path, "model: tiny\nlr: 0.001\nuse_offload: true\nnproc: 2\n")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model: {model: tiny}\noptimizer:\n  lr: 0.001\noffload: {use_offload: true}\n"
+                      "launch: {nproc: 2}\n")
+    assert load_yaml(str(nested)) == load_yaml(flat) == {"model": "tiny", "lr": 0.001, "use_offload": True, "nproc": 2}
+    assert parse_args(["--config", str(nested), "--lr", "0.5"])[0] == make_config({"model": "tiny", "lr": 0.5,
+                                                                                     "use_offload": True, "nproc": 2})
+    with pytest.raises(ConfigError, match=r"key 'lr' is in section 'optimizer', not 'data'"):
+        make_config({"data": {"lr": 0.1}})
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice"):
+        make_config({"lr": 0.1, "optimizer": {"lr": 0.2}})
+    with pytest.raises(ConfigError, match="unknown config key 'batchsize'"):
+        make_config({"data": {"batchsize": 3}})
+
+
+def test_sections_cover_every_key_once():
+    names = [n for keys in SECTIONS.values() for n in keys]
+    assert sorted(names) == sorted(make_config().to_dict()) and len(names) == len(set(names))
+    assert {"nproc", "master_port", "cuda_visible_devices"} <= RESUME_FREE and "lr" not in RESUME_FREE
 
 
 def test_legacy_flag_names_exist():
