@@ -27,9 +27,11 @@ checks the segment order the schedule guarantees (``schedule.ir.kv_predecessor``
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from pipeline.model import Stage, additive_mask
 
@@ -49,10 +51,14 @@ class _KVCarry:
         self.new: dict[int, KV] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> KV:
-        if layer_idx in self.new:
-            raise RuntimeError(f"layer {layer_idx} updated the segment cache twice (a recompute under "
-                               f"activation checkpointing?); segments do not support that yet")
-        self.new[layer_idx] = (key_states, value_states)
+        # A second call for a layer is activation checkpointing's recompute during the backward:
+        # it attends to the same past again (the snapshot), and the keys/values recorded by the
+        # first call stay the ones whose gradients the segment's backward feeds in.
+        if layer_idx not in self.new:
+            self.new[layer_idx] = (key_states, value_states)
+        elif self.new[layer_idx][0].shape != key_states.shape:
+            raise RuntimeError(f"layer {layer_idx}: a recompute brought keys of shape {tuple(key_states.shape)}, "
+                               f"the forward {tuple(self.new[layer_idx][0].shape)}")
         past = self.past.get(layer_idx, [])
         if not past:
             return key_states, value_states
@@ -93,7 +99,7 @@ class SegmentStage:
     """Runs a ``pipeline.model.Stage`` one (rows, segment) at a time, exactly.
 
     Args:
-        stage: the stage; float computation as it is set up (no activation checkpointing).
+        stage: the stage, as built (``stage.recomputed`` layers under activation checkpointing).
         lengths: the segment lengths of a row (``schedule.costmodel.balanced_segments``); every
             micro-batch is cut the same way.
 
@@ -104,9 +110,6 @@ class SegmentStage:
     """
 
     def __init__(self, stage: Stage, lengths: Sequence[int]):
-        if stage.recomputed or stage.checkpointing:
-            raise ValueError("sequence segments do not support activation checkpointing yet "
-                             "(a recompute would update the keys/values a second time)")
         if stage.attn_implementation not in ("eager", "sdpa"):
             raise ValueError(f"sequence segments need attn_implementation eager or sdpa (an explicit mask over "
                              f"the carried keys), got {stage.attn_implementation!r}")
@@ -130,7 +133,7 @@ class SegmentStage:
             x: the segment's token ids [B, T] (first stage) or hidden states [B, T, H].
             targets: the last stage's targets of the segment's columns [B, T] (-100: none).
             position_ids: [B, T] or [1, T], default the segment's columns (``start..end-1``).
-            doc_ids: packed rows: the record id of every column up to the segment's end [B, end].
+            doc_ids: packed rows: the record id of every column, at least up to the segment's end.
 
         Returns:
             The hidden states, or on the last stage the summed token loss with ``targets``
@@ -159,9 +162,13 @@ class SegmentStage:
                 position_ids = torch.arange(start, end, device=h.device)[None]
             position_embeddings = stage.rotary_emb(h, position_ids)
             masks = {w: self._mask(start, end, w, h, doc_ids) for w in set(stage.windows)}
-            for layer, window in zip(stage.model.layers.values(), stage.windows):
-                h = layer(h, attention_mask=masks[window], position_ids=position_ids,
-                          position_embeddings=position_embeddings, past_key_values=kv_cache)
+            for i, (layer, window) in enumerate(zip(stage.model.layers.values(), stage.windows)):
+                run = functools.partial(layer, attention_mask=masks[window], position_ids=position_ids,
+                                        position_embeddings=position_embeddings, past_key_values=kv_cache)
+                if i < stage.recomputed and torch.is_grad_enabled():
+                    h = checkpoint(run, h, use_reentrant=False)  # as Stage.forward: the first layers recompute
+                else:
+                    h = run(h)
                 if isinstance(h, tuple):  # older transformers return (hidden_states,)
                     h = h[0]
         for layer, (k, v) in kv_cache.new.items():

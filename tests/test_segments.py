@@ -249,11 +249,23 @@ def test_order_is_checked():
         runner.forward(1, 0, x[:, :40])
 
 
-def test_refuses_checkpointing_and_flash():
-    config = make_config("llama", "eager")
-    stage = build_stage(config, 0, 1, range(4), model_dir=None, seed=0, checkpointing=True)
-    with pytest.raises(ValueError, match="activation checkpointing"):
-        SegmentStage(stage, [48, 48])
+@pytest.mark.parametrize("kept", [0, 2])
+def test_activation_checkpointing(kept):
+    """Recomputed layers (all, or the first two of four) re-enter the key/value update during the
+    backward; the segments still give the unsplit gradients."""
+    config = make_config("qwen2_sliding", "sdpa")
+    (plain,) = make_stages(config)
+    stage = build_stage(config, 0, 1, range(4), model_dir=None, seed=0, checkpointing=True, kept_layers=kept)
+    stage.load_state_dict(plain.state_dict())
+    assert stage.recomputed == 4 - kept
+    x, targets = make_batch(config.vocab_size)
+    ref = reference(plain, x, targets)
+    floor = noise_floor(plain, x, targets, ref)
+    got = run_segments(stage, x, targets, LENGTHS["balanced"])
+    assert not mismatch(ref, got, floor), mismatch(ref, got, floor)
+
+
+def test_refuses_flash():
     config = make_config("llama", "eager")
     (stage,) = make_stages(config)
     stage.attn_implementation = "flash_attention_2"
@@ -327,3 +339,41 @@ def test_program_with_segments_equals_unsplit(name, num_stages):
     for i, st in enumerate(stages):
         for n, p in st.named_parameters():
             assert rel(p.grad, ref[(i, n)]) < TOL, (i, n, rel(p.grad, ref[(i, n)]))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_packed_rows(impl):
+    """Packed rows (records one after another in a row, positions restarting, attention within a
+    record): segments cut through records; each query still sees exactly its record's earlier
+    keys, and the window counts columns (as the unsplit stage does)."""
+    config = make_config("mistral", impl)
+    (stage,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size, rows_len=(SEQ, SEQ))
+    ends = [(30, 71, SEQ), (50, 90)]  # record ends per row; row 1 ends in padding (record id 0)
+    doc = torch.zeros(2, SEQ, dtype=torch.long)
+    pos = torch.zeros(2, SEQ, dtype=torch.long)
+    for i, row_ends in enumerate(ends):
+        start = 0
+        for k, end in enumerate(row_ends):
+            doc[i, start:end] = k + 1
+            pos[i, start:end] = torch.arange(end - start)
+            targets[i, end - 1] = -100  # a record's last token predicts nothing of the next
+            start = end
+        targets[i, start:] = -100
+    stage.zero_grad(set_to_none=True)
+    ref_loss = stage(x, targets, position_ids=pos, segment_ids=doc)
+    ref_loss.backward()
+    ref = (ref_loss.detach(), grads_of(stage))
+
+    def run(doc_ids):
+        stage.zero_grad(set_to_none=True)
+        runner, loss = SegmentStage(stage, LENGTHS["equal"]), 0
+        for j, (a, b) in enumerate(segment_bounds(LENGTHS["equal"])):
+            loss = loss + runner.forward(0, j, x[:, a:b], targets[:, a:b], position_ids=pos[:, a:b],
+                                         doc_ids=doc_ids[:, :b]).detach()
+        for j in reversed(range(len(LENGTHS["equal"]))):
+            runner.backward(0, j)
+        return loss, grads_of(stage)
+
+    assert not mismatch(ref, run(doc))
+    assert mismatch(ref, run(torch.ones_like(doc)))  # records that see each other: caught
