@@ -155,3 +155,20 @@ def test_every_schedule_runs_under_nccl(tmp_path, nproc, offload):
     for schedule, got in losses.items():
         for a, b in zip(got, losses["gpipe"]):
             assert abs(a - b) <= 2e-3 * abs(b), (schedule, got, losses["gpipe"])
+
+
+@needs_gpus(1)
+def test_host_empty_pins_exactly():
+    """A stage's pinned host buffers take their size, not the caching allocator's next power of two,
+    and copies through them are asynchronous and intact."""
+    from offload.store import host_empty
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    n = 3 * 2**20 + 5  # 12 MiB and a bit: rounding would take 16 MiB
+    t = host_empty(n, torch.float32, pin=True)
+    assert t.is_pinned() and t.numel() == n
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before  # not the caching allocator
+    t.copy_(torch.arange(n, dtype=torch.float32))
+    back = host_empty(n, torch.float32, pin=True)
+    back.copy_(t.cuda(non_blocking=True), non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, t)
