@@ -391,7 +391,7 @@ def build_device(cfg: TrainConfig, env: DistEnv) -> tuple[torch.device, torch.dt
     return device, compute_dtype(cfg, device)
 
 
-def build_data(cfg: TrainConfig, source: ModelSource, log: Log):
+def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchStream, list]:
     """The training batch stream and the validation batches (none without ``eval_every``)."""
     stream, data_line = build_stream(cfg, source)
     if data_line:
