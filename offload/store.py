@@ -310,6 +310,9 @@ class StageStore:
             self.work = host_empty(self.numel, compute_dtype, pin) if own_copy else self.master
             self.dev = self.grad = None
             self.work.copy_(self.master)
+            # Until its first LOAD the stage holds nothing: the module's own fp32 weights would
+            # otherwise stay alive beside the masters (a 7B model's 25 GiB of host memory at start-up).
+            self._bind(None, None)
         else:  # resident: device copies live for the whole run
             self.work = None
             self.dev = self.master if same_dtype else self.master.to(compute_dtype)

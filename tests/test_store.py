@@ -172,3 +172,15 @@ def test_bf16_offload_without_the_refresh_is_caught(tiny_model_dir, monkeypatch)
         runs.append(([h["loss"] for h in history], trainer_masters(trainer)))
     with pytest.raises(AssertionError):
         assert_same_training(*runs[1], *runs[0], rtol=1e-3)
+
+
+def test_offloaded_stage_holds_no_weights_until_loaded():
+    """The module's own weights go once the store has its masters: kept, they would double an
+    offloaded model's host memory at start-up. A LOAD brings the masters' values back."""
+    module = _module()
+    want = [p.detach().clone() for p in module.parameters()]
+    st = StageStore(module, device=CPU, compute_dtype=torch.float32, offload=True,
+                    optim=OptimSettings(), streams=Streams(CPU), pool=BufferPool(CPU))
+    assert all(p.numel() == 0 for p in module.parameters())
+    st.load().result()  # no workers: the copy is done when load returns
+    assert all(torch.equal(p, w) for p, w in zip(module.parameters(), want))
