@@ -7,7 +7,7 @@ Per stage, everything is kept in flat buffers so that a transfer is one large co
 * ``work``    the compute-dtype copy that crosses PCIe (pinned host memory). With fp32
   compute it *is* the master buffer (no second copy).
 * ``dev``     the device copy the stage's modules compute with; its parameters are views
-  into it. With offload it exists only between LOAD and DROP/OFFLOAD.
+  into it. With offload it exists only between LOAD and DROP/OFFLOAD_GRADS.
 * ``grad``    device gradient buffer (parameter ``.grad`` views into it, so autograd
   accumulates micro-batches in place); with offload its fp32 values are copied into
   ``master_grad`` (pinned) in chunks of ``GRAD_SLICE_NUMEL`` elements, converted on the device,
@@ -19,7 +19,7 @@ except where marked. On the CPU the streams are no-ops and the copies run synchr
 
 With ``Workers`` (offload), the host side runs off the main thread:
 
-* OFFLOAD, when the schedule has a NORM, queues the squared norm of the stage's gradients
+* OFFLOAD_GRADS, when the schedule has a NORM, queues the squared norm of the stage's gradients
   on the optimizer thread (it waits there for the copy), so NORM finds it ready.
 * STEP queues AdamW on the optimizer thread (FIFO: after that stage's norm). It updates the
   masters ``MASTER_SLICE_NUMEL`` elements at a time and says how far it got; it does not touch
@@ -50,7 +50,7 @@ from torch import nn
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
 # Elements (as in every *_NUMEL; micro-batches are chunks) converted to fp32 at a time on the
-# device at OFFLOAD (64 MiB).
+# device at OFFLOAD_GRADS (64 MiB).
 GRAD_SLICE_NUMEL = 16 * 2**20
 # Elements a CPU step updates, and a LOAD from the masters copies, at a time (128 MiB fp32). A
 # multiple of the fused kernel's vector width, so the chunked step is bit for bit the whole one.
@@ -487,7 +487,7 @@ class StageStore:
         self.loaded = False
 
     def offload_grads(self, norm: bool = False) -> None:
-        """OFFLOAD: fp32 gradients device -> host on the offload stream, then free device memory;
+        """OFFLOAD_GRADS: fp32 gradients device -> host on the offload stream, then free device memory;
         with ``norm`` the optimizer thread takes their squared norm once they have landed."""
         if not self.offload:
             return
@@ -557,7 +557,7 @@ class StageStore:
     def reduce_grads(self, reduce) -> None:
         """Data parallelism (main thread, before NORM or STEP): ``reduce(master_grad)`` replaces
         this iteration's fp32 gradient in place by its sum over the replicas. A squared norm the
-        OFFLOAD queued is of the local gradient: it is awaited (it also waited for the copy to
+        OFFLOAD_GRADS queued is of the local gradient: it is awaited (it also waited for the copy to
         land) and dropped, and ``grad_sq_norm`` takes the norm of the sum instead."""
         future, self._norm_future = self._norm_future, None
         if future is not None:
@@ -567,10 +567,10 @@ class StageStore:
 
     def tied_grad(self) -> torch.Tensor:
         """The device gradient of the tied matrix (a view into ``grad``: the TIE action sums the
-        two copies' in place, before OFFLOAD copies them to the host)."""
+        two copies' in place, before OFFLOAD_GRADS copies them to the host)."""
         if self.tied is None or self.grad is None:
             raise RuntimeError(f"stage with {self.names[0]}: no tied gradient on the device (tied={self.tied!r}; "
-                               "TIE must follow the stage's backward and precede its OFFLOAD)")
+                               "TIE must follow the stage's backward and precede its OFFLOAD_GRADS)")
         return self.grad[:self.tied_numel]
 
     def grad_sq_norm(self) -> torch.Tensor:
@@ -678,8 +678,8 @@ class StageStore:
         """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients
         are thrown away so the next iteration does not accumulate onto them."""
         if self.offload:
-            # The device buffer went back to the pool at OFFLOAD and is zeroed by the next first
-            # backward; master_grad is overwritten by the next OFFLOAD's copy.
+            # The device buffer went back to the pool at OFFLOAD_GRADS and is zeroed by the next first
+            # backward; master_grad is overwritten by the next OFFLOAD_GRADS's copy.
             self._norm_future = None
             self._grads_summed = False
             return

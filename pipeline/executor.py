@@ -24,7 +24,7 @@ class ActionError(RuntimeError):
 
 _OP_WORDS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_F: "send activation",
              Op.RECV_F: "receive activation", Op.SEND_B: "send gradient", Op.RECV_B: "receive gradient",
-             Op.LOAD: "load", Op.DROP: "drop", Op.OFFLOAD: "offload gradients", Op.NORM: "gradient-norm all-reduce",
+             Op.LOAD: "load", Op.DROP: "drop", Op.OFFLOAD_GRADS: "offload gradients", Op.NORM: "gradient-norm all-reduce",
              Op.STEP: "optimizer step", Op.TIE: "tied-gradient exchange"}
 
 
@@ -131,7 +131,7 @@ class Executor:
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
-            Op.LOAD: self._load, Op.DROP: self._drop, Op.OFFLOAD: self._offload,
+            Op.LOAD: self._load, Op.DROP: self._drop, Op.OFFLOAD_GRADS: self._offload,
             Op.NORM: self._norm, Op.STEP: self._step, Op.TIE: self._tie,
         }
 
@@ -265,7 +265,7 @@ class Executor:
         self.stores[a.stage].offload_grads(norm=self.has_norm)
 
     def _tie(self, a: Action) -> None:
-        # The tied matrix's gradient of both uses, in both copies, before their OFFLOAD and the NORM.
+        # The tied matrix's gradient of both uses, in both copies, before their OFFLOAD_GRADS and the NORM.
         grads = [self.stores[s].tied_grad() for s in tie_covers(a, self.mapping)]
         if len(grads) == 2:  # this rank holds both copies
             grads[0].add_(grads[1])

@@ -6,7 +6,7 @@ keeps a ledger of what the executor and the stores hold at every action.
 * **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
   the action list loads) the device holds only the buffer pool of ``offload/store.py``: the
-  walk replays its take/give on LOAD, the first backward, DROP and OFFLOAD, so prefetch and
+  walk replays its take/give on LOAD, the first backward, DROP and OFFLOAD_GRADS, so prefetch and
   buffer reuse are counted as they happen, plus the load stream's fp32 staging buffer; their
   masters and AdamW state are host memory.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
@@ -193,7 +193,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             take(inp.stages[s].numel)
         elif a.op is Op.DROP:
             give(inp.stages[s].numel)
-        elif a.op is Op.OFFLOAD:
+        elif a.op is Op.OFFLOAD_GRADS:
             give(inp.stages[s].numel)
             give(inp.stages[s].numel)
             has_grad.discard(s)

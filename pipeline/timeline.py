@@ -23,7 +23,7 @@ from schedule.ir import Action, Op
 LANES = ("compute", "load", "offload", "comm", "optimizer")
 LANE_OF_OP = {
     Op.FORWARD: "compute", Op.BACKWARD: "compute",
-    Op.LOAD: "load", Op.DROP: "load", Op.OFFLOAD: "offload",
+    Op.LOAD: "load", Op.DROP: "load", Op.OFFLOAD_GRADS: "offload",
     Op.SEND_F: "comm", Op.RECV_F: "comm", Op.SEND_B: "comm", Op.RECV_B: "comm", Op.NORM: "comm", Op.TIE: "comm",
     Op.STEP: "optimizer",
 }
@@ -67,7 +67,7 @@ class Timeline:
 
         ev = torch.cuda.Event(enable_timing=True)
         stream = self.streams.get(LANE_OF_OP[action.op])
-        if stream is not None and begin and action.op is Op.OFFLOAD:
+        if stream is not None and begin and action.op is Op.OFFLOAD_GRADS:
             # The offload copy starts once the backward before it is done: the store makes the
             # offload stream wait on the compute stream at this same point, so this wait adds no
             # dependency, and the start is the copy's start, not when the stream went idle.

@@ -7,14 +7,14 @@ An event-driven simulation of the executor (``pipeline/executor.py`` with ``offl
   the producer finished (``F(s-1, m)``, ``B(s+1, m)``, or ``F(last, m)`` for the last
   backward), plus ``p2p_latency_s`` when the producer is on another rank. SEND, RECV and
   DROP take no time.
-* LOAD (host -> device, ``stage_bytes[s]``) and OFFLOAD (device -> host, the gradients)
+* LOAD (host -> device, ``stage_bytes[s]``) and OFFLOAD_GRADS (device -> host, the gradients)
   are asynchronous: issued when the compute lane reaches them, started once the rank's
   previous transfer in the same direction finished (one copy stream per direction), and
   done when their bytes went through. Transfers of GPUs under one root group, in one
   direction, share the root's bandwidth max-min fairly (each also capped by its own link),
   re-divided whenever a transfer starts or ends. The two directions do not interfere.
-* STEP of an offloaded stage (one with an OFFLOAD) runs on the rank's CPU lane (the
-  optimizer thread) for ``step_s`` once the stage's OFFLOAD completed; STEP of a stage that
+* STEP of an offloaded stage (one with an OFFLOAD_GRADS) runs on the rank's CPU lane (the
+  optimizer thread) for ``step_s`` once the stage's OFFLOAD_GRADS completed; STEP of a stage that
   stays on the GPU takes no time (a fused GPU kernel, milliseconds). A later LOAD of an
   offloaded stage does not block the rank (the executor hands it to its loader thread): its
   copy streams behind the step (chunk by chunk as the step writes them), so it may start
@@ -93,7 +93,7 @@ class _Transfer:
 def cpu_stepped_stages(schedule: Schedule) -> frozenset[int]:
     """Stages whose STEP the model puts on the CPU lane: those whose gradients the program
     offloads (every other STEP is a GPU kernel, instant here)."""
-    return frozenset(a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD)
+    return frozenset(a.stage for acts in schedule.values() for a in acts if a.op is Op.OFFLOAD_GRADS)
 
 
 def _per(value: float | Sequence[float] | Mapping[int, float], i: int) -> float:
@@ -126,7 +126,7 @@ def predict(
         gpu_of_rank: physical GPU (index into ``groups``) that rank ``r`` runs on.
         groups: root group of each physical GPU.
         stage_compute_s: ``{stage: (forward s, backward s)}`` per micro-batch.
-        stage_bytes: bytes a LOAD of each stage moves; OFFLOAD moves ``offload_bytes``
+        stage_bytes: bytes a LOAD of each stage moves; OFFLOAD_GRADS moves ``offload_bytes``
             (default the same: gradients in the compute dtype).
         link_gbps: GB/s of each GPU's own link (one value, or one per physical GPU).
         root_gbps: GB/s of a root group per direction (one value, or ``{group: GB/s}``).
@@ -235,7 +235,7 @@ def predict(
                 return False
             load_done[s] = math.inf
             enqueue(r, a, stage_bytes[s], "h2d", not_before=step_start.get(s, 0.0), not_until=step_end.get(s, 0.0))
-        elif a.op is Op.OFFLOAD:
+        elif a.op is Op.OFFLOAD_GRADS:
             offload_done[s] = math.inf
             enqueue(r, a, off_bytes[s], "d2h")
         elif a.op is Op.STEP and s in offloaded:

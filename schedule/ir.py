@@ -50,7 +50,7 @@ class Op(str, Enum):
     RECV_B = "RECV_B"
     LOAD = "L"
     DROP = "D"
-    OFFLOAD = "O"
+    OFFLOAD_GRADS = "O"  # the stage's gradients to host memory (its weights are dropped too)
     STEP = "S"
     NORM = "NORM"
     TIE = "T"

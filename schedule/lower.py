@@ -6,7 +6,7 @@ Order of the passes: ``add_send_recv`` -> ``add_load_offload`` (if offloading pa
 -> ``add_tie`` (if the embedding is tied over several stages) -> ``add_optimizer``.
 
 With offload, some stages may stay resident (``resident_stages``): they get no LOAD, DROP or
-OFFLOAD, and their STEP runs on the GPU at the end of the rank's list (``add_optimizer``).
+OFFLOAD_GRADS, and their STEP runs on the GPU at the end of the rank's list (``add_optimizer``).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class Interval(NamedTuple):
     stage: int
     first: int
     last: int
-    final: bool  # holds the stage's last backward: ends with OFFLOAD, not DROP
+    final: bool  # holds the stage's last backward: ends with OFFLOAD_GRADS, not DROP
 
 
 def stage_intervals(actions: list[Action]) -> list[Interval]:
@@ -115,11 +115,11 @@ def stage_intervals(actions: list[Action]) -> list[Interval]:
 
 def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool,
                      resident: frozenset[int] = frozenset()) -> Schedule:
-    """Insert parameter LOAD / DROP / OFFLOAD actions around each stage's residency intervals
+    """Insert parameter LOAD / DROP / OFFLOAD_GRADS actions around each stage's residency intervals
     (none for the stages in ``resident``, which stay on the device).
 
     LOAD goes before an interval, DROP after a forward-only interval (the parameters did not
-    change, so no copy back), OFFLOAD after a stage's final interval (after its last backward
+    change, so no copy back), OFFLOAD_GRADS after a stage's final interval (after its last backward
     and that backward's SEND). Without prefetch a LOAD sits right before the interval's first
     compute. With prefetch, interval k's LOAD moves up to where interval k-1 starts (before the
     RECV of its first compute), but not before interval k-2 (or an earlier interval of the same
@@ -141,7 +141,7 @@ def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool,
             if gap < len(acts) and acts[gap] == send_for(acts[iv.last]):
                 gap += 1  # release after the SEND has been issued from the output
             end_gap.append(gap)
-            inserts.append((gap, 0, k, Action(iv.stage, Op.OFFLOAD if iv.final else Op.DROP)))
+            inserts.append((gap, 0, k, Action(iv.stage, Op.OFFLOAD_GRADS if iv.final else Op.DROP)))
         for k, iv in enumerate(intervals):
             if not prefetch:
                 gap = iv.first
@@ -175,12 +175,12 @@ def add_load_offload(schedule: Schedule, mapping: list[int], prefetch: bool,
 def add_tie(schedule: Schedule, mapping: list[int]) -> Schedule:
     """Insert the TIE action(s) of a tied embedding (``schedule.ir.tie_actions``): on each rank
     holding stage 0 or the last stage, right after the rank's last compute (and that compute's
-    SEND), and an OFFLOAD of a tied stage that came earlier moves to right after the TIE.
+    SEND), and an OFFLOAD_GRADS of a tied stage that came earlier moves to right after the TIE.
 
     After the rank's last compute, not after the tied stage's last backward: TIE is a collective
     between the two ranks, and the last stage's rank still owes the first stage's rank gradients
     of its other stages (interleaved); once every compute of both ranks is listed before their
-    TIEs, neither waits in it for work the other has yet to do. The OFFLOAD moves because with
+    TIEs, neither waits in it for work the other has yet to do. The OFFLOAD_GRADS moves because with
     offload the gradient lives in the stage's device buffer until then: the earlier-finishing
     stage keeps its buffers until the exchange. Run after ``add_load_offload`` and before
     ``add_optimizer`` (whose NORM and STEPs then follow the TIE)."""
@@ -194,7 +194,7 @@ def add_tie(schedule: Schedule, mapping: list[int]) -> Schedule:
         if last + 1 < len(acts) and acts[last + 1] == send_for(acts[last]):
             last += 1
         covered = {s for t in ties for s in tie_covers(t, mapping)}
-        moved = [a for a in acts[:last + 1] if a.op is Op.OFFLOAD and a.stage in covered]
+        moved = [a for a in acts[:last + 1] if a.op is Op.OFFLOAD_GRADS and a.stage in covered]
         head = [a for a in acts[:last + 1] if a not in moved]
         out[r] = head + ties + moved + list(acts[last + 1:])
     return out
@@ -203,13 +203,13 @@ def add_tie(schedule: Schedule, mapping: list[int]) -> Schedule:
 def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: bool,
                   resident: frozenset[int] = frozenset()) -> Schedule:
     """Insert optimizer STEP actions (and one NORM per rank when ``clip``). With ``offload``,
-    the stages in ``resident`` are not offloaded (their STEP follows no OFFLOAD).
+    the stages in ``resident`` are not offloaded (their STEP follows no OFFLOAD_GRADS).
 
     ``clip`` asks for the global gradient norm: for clipping, and for skipping a step whose
     gradients are not finite (the norm is then non-finite on every rank alike).
 
     Without clipping an offloaded stage steps as soon as its gradients are in host memory:
-    right after its OFFLOAD, on the CPU optimizer thread, overlapping the rank's remaining
+    right after its OFFLOAD_GRADS, on the CPU optimizer thread, overlapping the rank's remaining
     backwards. A stage on the device steps at the end of the rank's list, as with clipping: its
     step is a few milliseconds of GPU kernels that would overlap nothing earlier, and under NCCL
     a device step placed before the rank's last receives are posted can deadlock the first
@@ -240,8 +240,8 @@ def add_optimizer(schedule: Schedule, mapping: list[int], clip: bool, offload: b
         for s, i in last_b.items():
             if not offload or s in resident:
                 continue
-            # The stage's OFFLOAD: right after its last backward (and SEND), or after a TIE
-            o = acts.index(Action(s, Op.OFFLOAD)) if Action(s, Op.OFFLOAD) in acts[i:] else None
+            # The stage's OFFLOAD_GRADS: right after its last backward (and SEND), or after a TIE
+            o = acts.index(Action(s, Op.OFFLOAD_GRADS)) if Action(s, Op.OFFLOAD_GRADS) in acts[i:] else None
             if o is None:
                 raise ValueError(f"rank {r}: offload=True but stage {s}'s last backward (step {i}) is not "
                                  f"followed by {s}O; run add_load_offload first")
@@ -308,7 +308,7 @@ def build_forward(
     num_segments: int = 1,
 ) -> Schedule:
     """The forward-only program of every rank (evaluation): F, SEND_F / RECV_F and, with
-    offload, LOAD / DROP; no B, no OFFLOAD, no NORM, no STEP. Validated like ``build``.
+    offload, LOAD / DROP; no B, no OFFLOAD_GRADS, no NORM, no STEP. Validated like ``build``.
 
     Args: as for ``build``.
     """

@@ -15,9 +15,9 @@ Executor contract modelled here (each rank runs its list strictly in order):
 * NORM is a collective: it blocks until every rank has reached its NORM.
 * TIE (tied embeddings) is a collective of the ranks holding the first and the last stage: it
   blocks until each of them has reached its TIE. It reads the tied gradients from the stages'
-  device buffers, so it comes after their last backward and before their OFFLOAD, NORM and STEP.
+  device buffers, so it comes after their last backward and before their OFFLOAD_GRADS, NORM and STEP.
 * A stage with a LOAD anywhere in the schedule is offloaded: it computes only while
-  resident, after a LOAD and before the next DROP / OFFLOAD. A stage never loaded stays on
+  resident, after a LOAD and before the next DROP / OFFLOAD_GRADS. A stage never loaded stays on
   the device (no offload, or one of the resident stages of an offloading run).
 
 Every error is a ``ScheduleError`` whose message names the values and ends with the rank x
@@ -33,7 +33,7 @@ from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Chan
                          remote_producer, send_for, tie_actions, tie_covers)
 
 # What a forward-only (evaluation) program must not contain.
-_GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD, Op.NORM, Op.STEP, Op.TIE})
+_GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD_GRADS, Op.NORM, Op.STEP, Op.TIE})
 Cell = tuple[int, int]  # (rank, step index); step == len(list) means "the end of the list"
 _GRID_COLUMNS = 16  # steps per block of the grid, so long schedules stay readable
 
@@ -117,7 +117,7 @@ def validate(
             nothing may touch gradients or the optimizer (no B, SEND_B/RECV_B, O, NORM, S, T).
         tied: the first and last stage hold copies of one tied matrix: each rank holding one
             runs its ``tie_actions`` once, after its tied stages' last backward and before their
-            OFFLOAD and STEP and its NORM; without ``tied`` no TIE may appear.
+            OFFLOAD_GRADS and STEP and its NORM; without ``tied`` no TIE may appear.
         num_segments: sequence segments per micro-batch (K): every (stage, micro-batch,
             segment) needs its computes, in segment order (``kv_predecessor``); with 1, no
             action may name a segment.
@@ -229,14 +229,14 @@ def validate(
 def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action, Cell],
                      forward_only: bool = False) -> None:
     """An offloaded stage (one that is loaded somewhere) computes only between a LOAD and the
-    next DROP / OFFLOAD; a stage that is never loaded is never released either."""
+    next DROP / OFFLOAD_GRADS; a stage that is never loaded is never released either."""
     offloaded = offloaded_stages(schedule)
     for r, acts in sorted(schedule.items()):
         resident: dict[int, int] = {}  # stage -> step of its LOAD
-        released: dict[int, int] = {}  # stage -> step of its last DROP / OFFLOAD
+        released: dict[int, int] = {}  # stage -> step of its last DROP / OFFLOAD_GRADS
         backward_done: set[int] = set()
         for i, a in enumerate(acts):
-            if a.op in (Op.DROP, Op.OFFLOAD) and a.stage not in offloaded:
+            if a.op in (Op.DROP, Op.OFFLOAD_GRADS) and a.stage not in offloaded:
                 _fail(schedule, f"rank {r} step {i}: {a} but stage {a.stage} is never loaded (its parameters "
                                 f"are never offloaded)", [(r, i)])
             if a.stage not in offloaded:
@@ -246,7 +246,7 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
                     _fail(schedule, f"rank {r} step {i}: {a} loads stage {a.stage}, already resident since step "
                                     f"{resident[a.stage]}", [(r, resident[a.stage]), (r, i)])
                 resident[a.stage] = i
-            elif a.op in (Op.DROP, Op.OFFLOAD):
+            elif a.op in (Op.DROP, Op.OFFLOAD_GRADS):
                 if a.stage not in resident:
                     _fail(schedule, f"rank {r} step {i}: {a} releases stage {a.stage}, which is not resident",
                           [(r, i)])
@@ -271,7 +271,7 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
     for s in sorted(offloaded):
         r = mapping[s]
         last_b = _last_backward(where, s)
-        o = where.get(Action(s, Op.OFFLOAD))
+        o = where.get(Action(s, Op.OFFLOAD_GRADS))
         if o is None or o[1] < last_b:
             _fail(schedule, f"rank {r}: stage {s} needs one {s}O after its last backward (step {last_b})",
                   [(r, last_b)] + ([o] if o else []))
@@ -280,7 +280,7 @@ def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action,
 def _check_tie(schedule: Schedule, mapping: list[int], where: dict[Action, Cell], norms: dict[int, int],
                tied: bool) -> None:
     """With ``tied``, every rank runs its ``tie_actions`` (and no other TIE) after the last backward
-    of the tied stages it holds, before their OFFLOAD (the gradient is still in the device
+    of the tied stages it holds, before their OFFLOAD_GRADS (the gradient is still in the device
     buffer), before their STEP and before the rank's NORM. Without ``tied``, no TIE."""
     present = [a for a in where if a.op is Op.TIE]
     if not tied:
@@ -305,7 +305,7 @@ def _check_tie(schedule: Schedule, mapping: list[int], where: dict[Action, Cell]
             if i < last_b:
                 _fail(schedule, f"rank {r} step {i}: {t} runs before stage {s}'s last backward (step {last_b}); the "
                                 f"tied gradient is not complete", [(r, i), (r, last_b)])
-            for op, why in ((Op.OFFLOAD, "moved the gradient off the device"), (Op.STEP, "stepped")):
+            for op, why in ((Op.OFFLOAD_GRADS, "moved the gradient off the device"), (Op.STEP, "stepped")):
                 other = where.get(Action(s, op))
                 if other is not None and other[1] < i:
                     _fail(schedule, f"rank {r} step {i}: {t} comes after {s}{op.value} (step {other[1]}), which "
@@ -335,7 +335,7 @@ def _check_optimizer(schedule: Schedule, mapping: list[int], where: dict[Action,
         if step[1] < last_b:
             _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before stage {s}'s last backward (step {last_b})",
                   [step, (r, last_b)])
-        o = where.get(Action(s, Op.OFFLOAD))
+        o = where.get(Action(s, Op.OFFLOAD_GRADS))
         if o is not None and step[1] < o[1]:
             _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before {s}O (step {o[1]}) moved its gradients "
                             f"to the host", [step, o])
@@ -343,7 +343,7 @@ def _check_optimizer(schedule: Schedule, mapping: list[int], where: dict[Action,
             _fail(schedule, f"rank {r} step {step[1]}: {s}S runs before NORM (step {norms[r]}); clipping needs "
                             f"the global norm first", [step, (r, norms[r])])
     for r, n in norms.items():
-        late = [i for i, a in enumerate(schedule[r]) if a.op in (Op.BACKWARD, Op.OFFLOAD, Op.TIE) and i > n]
+        late = [i for i, a in enumerate(schedule[r]) if a.op in (Op.BACKWARD, Op.OFFLOAD_GRADS, Op.TIE) and i > n]
         if late:
             _fail(schedule, f"rank {r} step {n}: NORM comes before {schedule[r][late[0]]} (step {late[0]}); the "
                             f"norm must cover every gradient of the rank", [(r, n), (r, late[0])])

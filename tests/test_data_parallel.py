@@ -61,6 +61,7 @@ def test_check_config_accepts_replicas():
     assert check_replicas(make_config({"data_parallel": 2}), 4) == 2
 
 
+@pytest.mark.slow  # a main.py subprocess: the fast layer keeps one torchrun check
 def test_prelaunch_error_is_one_line():
     """Before any process group: one error line, exit 2."""
     proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config", "", "--data_parallel", "2",
@@ -71,6 +72,7 @@ def test_prelaunch_error_is_one_line():
     assert len(lines) == 1 and lines[0].startswith("error: data_parallel (2)"), proc.stderr
 
 
+@pytest.mark.slow  # a main.py subprocess: the fast layer keeps one torchrun check
 def test_plan_describes_replicas(tiny_model_dir):
     proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config", "", "--plan", "--model",
                            str(tiny_model_dir), "--device", "cpu", "--nproc", "4", "--data_parallel", "2",

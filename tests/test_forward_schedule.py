@@ -41,7 +41,7 @@ def test_validator_rejects_gradient_work_in_forward_only():
     with pytest.raises(ScheduleError, match="forward-only schedule"):
         validate(train, mapping, 4, 2, forward_only=True)
     fwd = build_forward(4, 2, mapping, offload=True, prefetch=False)
-    fwd[0] = [Action(0, Op.OFFLOAD) if a == Action(0, Op.DROP) else a for a in fwd[0]]
+    fwd[0] = [Action(0, Op.OFFLOAD_GRADS) if a == Action(0, Op.DROP) else a for a in fwd[0]]
     with pytest.raises(ScheduleError, match=r"0O in a forward-only"):
         validate(fwd, mapping, 4, 2, forward_only=True)
 

@@ -333,6 +333,7 @@ def test_chrome_trace(tmp_path):
     assert by_name["0S"]["tid"] == lanes["optimizer"]
 
 
+@pytest.mark.slow  # matplotlib rendering, seconds each
 def test_timeline_png_measured_over_predicted(tmp_path):
     measured = _fake_events()
     predicted = [{**e, "start": e["start"] - 100.0, "end": e["end"] - 99.0} for e in measured]  # a slower model

@@ -213,6 +213,7 @@ def _train_rows(n: int) -> list[dict]:
              "skipped": False} for i in range(1, n + 1)]
 
 
+@pytest.mark.slow  # matplotlib rendering, seconds each
 def test_plot_is_a_valid_png(tmp_path):
     rows = _train_rows(12)
     rows[3].update(loss=math.nan, grad_norm=math.inf, skipped=True)  # a gap and a red band, not a crash
@@ -225,6 +226,7 @@ def test_plot_is_a_valid_png(tmp_path):
     assert distinct_colours(path) > 50  # lines, text and axes, not a blank canvas
 
 
+@pytest.mark.slow  # matplotlib rendering, seconds each
 def test_plot_edge_cases(tmp_path):
     # One iteration, no validation.
     assert write_plot_png(tmp_path / "one.png", _train_rows(1)) == png_size(tmp_path / "one.png") == (1200, 960)

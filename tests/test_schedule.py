@@ -57,7 +57,7 @@ def peak_resident(actions: list[Action]) -> int:
     for a in actions:
         if a.op is Op.LOAD:
             resident.add(a.stage)
-        elif a.op in (Op.DROP, Op.OFFLOAD):
+        elif a.op in (Op.DROP, Op.OFFLOAD_GRADS):
             resident.discard(a.stage)
         peak = max(peak, len(resident))
     return peak
@@ -70,7 +70,7 @@ def peak_resident(actions: list[Action]) -> int:
 def test_action_str_parse_round_trip(op):
     if op is Op.NORM:
         a = Action(-1, op)
-    elif op in (Op.LOAD, Op.DROP, Op.OFFLOAD, Op.STEP, Op.TIE):
+    elif op in (Op.LOAD, Op.DROP, Op.OFFLOAD_GRADS, Op.STEP, Op.TIE):
         a = Action(12, op)
     else:
         a = Action(3, op, 10)
@@ -329,11 +329,11 @@ def test_offload_with_resident_stages(clip):
     mapping = round_robin(8, 2)
     sched = build("interleaved", 8, 4, mapping, offload=True, prefetch=True, clip=clip, resident=2)
     full = build("interleaved", 8, 4, mapping, offload=True, prefetch=True, clip=clip)
-    transfers = (Op.LOAD, Op.DROP, Op.OFFLOAD)
+    transfers = (Op.LOAD, Op.DROP, Op.OFFLOAD_GRADS)
     for r, acts in sched.items():
         moved = {a.stage for a in acts if a.op in transfers}
         assert moved == set(stages_of(r, mapping)[2:])
-        same = (Op.LOAD, Op.DROP, Op.OFFLOAD, Op.STEP)  # the compute and communication are unchanged
+        same = (Op.LOAD, Op.DROP, Op.OFFLOAD_GRADS, Op.STEP)  # the compute and communication are unchanged
         assert [a for a in acts if a.op not in same] == [a for a in full[r] if a.op not in same]
         steps = [Action(s, Op.STEP) for s in stages_of(r, mapping)]
         assert acts[-4:] == steps if clip else acts[-2:] == steps[:2]
@@ -444,14 +444,14 @@ def test_reject_compute_on_dropped_stage():
 
 def test_reject_release_of_a_stage_never_loaded():
     sched = build("1f1b", 2, 2, [0, 1], offload=True, prefetch=False, clip=False, resident=1)
-    sched[0].insert(sched[0].index(Action(0, Op.STEP)), Action(0, Op.OFFLOAD))
+    sched[0].insert(sched[0].index(Action(0, Op.STEP)), Action(0, Op.OFFLOAD_GRADS))
     with pytest.raises(ScheduleError, match="never loaded"):
         validate(sched, [0, 1], 2, 2)
 
 
 def test_reject_drop_after_backward():
     sched = build("1f1b", 2, 2, [0, 1], offload=True, prefetch=False, clip=False)
-    sched[1] = [Action(1, Op.DROP) if a == Action(1, Op.OFFLOAD) else a for a in sched[1]]
+    sched[1] = [Action(1, Op.DROP) if a == Action(1, Op.OFFLOAD_GRADS) else a for a in sched[1]]
     _check_rejected(sched, [0, 1], 2, 2, "gradients would be lost")
 
 

@@ -50,8 +50,8 @@ def test_tie_is_placed_before_offload_norm_and_step(name, S, W, offload, residen
                 continue
             assert max(j for j, b in enumerate(acts) if b.stage == s and b.op is Op.BACKWARD) < i
             assert acts.index(Action(s, Op.STEP)) > i
-            if Action(s, Op.OFFLOAD) in acts:
-                assert acts.index(Action(s, Op.OFFLOAD)) > i
+            if Action(s, Op.OFFLOAD_GRADS) in acts:
+                assert acts.index(Action(s, Op.OFFLOAD_GRADS)) > i
         if clip:
             assert acts.index(Action(-1, Op.NORM)) > i
 
@@ -75,7 +75,7 @@ def test_validator_rejects_a_tie_after_an_offload(W):
     acts = program[r]
     tie = next(a for a in acts if a.op is Op.TIE)
     acts.remove(tie)
-    acts.insert(acts.index(Action(len(mapping) - 1, Op.OFFLOAD)) + 1, tie)
+    acts.insert(acts.index(Action(len(mapping) - 1, Op.OFFLOAD_GRADS)) + 1, tie)
     with pytest.raises(ScheduleError, match=rf"{tie} comes after {len(mapping) - 1}O .* must come first"):
         validate(program, mapping, len(mapping), 4, tied=True)
 
