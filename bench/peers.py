@@ -90,13 +90,23 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path, budget_s: float) ->
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env_add}, capture_output=True, text=True,
                               timeout=budget_s + KILL_GRACE_S)
-        log, rc = proc.stdout + proc.stderr, proc.returncode
+        log, rc, timed_out = proc.stdout + proc.stderr, proc.returncode, False
     except subprocess.TimeoutExpired as e:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        log, rc = text(e.stdout) + text(e.stderr) + "\n[killed: past its budget]", -9
+        log, rc, timed_out = text(e.stdout) + text(e.stderr) + "\n[killed: past its budget]", -9, True
     (out / f"{peer}.log").write_text(f"$ {' '.join(f'{k}={v}' for k, v in env_add.items())} {' '.join(cmd)}\n{log}")
     return {"peer": peer, "rc": rc, "wall_s": round(time.time() - t0, 1), "budget_s": round(budget_s),
-            "status": "ok" if rc == 0 else ("killed (budget)" if rc == -9 else f"failed (rc {rc})")}
+            "status": run_status(rc, timed_out)}
+
+
+def run_status(rc: int, timed_out: bool) -> str:
+    """A peer run's outcome. A signal that is not ours (the kernel's OOM killer sends SIGKILL too)
+    must not read as the budget's doing."""
+    if rc == 0:
+        return "ok"
+    if timed_out:
+        return "killed (budget)"
+    return f"killed by signal {-rc}" if rc < 0 else f"failed (rc {rc})"
 
 
 def peer_rows(peer: str, res: dict | None, run: dict | None = None) -> list[dict]:

@@ -296,3 +296,10 @@ def test_steps_measure_after_warmup_and_stop_early():
     assert slower.add(0, 1.6, 1.0, now=1.0) == "pruned" and slower.times == []
     late = sweep.Steps(warmup=1, iterations=3, best_s=None, prune_factor=1.5, budget_s=10.0, started_at=0.0)
     assert late.add(0, 3.0, 1.0, now=2.0) == "not run (budget)"  # 2 s + 3 x 3 s > 10 s
+
+
+def test_peer_run_status_tells_the_budget_from_other_kills():
+    assert peers.run_status(0, False) == "ok"
+    assert peers.run_status(-9, True) == "killed (budget)"
+    assert peers.run_status(-9, False) == "killed by signal 9"  # e.g. the OOM killer, inside the budget
+    assert peers.run_status(1, False) == "failed (rc 1)"
