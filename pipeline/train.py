@@ -309,9 +309,9 @@ def check_tied_steps(cfg: TrainConfig, schedule: sched.Schedule, mapping: list[i
     way in ``schedule``: both on the GPU (resident, or no offload) or both on the CPU optimizer
     thread. The two AdamW kernels would round differently and the copies drift apart."""
     first, last = sched.tied_stages(len(mapping))
-    loaded = sched.offloaded_stages(schedule)  # the program is where resident_stages became stages
-    if (first in loaded) != (last in loaded):
-        on_gpu, on_cpu = (last, first) if first in loaded else (first, last)
+    offloaded = sched.offloaded_stages(schedule)  # the program is where resident_stages became stages
+    if (first in offloaded) != (last in offloaded):
+        on_gpu, on_cpu = (last, first) if first in offloaded else (first, last)
         per_rank = len(mapping) // (max(mapping) + 1)
         raise ConfigError(f"tied embeddings: resident_stages {cfg.resident_stages} keeps stage {on_gpu} on the GPU "
                           f"but offloads stage {on_cpu}, so the two copies of the tied matrix would step with "
