@@ -89,10 +89,11 @@ def segment_attend_mask(segment_ids: torch.Tensor, window: int | None = None) ->
     return (attend_mask(segment_ids.shape[1], segment_ids.device, window) & same)[:, None]
 
 
-def attend_mask(seq_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """Boolean [T, T], True where query i may attend key j: j <= i, and j > i - window with a
-    window (transformers' ``sliding_window_causal_mask_function``)."""
-    q = torch.arange(seq_len, device=device)[:, None]
+def attend_mask(seq_len: int, device: torch.device, window: int | None = None, q_start: int = 0) -> torch.Tensor:
+    """Boolean [T - q_start, T], True where query i (of positions ``q_start..T-1``) may attend key
+    j (of ``0..T-1``): j <= i, and j > i - window with a window (transformers'
+    ``sliding_window_causal_mask_function``). ``q_start`` > 0: the queries of a sequence segment."""
+    q = torch.arange(q_start, seq_len, device=device)[:, None]
     k = torch.arange(seq_len, device=device)[None, :]
     allowed = k <= q
     if window is not None:

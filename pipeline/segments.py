@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.model import Stage, additive_mask
+from pipeline.model import Stage, additive_mask, attend_mask
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -84,11 +84,7 @@ def segment_allowed(start: int, end: int, window: int | None, device: torch.devi
     ``0..end-1``: key column <= query column, within ``window`` columns for a sliding layer
     (as ``pipeline.model.attend_mask``), and with packed rows (``doc_ids`` [B, end], the
     columns' record ids so far) within the query's record. Shape [1, 1, T, end] or [B, 1, T, end]."""
-    q = torch.arange(start, end, device=device)[:, None]
-    k = torch.arange(end, device=device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed &= k > q - window
+    allowed = attend_mask(end, device, window, q_start=start)
     if doc_ids is None:
         return allowed[None, None]
     same = doc_ids[:, start:end, None] == doc_ids[:, None, :end]
