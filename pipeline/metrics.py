@@ -376,16 +376,21 @@ def results_rows(per_rank: list[list[dict]], loss_rank: int) -> list[dict]:
     return rows
 
 
+def peak_rss() -> int:
+    """Peak resident bytes of this process (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory(device: torch.device) -> int:
     """Peak bytes of the device's allocations (CPU: the process's peak RSS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss()
 
 
 def device_stats(device: torch.device, stores: dict) -> dict:
     """Reserved GPU memory, host memory and PCIe transfer volume/rate of this rank since the last call."""
-    out = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {"host_rss_bytes": peak_rss()}
     if device.type == "cuda":
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         totals = {"h2d": [0, 0.0], "d2h": [0, 0.0]}
