@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from schedule.ir import Action, Op, Schedule, kv_predecessor, producer, round_robin, stages_of
+from schedule.ir import Action, Op, Schedule, kv_predecessor, producer, round_robin, segment_indices, stages_of
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 # Costs the engine orders by; the simulator in validate.py uses the same defaults.
@@ -103,7 +103,7 @@ def _grouped_orders(stages: list[int], num_microbatches: int, group: int,
                     num_segments: int = 1) -> tuple[list[Action], list[Action]]:
     """Forward and backward orders: micro-batch groups in turn, chunk-major inside a group; a
     micro-batch's segments in order for forwards, in reverse for backwards."""
-    fsegs = [None] if num_segments == 1 else list(range(num_segments))
+    fsegs = segment_indices(num_segments)
     bsegs = fsegs[::-1]
     forwards, backwards = [], []
     for first in range(0, num_microbatches, group):
@@ -205,7 +205,7 @@ def generate_forward(num_stages: int, num_microbatches: int, mapping: list[int] 
     ``num_segments`` a micro-batch's segments follow each other in order.
     """
     mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping, num_segments)
-    segs = [None] if num_segments == 1 else list(range(num_segments))
+    segs = segment_indices(num_segments)
     f_orders = {r: [Action(s, Op.FORWARD, m, j) for s in stages_of(r, mapping) for m in range(num_microbatches)
                     for j in segs] for r in range(num_ranks)}
     b_orders = {r: [] for r in range(num_ranks)}

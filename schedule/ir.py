@@ -234,6 +234,12 @@ def kv_predecessor(a: Action, num_segments: int) -> Action | None:
     return Action(a.stage, Op.BACKWARD, a.mb, a.seg + 1) if a.seg + 1 < num_segments else None
 
 
+def segment_indices(num_segments: int) -> list[int | None]:
+    """The ``seg`` of each segment of a micro-batch, in forward order: ``[None]`` without
+    segments (K = 1), else ``0..K-1``."""
+    return [None] if num_segments == 1 else list(range(num_segments))
+
+
 def num_segments_of(schedule: Schedule) -> int:
     """K of a schedule: one more than its largest segment index, 1 when no action has one."""
     return 1 + max((a.seg for acts in schedule.values() for a in acts if a.seg is not None), default=0)

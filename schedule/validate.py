@@ -30,7 +30,7 @@ from typing import Callable, Iterable, NamedTuple, NoReturn
 
 from schedule.ir import (COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Action, Channel, Op, Schedule, channel, crosses,
                          kv_predecessor, num_segments_of, offloaded_stages, peer_recv, peer_stage, producer, recv_for,
-                         remote_producer, send_for, tie_actions, tie_covers)
+                         remote_producer, segment_indices, send_for, tie_actions, tie_covers)
 
 # What a forward-only (evaluation) program must not contain.
 _GRADIENT_OPS = frozenset({Op.BACKWARD, Op.SEND_B, Op.RECV_B, Op.OFFLOAD_GRADS, Op.NORM, Op.STEP, Op.TIE})
@@ -172,7 +172,7 @@ def validate(
     # Every (stage, micro-batch) runs F then B (F only when forward-only), each exactly once,
     # after its local inputs.
     ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
-    segs = [None] if K == 1 else list(range(K))
+    segs = segment_indices(K)
     missing = [str(Action(s, op, m, j)) for s in range(S) for m in range(M) for j in segs for op in ops
                if Action(s, op, m, j) not in where]
     if missing:
