@@ -46,6 +46,7 @@ import sweep  # noqa: E402
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (256, 688, 8, 4, 4, 2048),
     "llama-2-7b": (4096, 11008, 32, 32, 32, 32000),
+    "llama-3b": (3200, 8640, 26, 32, 32, 32000),
     "llama-2-13b": (5120, 13824, 40, 40, 40, 32000),
 }
 GIB = 2**30

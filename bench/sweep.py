@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 # Parameter counts of the presets (LlamaForCausalLM, untied lm_head), the N of 6*N*tokens.
-MODEL_PARAMS = {"llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320}
+MODEL_PARAMS = {"llama-3b": 3_426_473_600, "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320}
 
 
 def model_tflops_per_gpu(num_params: int, tokens_per_step: int, step_s: float, num_gpus: int) -> float:

@@ -25,6 +25,9 @@ PRESETS: dict[str, dict] = {
                  num_key_value_heads=4, vocab_size=2048, max_position_embeddings=2048),
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    # OpenLLaMA-3B's shapes: a model whose peers (DeepSpeed, RoundPipe) fit one GPU machine's host memory
+    "llama-3b": dict(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048),
     "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
 }
