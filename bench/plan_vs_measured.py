@@ -37,7 +37,7 @@ def main() -> None:
             measured = row.get("peak_allocated_gb_per_rank")
             if row.get("status") != "ok" or not measured:
                 continue
-            _, cap, mode, noclip, stages, _, model = parse_row(row["row"])
+            _, cap, mode, noclip, stages, _, model, _ = parse_row(row["row"])
             if mode == "fsdp2":
                 continue
             model, stages = model or "llama-2-7b", stages or default_stages

@@ -79,6 +79,10 @@ class TrainConfig:
                           "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
                           "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
                           "stays in 80% of the GPU beside the resident stages (not yet measured on GPUs).")
+    compile_layers: bool = _f(False, "Regional torch.compile of every decoder layer (one compiled graph serves "
+                              "all layers of a shape): fused norms, activations and rotary embeddings. The same "
+                              "arithmetic up to rounding, as any kernel fusion; the first steps are slower while "
+                              "it compiles (needs a C++ compiler on the CPU, Triton on a GPU).")
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -170,7 +174,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "cache_dir"),
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
-    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers", "mapping",
+    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers", "compile_layers",
+                    "mapping",
                     "topology", "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),

@@ -377,6 +377,14 @@ def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_
     return stage
 
 
+def compile_layers(stage: Stage) -> None:
+    """Regional compilation: each decoder layer's forward through torch.compile. The layers'
+    parameters are graph inputs, so one graph serves every layer of the stage (and of the other
+    stages of the process), and rebinding their storage at each LOAD recompiles nothing."""
+    for layer in stage.model.layers.values():
+        layer.compile()
+
+
 def stage_num_params(config, layer_ids: range, first: bool, last: bool) -> int:
     """Parameter count of a stage, from the config alone (for plans and memory estimates)."""
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -406,6 +414,6 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
 
 
 __all__ = ["LOSS_CHUNK_BYTES", "PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask",
-           "check_tied_checkpoint", "init_weights_", "layer_windows", "load_weights_", "loss_chunk_tokens",
+           "check_tied_checkpoint", "compile_layers", "init_weights_", "layer_windows", "load_weights_", "loss_chunk_tokens",
            "model_flops_per_token", "partition_layers",
            "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]

@@ -22,8 +22,8 @@ from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
-from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
-                            partition_layers, preset_config)
+from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers, layer_windows,
+                            model_flops_per_token, partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
@@ -424,6 +424,8 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing, kept_layers=kept[s], init_device=device)
             stage.rotary_emb.to(device)
+            if cfg.compile_layers:
+                compile_layers(stage)
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.

@@ -53,6 +53,22 @@ def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
+@pytest.mark.slow
+def test_compiled_layers_match_reference(tiny_model_dir):
+    """``compile_layers``: every decoder layer through torch.compile (inductor's C++ kernels
+    here), with offload (weights rebound at every LOAD), kept and recomputed layers: the
+    training is the same, and one graph serves every layer."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, use_offload=True, activation_checkpointing=True,
+                   keep_layers=1, compile_layers=True)
+    trainer = in_process_trainer(cfg)
+    history = trainer.train()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+
+
 @pytest.mark.parametrize("schedule,keep", [("1f1b", 1), pytest.param("gpipe", 2, marks=pytest.mark.slow)])
 def test_kept_layers_match_reference(tiny_model_dir, schedule, keep):
     """Checkpointing that keeps some layers' activations (``keep_layers``: the stages' last
