@@ -5,7 +5,7 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
     python bench/offload_bench.py --summarise bench/results/2026-11-22_h200x2_callA --warmup 2
 
-Rows are named ``<net><cap>-<mode>[-noclip][-compile][/s<stages>][+<mapping>][@<model>]``, the optional
+Rows are named ``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>]``, the optional
 suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``):
 
 - net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk directly: inter-GPU traffic goes through
@@ -20,14 +20,15 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
 - ``-noclip`` trains without gradient clipping (``--grad_clip 0 --max_skipped_steps -1``: no NORM,
   so each stage's CPU step starts as soon as its gradients are in host memory); rows clip at 1.0
   otherwise;
-- ``-compile`` passes ``--compile_layers`` (regional torch.compile of the decoder layers);
+- ``-eager`` passes ``--compile_layers false`` (rows compile their decoder layers otherwise, main.py's
+  default on a GPU);
 - ``/s<stages>`` overrides ``--num_stages`` for the row;
 - ``+cross`` / ``+sequential`` passes ``--mapping planned|round_robin --timeline``: the row also reports
   main.py's mapping line and the timeline's measured step, cost-model step and prediction error
   (``timeline.png`` / ``timeline.json`` stay in ``<out>/<row>/``);
 - ``@<model>`` overrides ``--model`` (a preset name: letters, digits, ``.``, ``-``, ``_``).
 
-``-noclip``, ``-compile``, ``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
+``-noclip``, ``-eager``, ``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
 the table (step time = mean after the warm-up iterations, with its compute / exposed-wait / other
 breakdown, and the host's time in Python's cyclic garbage collector, which may fall in any
 part) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
@@ -50,7 +51,7 @@ MODES = ("prefetch", "noprefetch", "hybrid", "delayed", "resident", "fsdp2")
 MAPPINGS = ("cross", "sequential")
 DEFAULT_ROWS = ("pcie48-prefetch,pcie48-hybrid,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,"
                 "pcie24-fsdp2,pcie24-resident,nvlink48-prefetch,nvlink48-hybrid,nvlink48-fsdp2,nvlink48-resident")
-ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(-noclip)?(-compile)?(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
+ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(-noclip)?(-eager)?(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
                     r"(?:@([\w.-]+))?")
 TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^)]*\))? ([\d.]+)s, "
                          r"prediction error ([+-]?[\d.]+)%")
@@ -69,20 +70,20 @@ class Row(NamedTuple):
     stages: int | None
     mapping: str | None
     model: str | None
-    compile: bool = False
+    eager: bool = False
 
 
 def parse_row(name: str) -> Row:
-    """``<net><cap>-<mode>[-noclip][-compile][/s<stages>][+<mapping>][@<model>]`` -> ``Row``; a bad name exits
+    """``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>]`` -> ``Row``; a bad name exits
     with one error line."""
     m = ROW_RE.fullmatch(name)
     if m is None or (m[3] == "fsdp2" and (m[4] or m[5] or m[6] or m[7])):
         raise SystemExit(f"error: bad row name {name!r}; expected "
-                         f"<net><cap>-<mode>[-noclip][-compile][/s<stages>][+<mapping>][@<model>], "
+                         f"<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>], "
                          f"e.g. pcie48-prefetch/s16+cross@llama-2-13b (net: pcie, nvlink; modes: {', '.join(MODES)}; "
-                         f"mappings: {', '.join(MAPPINGS)}; -noclip, -compile, /s and + not with fsdp2)")
-    net, cap, mode, noclip, compiled, stages, mapping, model = m.groups()
-    return Row(net, int(cap), mode, bool(noclip), int(stages) if stages else None, mapping, model, bool(compiled))
+                         f"mappings: {', '.join(MAPPINGS)}; -noclip, -eager, /s and + not with fsdp2)")
+    net, cap, mode, noclip, eager, stages, mapping, model = m.groups()
+    return Row(net, int(cap), mode, bool(noclip), int(stages) if stages else None, mapping, model, bool(eager))
 
 
 def slug(name: str) -> str:
@@ -144,7 +145,7 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--resident_stages", "-1" if mode == "hybrid" else "0", "--keep_layers", str(args.keep_layers),
                         "--data_parallel", str(args.data_parallel)]
         cmd += ["--delayed_update"] if mode == "delayed" else []
-        cmd += ["--compile_layers"] if row.compile else []
+        cmd += ["--compile_layers", "false"] if row.eager else []
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", {"cross": "planned", "sequential": "round_robin"}[mapping], "--timeline"] if mapping else []
     t0 = time.time()

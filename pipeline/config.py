@@ -22,6 +22,7 @@ from schedule.mapping import MAPPING_MODES, RENAMED_MAPPING_MODES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("sdpa", "eager")
 
@@ -79,10 +80,11 @@ class TrainConfig:
                           "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
                           "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
                           "stays in 80% of the GPU beside the resident stages (not yet measured on GPUs).")
-    compile_layers: bool = _f(False, "Regional torch.compile of every decoder layer (one compiled graph serves "
-                              "all layers of a shape): fused norms, activations and rotary embeddings. The same "
-                              "arithmetic up to rounding, as any kernel fusion; the first steps are slower while "
-                              "it compiles (needs a C++ compiler on the CPU, Triton on a GPU).")
+    compile_layers: str = _f("auto", "Regional torch.compile of every decoder layer (one compiled graph serves "
+                             "all layers of a shape): fused norms, activations and rotary embeddings, the same "
+                             "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton), false "
+                             "on the CPU (where compiling takes longer than a short run saves); the first step is "
+                             "slower while it compiles.", choices=COMPILE_CHOICES)
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -251,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _coerce(name: str, value: Any, typ: str) -> Any:
+    if typ == "str" and isinstance(value, bool):  # YAML's true/false (and on/off) for an auto/true/false key
+        return str(value).lower()
     if typ == "bool":
         if isinstance(value, bool):
             return value

@@ -415,6 +415,10 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                              initargs=(cpus,)), device)
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
+    compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda")
+    if compiled:
+        log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
+                 "compiles them)")
     built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
     # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
     # not torchrun's one thread.
@@ -424,7 +428,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing, kept_layers=kept[s], init_device=device)
             stage.rotary_emb.to(device)
-            if cfg.compile_layers:
+            if compiled:
                 compile_layers(stage)
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip

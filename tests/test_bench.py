@@ -36,15 +36,15 @@ def test_parse_row_good(name, want):
     assert tuple(bench.parse_row(name)) == (*want, False)
 
 
-def test_parse_row_compile():
-    row = bench.parse_row("pcie48-hybrid-noclip-compile/s16@llama-3b")
+def test_parse_row_eager():
+    row = bench.parse_row("pcie48-hybrid-noclip-eager/s16@llama-3b")
     assert tuple(row) == ("pcie", 48, "hybrid", True, 16, None, "llama-3b", True)
 
 
 @pytest.mark.parametrize("name", [
     "pcie48", "pcie-prefetch", "pci48-prefetch", "pcie48-prefetch+auto", "pcie48-prefetch@llama-2-7b+cross",
     "pcie48-prefetch+cross/s16", "pcie48-prefetch/s0", "pcie48-prefetch/16", "pcie48-fsdp2/s16",
-    "pcie48-fsdp2+cross", "pcie48-fsdp2-noclip", "pcie48-fsdp2-compile", "pcie48-prefetch-compile-noclip", "pcie48-prefetch/s16-noclip", "pcie48-prefetch@", "pcie48-prefetch@a/b", "pcie48-prefetch ",
+    "pcie48-fsdp2+cross", "pcie48-fsdp2-noclip", "pcie48-fsdp2-eager", "pcie48-prefetch-eager-noclip", "pcie48-prefetch/s16-noclip", "pcie48-prefetch@", "pcie48-prefetch@a/b", "pcie48-prefetch ",
 ])
 def test_parse_row_bad(name, capsys):
     with pytest.raises(SystemExit) as e:

@@ -47,6 +47,16 @@ def test_yaml_sections_read_like_flat_keys(tmp_path):
         make_config({"data": {"batchsize": 3}})
 
 
+def test_auto_true_false_keys_take_yaml_booleans(tmp_path):
+    """compile_layers is auto/true/false: YAML's true, false, on and off mean true and false, and
+    anything else is one error line."""
+    for text, want in (("true", "true"), ("off", "false"), ("auto", "auto")):
+        assert parse_args(["--config", _yaml(tmp_path, f"compile_layers: {text}\n")])[0].compile_layers == want
+    assert parse_args(["--config", "", "--compile_layers", "false"])[0].compile_layers == "false"
+    with pytest.raises(ConfigError, match="compile_layers must be one of auto, true, false; got 'yes please'"):
+        make_config({"compile_layers": "yes please"})
+
+
 def test_sections_cover_every_key_once():
     names = [n for keys in SECTIONS.values() for n in keys]
     assert sorted(names) == sorted(make_config().to_dict()) and len(names) == len(set(names))

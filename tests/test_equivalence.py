@@ -62,7 +62,7 @@ def test_compiled_layers_match_reference(tiny_model_dir):
 
     torch._dynamo.reset()
     cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, use_offload=True, activation_checkpointing=True,
-                   keep_layers=1, compile_layers=True)
+                   keep_layers=1, compile_layers="true")
     trainer = in_process_trainer(cfg)
     history = trainer.train()
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
