@@ -6,7 +6,7 @@ is wall-clock time. On CUDA a pair of timing events is recorded on the action's 
 current stream, or the one given for its lane) and resolved at ``flush()``, so recording
 adds no host sync to the iteration.
 
-An event is a dict ``{rank, name, op, stage, mb, lane, start, end}`` with times in seconds
+An event is a dict ``{rank, name, op, stage, mb, seg, lane, start, end}`` with times in seconds
 (``time.perf_counter`` scale, comparable across processes of one host).
 ``schedule.costmodel.Prediction.events()`` gives the same dicts, so predicted and measured
 timelines are written by the same functions.
@@ -123,7 +123,7 @@ class Timeline:
 
     def _event(self, action: Action, start: float, end: float) -> dict:
         return {"rank": self.rank, "name": str(action), "op": action.op.value, "stage": action.stage,
-                "mb": action.mb, "lane": LANE_OF_OP[action.op], "start": start, "end": end}
+                "mb": action.mb, "seg": action.seg, "lane": LANE_OF_OP[action.op], "start": start, "end": end}
 
     def events(self) -> list[dict]:
         """All events recorded so far (resolving CUDA events first)."""
@@ -163,7 +163,7 @@ def write_chrome_trace(path: str | Path, all_ranks_events: Iterable[dict] | Mapp
         lane = _lane(e)
         trace.append({"name": e["name"], "cat": lane, "ph": "X", "ts": (e["start"] - t0) * 1e6,
                       "dur": max(0.0, e["end"] - e["start"]) * 1e6, "pid": e["rank"], "tid": LANES.index(lane),
-                      "args": {"stage": e.get("stage"), "mb": e.get("mb")}})
+                      "args": {"stage": e.get("stage"), "mb": e.get("mb"), "seg": e.get("seg")}})
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
     return path
@@ -177,7 +177,7 @@ def read_chrome_trace(path: str | Path) -> list[dict]:
             continue
         a = Action.parse(e["name"])
         events.append({"rank": e["pid"], "name": e["name"], "op": a.op.value, "stage": a.stage, "mb": a.mb,
-                       "lane": e.get("cat", LANE_OF_OP[a.op]), "start": e["ts"] / 1e6,
+                       "seg": a.seg, "lane": e.get("cat", LANE_OF_OP[a.op]), "start": e["ts"] / 1e6,
                        "end": (e["ts"] + e["dur"]) / 1e6})
     return events
 
