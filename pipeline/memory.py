@@ -152,12 +152,10 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
         fwd = 4 * d * f if recomputed else 0  # the MLP of the layer being run
     if st.last:
         upcast = 4 * V if d < 4 else 0
-        # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a
-        # time (a segment's head runs in one piece, as without checkpointing: SegmentStage)
-        chunked = inp.checkpointing and seg is None
-        share = min(1.0, loss_chunk_tokens(V) / tokens) if chunked else 1.0
+        # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a time
+        share = min(1.0, loss_chunk_tokens(V) / tokens) if inp.checkpointing else 1.0
         fwd = max(fwd, (d * V + upcast) * share)       # the logits and their fp32 copy
-        if chunked:  # the head and loss are recomputed: only their input and the targets stay
+        if inp.checkpointing:  # the head and loss are recomputed: only their input and the targets stay
             saved += d * h + 8
             bwd = max(bwd, (12 * V + (d * V if d < 4 else 0)) * share)
         else:

@@ -197,6 +197,11 @@ class Stage(nn.Module):
             return h
         if targets is None:
             return self.lm_head(self.model.norm(h))
+        return self.head_loss(h, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's summed token loss of the final hidden states ``h`` (a whole
+        micro-batch, or a sequence segment of it)."""
         if self.checkpointing and torch.is_grad_enabled():
             # The head too: otherwise every micro-batch in flight keeps its fp32 log-softmax
             # (vocab floats a token, 32x the hidden state for Llama-2 7B) until its backward.

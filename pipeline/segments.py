@@ -183,7 +183,7 @@ class SegmentStage:
             grad = torch.is_grad_enabled()
             carry.setdefault(layer, []).append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
         if stage.is_last:
-            out = stage._loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
+            out = stage.head_loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
         else:
             out = h
         self.forwarded[mb] = seg + 1

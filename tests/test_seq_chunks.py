@@ -19,7 +19,7 @@ import pipeline.segments as segments
 from pipeline.config import ConfigError, make_config
 from pipeline.train import check_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from runs import cli_flags, reference_result, run_torchrun, tiny_cfg
+from runs import ITERS, cli_flags, reference_result, run_torchrun, tiny_cfg
 
 
 def _train(cfg):
@@ -82,11 +82,28 @@ def test_batch_narrower_than_the_segments(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpointing_with_segments(tiny_model_dir):
-    """Recomputed layers (all but one a stage) re-run their key/value update per segment."""
+def test_checkpointing_with_segments(tiny_model_dir, monkeypatch):
+    """Recomputed layers (all but one a stage) re-run their key/value update per segment; the
+    last stage's head and loss run checkpointed in chunks of tokens (7 here) within a segment."""
+    import pipeline.model as model_mod
+
+    calls = []
+    real = model_mod.checkpoint
+    monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
+    monkeypatch.setattr(model_mod, "checkpoint",
+                        lambda fn, *a, **kw: calls.append(getattr(fn, "__name__", "")) or real(fn, *a, **kw))
     cfg = tiny_cfg(tiny_model_dir, schedule="interleaved", use_offload=True, activation_checkpointing=True,
                    keep_layers=1, seq_chunks=3)
     assert_same_training(*_train(cfg), *reference_result(str(tiny_model_dir)))
+    rows = cfg.batch_size // cfg.num_chunks
+    lengths = segments.segment_lengths(cfg.seq_length, 3, model_mod.model_key_cost(_tiny_config(tiny_model_dir)))
+    assert calls.count("_loss") == ITERS * cfg.num_chunks * sum(-(-rows * n // 7) for n in lengths)
+
+
+def _tiny_config(model_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
 
 
 @pytest.mark.slow
