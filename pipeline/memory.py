@@ -203,7 +203,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
 
     saved = 0.0           # autograd's saved tensors of forwards whose backward has not run
     held = 0.0            # executor-held inputs/outputs/sent tensors
-    per_mb: dict[tuple[int, int, int | None], float] = {}  # by (stage, micro-batch, segment)
+    per_mb: dict[tuple[int, int, int | str | None], float] = {}  # by (stage, micro-batch, segment)
     for a in actions:
         s = a.stage
         n = inp.span(a.seg)[2] if a.op in (Op.FORWARD, Op.BACKWARD) else tokens  # tokens of this compute
@@ -233,6 +233,13 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 take(inp.stages[s].numel)
                 has_grad.add(s)
             saved -= per_mb.pop((s, a.mb, a.seg))
+            if a.seg is not None:
+                # The later segments' backwards leave the gradients of the earlier segments'
+                # carried keys/values (columns 0..start) until those segments' own backwards.
+                start = inp.span(a.seg)[0]
+                kv_grads = inp.stages[s].num_layers * 2 * d * inp.shape.kv_dim * inp.micro_batch * start
+                saved += kv_grads - per_mb.pop((s, a.mb, "kv"), 0.0)
+                per_mb[(s, a.mb, "kv")] = kv_grads
             if s > 0 and not crosses(inp.mapping, s, s - 1):
                 held += io  # the input's gradient, handed to the previous stage of this rank
             # a received input is freed and its gradient, sent on, lives until the iteration ends
