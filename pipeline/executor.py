@@ -209,7 +209,7 @@ class Executor:
                     self.timeline.end(action)
         for work, _ in self.sends:  # keep each sent tensor alive until its send completed
             work.wait()
-        self.runners = {}  # a failed iteration's carried keys/values are not kept
+        self.runners = {}  # every micro-batch's backward (or last forward) freed what they carried
         loss = float(torch.stack(self.losses).sum()) if self.losses else None  # host sync: end of iteration
         return IterationResult(loss, self.grad_norm, self.skip_step, self.clock)
 
