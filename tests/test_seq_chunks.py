@@ -256,3 +256,12 @@ def test_timeline_with_segments(tiny_model_dir, tmp_path):
     f_pred = sorted(e["end"] - e["start"] for e in predicted if e["op"] == "F")
     ratio = f_pred[len(f_pred) // 2] / f_meas[len(f_meas) // 2]
     assert 0.5 < ratio < 2, (ratio, f_pred, f_meas)
+
+
+@pytest.mark.slow
+def test_check_only_says_it_in_one_line(tiny_model_dir):
+    """main.py --check_only (what train.sh runs first): exit 2, one error line, no traceback."""
+    from test_prelaunch import _check, _one_error
+
+    _one_error(_check(["--model", str(tiny_model_dir), "--seq_chunks", "40"]),
+               "seq_chunks (40) must be between 1 (whole rows) and seq_length (32)")
