@@ -257,12 +257,12 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     """The text ``--plan`` prints."""
     a = assess(cfg, hf_config, mapping, kept)
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
+    segs = f" in {cfg.seq_chunks} sequence segments of {list(_segments(cfg, hf_config))} columns" \
+        if cfg.seq_chunks > 1 else ""
     lines = [f"plan: {cfg.num_stages} stages of {hf_config.num_hidden_layers} layers on {world_size} processes "
              f"({a.device}, {dtype_bytes(cfg, a.device) * 8}-bit compute), schedule {cfg.schedule}, "
              f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
-             f"({tokens} tokens)"
-             f"{f' in {cfg.seq_chunks} sequence segments of {list(_segments(cfg, hf_config))} columns' if cfg.seq_chunks > 1 else ''}"
-             f", offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
+             f"({tokens} tokens){segs}, offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing}",
              f"stage -> rank: {mapping}",

@@ -554,7 +554,7 @@ class Trainer:
                for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.rank.layout)]
         # A batch is as wide as its longest row: one narrower than seq_chunks gets padding
         # columns, one a segment (after every token, predicting nothing, so nothing changes).
-        return [mb.widened(K) for mb in mbs] if mbs[0].input_ids.shape[1] < K else mbs
+        return [mb.widened(K) for mb in mbs]
 
     def sum_loss(self, loss: float | None) -> float | None:
         """The global batch's loss from this replica's share (the executor's loss is this
