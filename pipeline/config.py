@@ -73,6 +73,11 @@ class TrainConfig:
     schedule: str = _f("1f1b", "Pipeline schedule: 1f1b keeps fewer micro-batches in flight than gpipe and was the "
                        "fastest on GPUs; gpipe runs every forward first; interleaved is 1F1B over virtual "
                        "stages.", choices=SCHEDULE_NAMES)
+    seq_chunks: int = _f(1, "Sequence-level pipelining (Seq1F1B): cut every row into seq_chunks contiguous segments "
+                         "and pipeline (micro-batch, segment) pairs; a stage holds a few segments' activations "
+                         "instead of whole sequences (exact: each segment attends to the earlier segments' keys and "
+                         "values, which stay on the device until the micro-batch's backward). For long seq_length; "
+                         "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows.")
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
                                                 "last stage's head and loss).")
     keep_layers: int = _f(0, "With activation_checkpointing: decoder layers per stage that keep their activations "
@@ -176,9 +181,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "cache_dir"),
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
-    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers", "compile_layers",
-                    "mapping",
-                    "topology", "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
+    "parallelism": ("num_stages", "data_parallel", "schedule", "seq_chunks", "activation_checkpointing",
+                    "keep_layers", "compile_layers", "mapping", "topology", "plan_tflops", "stagger_loads", "device",
+                    "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",

@@ -14,7 +14,11 @@ import torch
 import torch.distributed as dist
 
 from offload.store import StageStore, time_point
+from pipeline.segments import SegmentStage, segment_bounds, segment_lengths
 from schedule.ir import Action, Op, crosses, peer_stage, tie_covers, tied_stages
+
+
+Key = tuple[int, int, "int | None"]  # (stage, micro-batch, segment): what the executor's buffers are keyed by
 
 
 class ActionError(RuntimeError):
@@ -32,7 +36,8 @@ def describe(a: Action, mapping: list[int]) -> str:
     """``2F3`` -> "forward of stage 2, micro-batch 3, input from rank 1"."""
     if a.op is Op.NORM:
         return "gradient-norm all-reduce over every rank (data_parallel: first each stage's sum over the replicas)"
-    text = f"{_OP_WORDS[a.op]} of stage {a.stage}" + (f", micro-batch {a.mb}" if a.mb is not None else "")
+    text = f"{_OP_WORDS[a.op]} of stage {a.stage}" + (f", micro-batch {a.mb}" if a.mb is not None else "") + \
+        (f", segment {a.seg}" if a.seg is not None else "")
     if a.op is Op.TIE:
         first, last = tied_stages(len(mapping))
         peer = mapping[last] if a.stage == first else mapping[first]
@@ -56,6 +61,18 @@ class MicroBatch:
     targets: torch.Tensor    # [b, t], -100 where nothing is predicted
     position_ids: torch.Tensor | None = None  # [b, t], restarting at 0 for every packed example
     segment_ids: torch.Tensor | None = None   # [b, t], attention stays within a segment
+
+    def widened(self, width: int) -> "MicroBatch":
+        """This micro-batch with padding columns up to ``width``: token 0, no target, and (packed)
+        record 0, positions 0; after every real token, so causal attention never reads them."""
+        def pad(t: torch.Tensor | None, value: int) -> torch.Tensor | None:
+            n = width - self.input_ids.shape[1]
+            return None if t is None or n <= 0 else torch.cat([t, t.new_full((t.shape[0], n), value)], dim=1)
+
+        if width <= self.input_ids.shape[1]:
+            return self
+        return MicroBatch(pad(self.input_ids, 0), pad(self.targets, -100), pad(self.position_ids, 0),
+                          pad(self.segment_ids, 0))
 
     def packing(self) -> dict[str, torch.Tensor]:
         """The keyword arguments of ``Stage.forward`` for packed rows ({} unpacked)."""
@@ -115,18 +132,26 @@ class IterationResult:
 class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                 grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0):
+                 grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0,
+                 num_segments: int = 1, key_cost: float = 0.0):
         """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
         its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
         ``start_offset_s``: this rank's load stagger (``schedule.mapping.plan_stagger``): a training
         iteration's first action waits this long, so that its first LOAD does not share its root
-        complex's bandwidth with a load another rank needs earlier."""
+        complex's bandwidth with a load another rank needs earlier.
+        ``num_segments`` (``seq_chunks``): the programs' actions carry a segment of their
+        micro-batch's columns, cut by ``segment_lengths`` with ``key_cost``
+        (``schedule.costmodel.attention_key_cost``); each stage then runs through a
+        ``SegmentStage``, which carries the keys/values between the segments of a micro-batch."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas
         self.start_offset_s = start_offset_s
         self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
         self.num_stages = len(mapping)
+        self.num_segments, self.key_cost = num_segments, key_cost
+        self.runners: dict[int, SegmentStage] = {}
+        self.bounds: list[tuple[int, int]] = []
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
@@ -144,12 +169,20 @@ class Executor:
         ``train=False`` runs a forward-only program (``schedule.build_forward``) with autograd
         off: no graph is built and no activation is kept for a backward that never comes."""
         self.mbs, self.num_targets, self.lr, self.loss_scale = microbatches, num_targets, lr, loss_scale
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}    # stage input (needs its grad)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}   # stage output, or loss on the last stage
-        self.local_in: dict[tuple[int, int], torch.Tensor] = {}  # activation from a same-rank stage
-        self.local_grad: dict[tuple[int, int], torch.Tensor] = {}
-        self.recvs: dict[tuple[Op, int, int], tuple[torch.Tensor, object]] = {}
-        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        # Keyed by (stage, micro-batch, segment); the segment is None without seq_chunks.
+        self.inputs: dict[Key, torch.Tensor] = {}    # stage input (needs its grad)
+        self.outputs: dict[Key, torch.Tensor] = {}   # stage output, or loss on the last stage
+        self.local_in: dict[Key, torch.Tensor] = {}  # activation from a same-rank stage
+        self.local_grad: dict[Key, torch.Tensor] = {}
+        self.recvs: dict[tuple[Op, int, int, int | None], tuple[torch.Tensor, object]] = {}
+        self.grads_out: dict[Key, torch.Tensor] = {}
+        if self.num_segments > 1:
+            # Fresh runners each iteration: what they carry lives from a micro-batch's first
+            # forward to its last backward, all inside this call.
+            width = microbatches[0].input_ids.shape[1]
+            lengths = segment_lengths(width, self.num_segments, self.key_cost)
+            self.bounds = segment_bounds(lengths)
+            self.runners = {s: SegmentStage(stage, lengths) for s, stage in self.stages.items()}
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
@@ -176,81 +209,111 @@ class Executor:
                     self.timeline.end(action)
         for work, _ in self.sends:  # keep each sent tensor alive until its send completed
             work.wait()
+        self.runners = {}  # every micro-batch's backward (or last forward) freed what they carried
         loss = float(torch.stack(self.losses).sum()) if self.losses else None  # host sync: end of iteration
         return IterationResult(loss, self.grad_norm, self.skip_step, self.clock)
 
     # --- compute ------------------------------------------------------------------------
-    def _act_shape(self, m: int) -> tuple[int, int, int]:
+    def _act_shape(self, m: int, seg: int | None) -> tuple[int, int, int]:
         b, t = self.mbs[m].input_ids.shape
+        if seg is not None:
+            start, end = self.bounds[seg]
+            t = end - start
         return b, t, self.hidden_size
 
+    def _columns(self, t: torch.Tensor, seg: int | None) -> torch.Tensor:
+        """The columns of micro-batch tensor ``t`` [b, T] that segment ``seg`` covers (all without one)."""
+        if seg is None:
+            return t
+        start, end = self.bounds[seg]
+        return t[:, start:end]
+
+    def _stage_forward(self, a: Action, x: torch.Tensor, last: bool) -> torch.Tensor:
+        mb = self.mbs[a.mb]
+        targets = self._columns(mb.targets, a.seg) if last else None
+        if a.seg is None:
+            return self.stages[a.stage](x, targets, **mb.packing()) if last else self.stages[a.stage](x, **mb.packing())
+        packed = {}
+        if mb.segment_ids is not None:  # the records' ids so far keep attention within a record
+            packed = {"position_ids": self._columns(mb.position_ids, a.seg),
+                      "doc_ids": mb.segment_ids[:, :self.bounds[a.seg][1]]}
+        return self.runners[a.stage].forward(a.mb, a.seg, x, targets, **packed)
+
     def _forward(self, a: Action) -> None:
-        s, m = a.stage, a.mb
+        s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
         self.stores[s].before_compute(backward=False, clock=self.clock)
-        stage = self.stages[s]
         if s == 0:
-            x = self.mbs[m].input_ids
+            x = self._columns(self.mbs[m].input_ids, a.seg)
         else:
-            x = self.local_in.pop((s, m), None)
+            x = self.local_in.pop(key, None)
             if x is None:
-                buf, work = self.recvs.pop((Op.RECV_F, s, m))
+                buf, work = self.recvs.pop((Op.RECV_F, *key))
                 work.wait()  # device-side wait with NCCL; the host blocks only with gloo
                 x = buf
-            x.requires_grad_(True)
-            self.inputs[(s, m)] = x
+            if a.seg is None:  # a segment's runner makes its own input leaf
+                x.requires_grad_(True)
+                self.inputs[key] = x
         start = self.clock.mark()
         last = s == self.num_stages - 1
         with self.stores[s].saved_tensor_hooks():
-            mb = self.mbs[m]
-            out = stage(x, mb.targets, **mb.packing()) if last else stage(x, **mb.packing())
+            out = self._stage_forward(a, x, last)
         if last:
             loss = out / self.num_targets
             self.losses.append(loss.detach())
             # float16: backward starts from the scaled loss, so every gradient is scaled (see LossScaler)
             out = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif not crosses(self.mapping, s, s + 1):
-            self.local_in[(s + 1, m)] = out.detach()
-        self.outputs[(s, m)] = out
+            self.local_in[(s + 1, m, a.seg)] = out.detach()
+        self.outputs[key] = out
         self.clock.span("compute", start, self.clock.mark())
 
     def _backward(self, a: Action) -> None:
-        s, m = a.stage, a.mb
+        s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
         self.stores[s].before_compute(backward=True, clock=self.clock)
-        out = self.outputs.pop((s, m))
-        if s == self.num_stages - 1:
-            start = self.clock.mark()
-            out.backward()
-        else:
-            grad = self.local_grad.pop((s, m), None)
+        out = self.outputs.pop(key)
+        last = s == self.num_stages - 1
+        grad = None
+        if not last:
+            grad = self.local_grad.pop(key, None)
             if grad is None:
-                grad, work = self.recvs.pop((Op.RECV_B, s, m))
+                grad, work = self.recvs.pop((Op.RECV_B, *key))
                 work.wait()
-            start = self.clock.mark()
-            torch.autograd.backward(out, grad)
-        if s > 0:
-            g = self.inputs.pop((s, m)).grad
-            if not crosses(self.mapping, s, s - 1):
-                self.local_grad[(s - 1, m)] = g
+        start = self.clock.mark()
+        if a.seg is not None:
+            if last:
+                # The runner's root is the segment's summed loss: d(loss * scale / num_targets) is
+                # what autograd would give it through the normalisation of _forward.
+                grad = torch.full_like(out, self.loss_scale) / self.num_targets
+            g = self.runners[s].backward(m, a.seg, grad)
+        else:
+            if last:
+                out.backward()
             else:
-                self.grads_out[(s, m)] = g
+                torch.autograd.backward(out, grad)
+            g = self.inputs.pop(key).grad if s > 0 else None
+        if s > 0:
+            if not crosses(self.mapping, s, s - 1):
+                self.local_grad[(s - 1, m, a.seg)] = g
+            else:
+                self.grads_out[key] = g
         self.clock.span("compute", start, self.clock.mark())
 
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
-        t = self.outputs[(a.stage, a.mb)].detach()
+        t = self.outputs[(a.stage, a.mb, a.seg)].detach()
         self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
 
     def _send_b(self, a: Action) -> None:
-        t = self.grads_out.pop((a.stage, a.mb))
+        t = self.grads_out.pop((a.stage, a.mb, a.seg))
         self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
 
     def _recv_f(self, a: Action) -> None:
-        buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
-        self.recvs[(Op.RECV_F, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
+        buf = torch.empty(self._act_shape(a.mb, a.seg), dtype=self.dtype, device=self.device)
+        self.recvs[(Op.RECV_F, a.stage, a.mb, a.seg)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
 
     def _recv_b(self, a: Action) -> None:
-        buf = torch.empty(self._act_shape(a.mb), dtype=self.dtype, device=self.device)
-        self.recvs[(Op.RECV_B, a.stage, a.mb)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
+        buf = torch.empty(self._act_shape(a.mb, a.seg), dtype=self.dtype, device=self.device)
+        self.recvs[(Op.RECV_B, a.stage, a.mb, a.seg)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
 
     # --- parameters and optimizer -------------------------------------------------------
     def _load(self, a: Action) -> None:

@@ -98,6 +98,16 @@ class MemoryInputs:
     # With checkpointing: per stage, how many of its (last) layers keep their activations
     # instead of recomputing them; () = none.
     kept: tuple[int, ...] = ()
+    # seq_chunks: the lengths of a row's sequence segments (their sum is seq_len); () = whole rows.
+    segments: tuple[int, ...] = ()
+
+    def span(self, seg: int | None) -> tuple[int, int, int]:
+        """(start, end) columns of segment ``seg`` of a row (the whole row for None), and the
+        tokens of a micro-batch's segment."""
+        if seg is None or not self.segments:
+            return 0, self.seq_len, self.micro_batch * self.seq_len
+        start = sum(self.segments[:seg])
+        return start, start + self.segments[seg], self.micro_batch * self.segments[seg]
 
     def kept_layers(self, s: int) -> int:
         return min(self.kept[s], self.stages[s].num_layers) if self.checkpointing and self.kept else 0
@@ -113,14 +123,23 @@ def _weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
     return largest * inp.dtype_bytes
 
 
-def _per_token(inp: MemoryInputs, s: int) -> tuple[float, float, float]:
-    """(saved from F to B, transient during F, transient during B) per token of stage ``s``."""
+def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float, float, float]:
+    """(saved from F to B, transient during F, transient during B) per token of stage ``s``
+    (of segment ``seg``'s tokens, which attend to ``end`` keys)."""
     m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
     h, f, V = m.hidden, m.intermediate, m.vocab
-    layer = layer_saved_bytes_per_token(m, d, inp.seq_len, inp.attn)
+    start, end, tokens = inp.span(seg)
+    layer = layer_saved_bytes_per_token(m, d, end, inp.attn)
     kept = inp.kept_layers(s)
     recomputed = st.num_layers - kept if inp.checkpointing else 0  # layers that save only their input
     saved = recomputed * d * h + (st.num_layers - recomputed) * layer
+    if seg is not None:
+        # A segment's own keys/values stay, carried for the later segments (a recomputed layer's
+        # too), and a layer that keeps its activations saves the attention's concatenation of
+        # every earlier segment's keys/values with its own: end columns, not the segment's.
+        saved += recomputed * 2 * d * m.kv_dim
+        if start > 0:
+            saved += (st.num_layers - recomputed) * 2 * d * m.kv_dim * end / (end - start)
     if st.first:
         saved += 8 + (d * h if inp.checkpointing and st.num_layers else 0)  # token ids; embedding output
     elif not recomputed and d == 4:
@@ -134,7 +153,7 @@ def _per_token(inp: MemoryInputs, s: int) -> tuple[float, float, float]:
     if st.last:
         upcast = 4 * V if d < 4 else 0
         # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a time
-        share = min(1.0, loss_chunk_tokens(V) / (inp.micro_batch * inp.seq_len)) if inp.checkpointing else 1.0
+        share = min(1.0, loss_chunk_tokens(V) / tokens) if inp.checkpointing else 1.0
         fwd = max(fwd, (d * V + upcast) * share)       # the logits and their fp32 copy
         if inp.checkpointing:  # the head and loss are recomputed: only their input and the targets stay
             saved += d * h + 8
@@ -184,10 +203,11 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
 
     saved = 0.0           # autograd's saved tensors of forwards whose backward has not run
     held = 0.0            # executor-held inputs/outputs/sent tensors
-    per_mb: dict[tuple[int, int], float] = {}
-    io = d * h * tokens   # one hidden-state tensor of a micro-batch
+    per_mb: dict[tuple[int, int, int | str | None], float] = {}  # by (stage, micro-batch, segment)
     for a in actions:
         s = a.stage
+        n = inp.span(a.seg)[2] if a.op in (Op.FORWARD, Op.BACKWARD) else tokens  # tokens of this compute
+        io = d * h * n   # one hidden-state tensor of a micro-batch (segment)
         fwd_t = bwd_t = 0.0
         if a.op is Op.LOAD:
             take(inp.stages[s].numel)
@@ -200,26 +220,33 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             if d < 4:  # the fp32 chunk the gradients go through on their way to the host
                 fwd_t = min(inp.stages[s].numel, GRAD_SLICE_NUMEL) * 4 / tokens
         elif a.op is Op.FORWARD:
-            per_tok, fwd_t, _ = _per_token(inp, s)
-            per_mb[(s, a.mb)] = per_tok * tokens
-            saved += per_tok * tokens
+            per_tok, fwd_t, _ = _per_token(inp, s, a.seg)
+            per_mb[(s, a.mb, a.seg)] = per_tok * n
+            saved += per_tok * n
             if crosses(inp.mapping, s, s - 1):
                 held += io  # the received input, kept for its gradient (a local one is counted as an output)
             if not inp.stages[s].last:
                 held += io  # the output: kept for backward and, when sent, until the iteration ends
         elif a.op is Op.BACKWARD:
-            _, _, bwd_t = _per_token(inp, s)
+            _, _, bwd_t = _per_token(inp, s, a.seg)
             if s in offloaded and s not in has_grad:
                 take(inp.stages[s].numel)
                 has_grad.add(s)
-            saved -= per_mb.pop((s, a.mb))
+            saved -= per_mb.pop((s, a.mb, a.seg))
+            if a.seg is not None:
+                # The later segments' backwards leave the gradients of the earlier segments'
+                # carried keys/values (columns 0..start) until those segments' own backwards.
+                start = inp.span(a.seg)[0]
+                kv_grads = inp.stages[s].num_layers * 2 * d * inp.shape.kv_dim * inp.micro_batch * start
+                saved += kv_grads - per_mb.pop((s, a.mb, "kv"), 0.0)
+                per_mb[(s, a.mb, "kv")] = kv_grads
             if s > 0 and not crosses(inp.mapping, s, s - 1):
                 held += io  # the input's gradient, handed to the previous stage of this rank
             # a received input is freed and its gradient, sent on, lives until the iteration ends
             if not inp.stages[s].last and not crosses(inp.mapping, s, s + 1):
                 held -= 2 * io  # the output (the next stage's input) and the gradient it got back
         now = params_static + pool_bytes + saved + held
-        transient = (fwd_t + bwd_t) * tokens + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
+        transient = (fwd_t + bwd_t) * n + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
         peak = now + transient
         if peak > out.device_peak:
             out.device_peak = int(peak)

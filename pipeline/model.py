@@ -200,6 +200,11 @@ class Stage(nn.Module):
             return h
         if targets is None:
             return self.lm_head(self.model.norm(h))
+        return self.head_loss(h, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's summed token loss of the final hidden states ``h`` (a whole
+        micro-batch, or a sequence segment of it)."""
         if self.checkpointing and torch.is_grad_enabled():
             # The head too: otherwise every micro-batch in flight keeps its fp32 log-softmax
             # (vocab floats a token, 32x the hidden state for Llama-2 7B) until its backward.
@@ -407,6 +412,18 @@ def stage_param_counts(config, num_stages: int) -> list[int]:
     return [stage_num_params(config, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
 
 
+def model_key_cost(config) -> float:
+    """A decoder layer's attention cost per (query, key) pair relative to its cost per token
+    (``schedule.costmodel.attention_key_cost``), from a Hugging Face config: what the sequence
+    segments of ``seq_chunks`` are balanced by."""
+    from schedule.costmodel import attention_key_cost
+
+    heads = config.num_attention_heads
+    return attention_key_cost(config.hidden_size, config.intermediate_size, heads,
+                              getattr(config, "num_key_value_heads", None) or heads,
+                              getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
     n = stage_num_params(config, range(num_layers), False, True)  # the layers and the head, not the lookup
@@ -414,6 +431,6 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
 
 
 __all__ = ["LOSS_CHUNK_BYTES", "PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask",
-           "check_tied_checkpoint", "compile_layers", "init_weights_", "layer_windows", "load_weights_", "loss_chunk_tokens",
-           "model_flops_per_token", "partition_layers",
+           "check_tied_checkpoint", "compile_layers", "init_weights_", "layer_windows", "load_weights_",
+           "loss_chunk_tokens", "model_flops_per_token", "model_key_cost", "partition_layers",
            "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]

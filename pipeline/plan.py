@@ -12,9 +12,10 @@ import torch
 import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
-from pipeline.model import partition_layers, stage_param_counts
+from pipeline.model import model_key_cost, partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
 from pipeline.programs import program_spec
+from pipeline.segments import segment_lengths
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
@@ -51,8 +52,14 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu",
-                       kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S)
+                       kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
+                       segments=_segments(cfg, hf_config))
     return inp, program
+
+
+def _segments(cfg: TrainConfig, hf_config) -> tuple[int, ...]:
+    """The segment lengths of a full-width row (``seq_chunks``), () for whole rows."""
+    return segment_lengths(cfg.seq_length, cfg.seq_chunks, model_key_cost(hf_config)) if cfg.seq_chunks > 1 else ()
 
 
 def gpu_capacity(cfg: TrainConfig) -> int | None:
@@ -170,6 +177,12 @@ def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainCon
         alts.append((f"num_stages: {cfg.num_stages * 2}", dataclasses.replace(cfg, num_stages=cfg.num_stages * 2)))
     if cfg.schedule == "gpipe":
         alts.append(("schedule: 1f1b (fewer micro-batches in flight)", dataclasses.replace(cfg, schedule="1f1b")))
+    # Sequence segments: a stage holds a few segments' activations instead of whole rows (the
+    # carried keys/values stay); more segments, fewer tokens in flight. ``advice`` keeps the
+    # smallest that fits.
+    for k in (2 * cfg.seq_chunks, 4 * cfg.seq_chunks, 8 * cfg.seq_chunks):
+        if k <= cfg.seq_length:
+            alts.append((f"seq_chunks: {k} (sequence segments)", dataclasses.replace(cfg, seq_chunks=k)))
     return alts
 
 
@@ -214,6 +227,8 @@ def advice(cfg: TrainConfig, hf_config, world_size: int) -> list[str]:
     """The single changes that make ``cfg`` fit, each with its estimated peak."""
     out = []
     for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
+        if label.startswith("seq_chunks") and any(line.startswith("seq_chunks") for line in out):
+            continue  # a larger seq_chunks than one that fits already
         a = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size))
         if a.fits:
             out.append(f"{label} -> {gib(a.worst.device_peak)} per GPU")
@@ -233,7 +248,7 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
         need = f"needs about {gib(a.total_host)} of host memory but {gib(a.host or 0)} is available"
     tips = advice(cfg, hf_config, world_size)
     hint = "; try one of: " + "; ".join(tips) if tips else \
-        "; no single change of checkpointing, offload, micro-batch size, stages or schedule is enough"
+        "; no single change of checkpointing, offload, micro-batch size, stages, schedule or seq_chunks is enough"
     raise ConfigError(f"this configuration does not fit: it {need}{hint} (see main.py --plan)")
 
 
@@ -242,10 +257,12 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     """The text ``--plan`` prints."""
     a = assess(cfg, hf_config, mapping, kept)
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
+    segs = f" in {cfg.seq_chunks} sequence segments of {list(_segments(cfg, hf_config))} columns" \
+        if cfg.seq_chunks > 1 else ""
     lines = [f"plan: {cfg.num_stages} stages of {hf_config.num_hidden_layers} layers on {world_size} processes "
              f"({a.device}, {dtype_bytes(cfg, a.device) * 8}-bit compute), schedule {cfg.schedule}, "
              f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
-             f"({tokens} tokens), offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
+             f"({tokens} tokens){segs}, offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing}",
              f"stage -> rank: {mapping}",

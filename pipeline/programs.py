@@ -17,7 +17,7 @@ def program_spec(cfg: TrainConfig, *, tied: bool = False) -> ProgramSpec:
     memory plan's candidates before ``resolve``) counts as 0."""
     return ProgramSpec(cfg.schedule, cfg.num_stages, cfg.num_chunks, offload=cfg.use_offload,
                        prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
-                       tied=tied)
+                       tied=tied, num_segments=cfg.seq_chunks)
 
 
 def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, evaluate: bool,

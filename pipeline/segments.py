@@ -67,6 +67,16 @@ class _KVCarry:
         return keys, values
 
 
+@functools.lru_cache(maxsize=64)
+def segment_lengths(width: int, num_segments: int, key_cost: float = 0.0) -> tuple[int, ...]:
+    """The segment lengths of rows ``width`` columns wide (``balanced_segments``). A batch is as
+    wide as its longest row (``data.batching.row_width``), so the cut is made per width, once:
+    every rank computes the same lengths from the same batch, and its receive buffers take them."""
+    from schedule.costmodel import balanced_segments
+
+    return tuple(balanced_segments(width, num_segments, key_cost))
+
+
 def segment_bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """``[start, end)`` columns of each segment of a row cut into ``lengths``."""
     out, start = [], 0
@@ -173,7 +183,7 @@ class SegmentStage:
             grad = torch.is_grad_enabled()
             carry.setdefault(layer, []).append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
         if stage.is_last:
-            out = stage._loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
+            out = stage.head_loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
         else:
             out = h
         self.forwarded[mb] = seg + 1

@@ -6,7 +6,7 @@ is wall-clock time. On CUDA a pair of timing events is recorded on the action's 
 current stream, or the one given for its lane) and resolved at ``flush()``, so recording
 adds no host sync to the iteration.
 
-An event is a dict ``{rank, name, op, stage, mb, lane, start, end}`` with times in seconds
+An event is a dict ``{rank, name, op, stage, mb, seg, lane, start, end}`` with times in seconds
 (``time.perf_counter`` scale, comparable across processes of one host).
 ``schedule.costmodel.Prediction.events()`` gives the same dicts, so predicted and measured
 timelines are written by the same functions.
@@ -123,7 +123,7 @@ class Timeline:
 
     def _event(self, action: Action, start: float, end: float) -> dict:
         return {"rank": self.rank, "name": str(action), "op": action.op.value, "stage": action.stage,
-                "mb": action.mb, "lane": LANE_OF_OP[action.op], "start": start, "end": end}
+                "mb": action.mb, "seg": action.seg, "lane": LANE_OF_OP[action.op], "start": start, "end": end}
 
     def events(self) -> list[dict]:
         """All events recorded so far (resolving CUDA events first)."""
@@ -163,7 +163,7 @@ def write_chrome_trace(path: str | Path, all_ranks_events: Iterable[dict] | Mapp
         lane = _lane(e)
         trace.append({"name": e["name"], "cat": lane, "ph": "X", "ts": (e["start"] - t0) * 1e6,
                       "dur": max(0.0, e["end"] - e["start"]) * 1e6, "pid": e["rank"], "tid": LANES.index(lane),
-                      "args": {"stage": e.get("stage"), "mb": e.get("mb")}})
+                      "args": {"stage": e.get("stage"), "mb": e.get("mb"), "seg": e.get("seg")}})
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
     return path
@@ -177,7 +177,7 @@ def read_chrome_trace(path: str | Path) -> list[dict]:
             continue
         a = Action.parse(e["name"])
         events.append({"rank": e["pid"], "name": e["name"], "op": a.op.value, "stage": a.stage, "mb": a.mb,
-                       "lane": e.get("cat", LANE_OF_OP[a.op]), "start": e["ts"] / 1e6,
+                       "seg": a.seg, "lane": e.get("cat", LANE_OF_OP[a.op]), "start": e["ts"] / 1e6,
                        "end": (e["ts"] + e["dur"]) / 1e6})
     return events
 
@@ -325,12 +325,15 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     measured STEP of the offloaded stages (the CPU optimizer's; the model takes a GPU step as
     instant), NORM the shortest measured NORM (the last rank to arrive waits least). So the
     prediction error measures how the cost model composes durations (overlap, waiting,
-    contention), not how well it guesses them. The iteration predicted is one in a steady
-    state (``schedule.costmodel.predict_steady``): it starts with the previous iteration's
+    contention), not how well it guesses them. With sequence segments a stage's micro-batch
+    compute is the sum of its segments' medians, and each segment's share of it
+    (``segment_share``) the measured one, over every stage's forwards. The iteration
+    predicted is one in a steady state (``schedule.costmodel.predict_steady``): it starts with the previous iteration's
     optimizer steps still running, as the recorded one did (``steady=False``: one iteration
     from a clean start, ending with its own steps).
     """
     from schedule.costmodel import cpu_stepped_stages, predict, predict_steady
+    from schedule.ir import num_segments_of
 
     events = list(events)
     ranks = sorted(schedule)
@@ -342,6 +345,18 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     if missing:
         raise ValueError(f"timeline has no F or B events for stages {missing}: cannot calibrate the cost model")
     compute = {s: (_median(durations[("F", s)]), _median(durations[("B", s)])) for s in range(num_stages)}
+    share = None
+    K = num_segments_of(schedule)
+    if K > 1:
+        by_seg: dict[tuple[str, int, int], list[float]] = {}
+        for e in events:
+            if e["op"] in ("F", "B") and e.get("seg") is not None:
+                by_seg.setdefault((e["op"], e["stage"], e["seg"]), []).append(max(0.0, e["end"] - e["start"]))
+        med = {k: _median(v) for k, v in by_seg.items()}
+        compute = {s: tuple(sum(med.get((op, s, j), 0.0) for j in range(K)) for op in ("F", "B"))
+                   for s in range(num_stages)}
+        forward = [sum(med.get(("F", s, j), 0.0) for s in range(num_stages)) for j in range(K)]
+        share = [f / sum(forward) for f in forward] if sum(forward) > 0 else None
     links = []
     for r in ranks:
         rates = [stage_bytes[e["stage"]] / (e["end"] - e["start"]) / 1e9 for e in events
@@ -354,7 +369,7 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]
     return (predict_steady if steady else predict)(dict(schedule), mapping, ranks, groups, compute, stage_bytes,
                                                    links, roots, step_s=_median(steps) if steps else 0.0,
-                                                   norm_s=min(norms, default=0.0))
+                                                   norm_s=min(norms, default=0.0), segment_share=share)
 
 
 def _median(values: list[float]) -> float:

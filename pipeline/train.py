@@ -23,7 +23,7 @@ from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers, layer_windows,
-                            model_flops_per_token, partition_layers, preset_config)
+                            model_flops_per_token, model_key_cost, partition_layers, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
@@ -159,6 +159,9 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
     if cfg.seq_length < 2:
         raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
+    if not 1 <= cfg.seq_chunks <= cfg.seq_length:
+        raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
+                          f"({cfg.seq_length}): each of a row's segments needs at least one token")
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
@@ -511,7 +514,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=tied, replicas=cfg.data_parallel)
     executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
                         hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
-                        start_offset_s=placement.choice.start_offset_s[position])
+                        start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,
+                        key_cost=model_key_cost(hf))
     scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
     return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
                 schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)
@@ -550,10 +554,13 @@ class Trainer:
     def microbatches(self, batch) -> list[MicroBatch]:
         from data.batching import to_device
 
-        device = self.rank.device
-        return [MicroBatch(*(to_device(t, device) for t in (mb.input_ids, mb.targets, mb.position_ids,
-                                                              mb.segment_ids)))
-                for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.rank.layout)]
+        device, K = self.rank.device, self.cfg.seq_chunks
+        mbs = [MicroBatch(*(to_device(t, device) for t in (mb.input_ids, mb.targets, mb.position_ids,
+                                                             mb.segment_ids)))
+               for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.rank.layout)]
+        # A batch is as wide as its longest row: one narrower than seq_chunks gets padding
+        # columns, one a segment (after every token, predicting nothing, so nothing changes).
+        return [mb.widened(K) for mb in mbs]
 
     def sum_loss(self, loss: float | None) -> float | None:
         """The global batch's loss from this replica's share (the executor's loss is this

@@ -73,7 +73,8 @@ class Prediction:
 
     def events(self) -> list[dict]:
         """The timeline as event dicts (the format ``pipeline/timeline.py`` writes)."""
-        return [{"rank": r, "name": str(a), "op": a.op.value, "stage": a.stage, "mb": a.mb, "start": s, "end": e}
+        return [{"rank": r, "name": str(a), "op": a.op.value, "stage": a.stage, "mb": a.mb, "seg": a.seg,
+                 "start": s, "end": e}
                 for r, rows in sorted(self.timeline.items()) for s, e, a in rows]
 
 

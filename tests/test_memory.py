@@ -84,12 +84,15 @@ def _measured_peak(trainer) -> int:
 
 # The profiler's records are not trustworthy around non-reentrant activation checkpointing
 # (live bytes go negative there), so checkpointing is checked against the GPU runs instead
-# (bench/plan_vs_measured.py).
+# (bench/plan_vs_measured.py). With seq_chunks CPU sdpa runs its math kernel (a segment's mask
+# is explicit), which keeps the softmax the CUDA kernels do not: measured 12% above the estimate.
 @pytest.mark.parametrize("kw", [
     dict(schedule="gpipe", num_chunks=4),
     dict(schedule="gpipe", num_chunks=4, attn_implementation="eager"),
     dict(schedule="1f1b", num_chunks=8),
     dict(schedule="interleaved", num_chunks=4, use_offload=True),
+    dict(schedule="1f1b", num_chunks=8, seq_chunks=4),
+    dict(schedule="gpipe", num_chunks=4, seq_chunks=4, attn_implementation="eager"),
 ])
 @pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
