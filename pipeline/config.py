@@ -87,9 +87,9 @@ class TrainConfig:
                           "stays in 80% of the GPU beside the resident stages (not yet measured on GPUs).")
     compile_layers: str = _f("auto", "Regional torch.compile of every decoder layer (one compiled graph serves "
                              "all layers of a shape): fused norms, activations and rotary embeddings, the same "
-                             "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton), false "
-                             "on the CPU (where compiling takes longer than a short run saves); the first step is "
-                             "slower while it compiles.", choices=COMPILE_CHOICES)
+                             "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton) without "
+                             "seq_chunks, false on the CPU (where compiling takes longer than a short run saves); "
+                             "the first step is slower while it compiles.", choices=COMPILE_CHOICES)
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "

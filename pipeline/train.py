@@ -162,6 +162,11 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if not 1 <= cfg.seq_chunks <= cfg.seq_length:
         raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
                           f"({cfg.seq_length}): each of a row's segments needs at least one token")
+    if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
+        # The carried keys/values pass through a Python cache object the compiled layer cannot
+        # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
+        raise ConfigError("compile_layers true does not work with seq_chunks > 1 yet; use compile_layers auto "
+                          "(eager with segments) or false")
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
@@ -418,7 +423,8 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                              initargs=(cpus,)), device)
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
-    compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda")
+    compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda"
+                                                and cfg.seq_chunks == 1)
     if compiled:
         log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
                  "compiles them)")
