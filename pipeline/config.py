@@ -79,6 +79,14 @@ class TrainConfig:
                           "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
                           "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
                           "stays in 80% of the GPU beside the resident stages (not yet measured on GPUs).")
+    activation_offload: bool = _f(False, "Exact low-memory mode: a stage's forward builds no graph and its input "
+                                  "(the activation from the previous stage) waits for the backward in host memory; "
+                                  "the backward copies it back (the next one's copy prefetched) and recomputes the "
+                                  "stage whole, once. GPU memory then holds one stage's activations of one "
+                                  "micro-batch, whatever the number of micro-batches in flight; host memory holds "
+                                  "one hidden state per micro-batch and stage in flight. Layers are not checkpointed "
+                                  "again (keep_layers must be 0; activation_checkpointing still chunks the last "
+                                  "stage's loss). Not with attention dropout.")
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -170,7 +178,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "cache_dir"),
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
-    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers", "mapping",
+    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers",
+                    "activation_offload", "mapping",
                     "topology", "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),

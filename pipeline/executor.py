@@ -6,6 +6,7 @@ schedule, which was validated and simulated before any process ran it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from offload.activations import ActivationStash
 from offload.store import StageStore, time_point
 from schedule.ir import Action, Op, crosses, peer_stage, tie_covers, tied_stages
 
@@ -115,19 +117,23 @@ class IterationResult:
 class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                 grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0):
+                 grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0,
+                 activation_offload: bool = False):
         """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
         its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
         ``start_offset_s``: this rank's load stagger (``schedule.mapping.plan_stagger``): a training
         iteration's first action waits this long, so that its first LOAD does not share its root
-        complex's bandwidth with a load another rank needs earlier."""
+        complex's bandwidth with a load another rank needs earlier.
+        ``activation_offload``: in training, every stage's forward builds no graph and its input
+        waits in host memory (``offload.activations``); its backward recomputes it (``_recompute``)."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas
         self.start_offset_s = start_offset_s
         self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
         self.num_stages = len(mapping)
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
+        self.stash = ActivationStash(device) if activation_offload else None
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
@@ -155,6 +161,12 @@ class Executor:
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
         self.summed: set[int] = set()  # stages whose gradient is summed over the replicas (data parallel)
         self.has_norm = any(a.op is Op.NORM for a in actions)
+        # activation_offload (training only): each backward prefetches the input of this rank's next one
+        self.offloading = self.stash is not None and train
+        order = [(a.stage, a.mb) for a in actions if a.op is Op.BACKWARD]
+        self.next_backward = dict(zip(order, order[1:]))
+        if self.stash is not None:
+            self.stash.clear()
         self.clock = StepClock(self.device.type == "cuda")
         if train and self.start_offset_s > 0:
             # The host is in step with the device here (the last iteration ended with a
@@ -187,7 +199,6 @@ class Executor:
     def _forward(self, a: Action) -> None:
         s, m = a.stage, a.mb
         self.stores[s].before_compute(backward=False, clock=self.clock)
-        stage = self.stages[s]
         if s == 0:
             x = self.mbs[m].input_ids
         else:
@@ -196,36 +207,75 @@ class Executor:
                 buf, work = self.recvs.pop((Op.RECV_F, s, m))
                 work.wait()  # device-side wait with NCCL; the host blocks only with gloo
                 x = buf
+            if self.offloading:
+                self.stash.save((s, m), x)  # stage 0 needs none: its tokens stay in self.mbs
+            else:
+                x.requires_grad_(True)
+                self.inputs[(s, m)] = x
+        if self.offloading:
+            self._release_sent()
+        start = self.clock.mark()
+        last = s == self.num_stages - 1
+        # activation_offload: no graph; the backward recomputes this forward from the stashed input
+        with torch.no_grad() if self.offloading else contextlib.nullcontext():
+            out, loss = self._run_stage(s, m, x)
+        if last:
+            self.losses.append(loss.detach())
+        elif not crosses(self.mapping, s, s + 1):
+            self.local_in[(s + 1, m)] = out.detach()
+        if not self.offloading or (not last and crosses(self.mapping, s, s + 1)):
+            self.outputs[(s, m)] = out  # offloading: only until SEND_F has sent it
+        self.clock.span("compute", start, self.clock.mark())
+
+    def _run_stage(self, s: int, m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage ``s`` on micro-batch ``m``: (what backward starts from, the normalised loss on the
+        last stage, else None). On the last stage the first is the loss times the loss scale
+        (float16: every gradient is then scaled, see LossScaler)."""
+        with self.stores[s].saved_tensor_hooks():
+            mb = self.mbs[m]
+            if s != self.num_stages - 1:
+                return self.stages[s](x, **mb.packing()), None
+            loss = self.stages[s](x, mb.targets, **mb.packing()) / self.num_targets
+        return (loss * self.loss_scale if self.loss_scale != 1.0 else loss), loss
+
+    def _recompute(self, s: int, m: int) -> tuple[torch.Tensor, object]:
+        """activation_offload: micro-batch ``m``'s forward of stage ``s`` again, with a graph, from
+        its input brought back from host memory; first the copy back of this rank's next
+        backward's input is started, so it overlaps this backward. Returns what the backward
+        starts from and the compute span's start."""
+        x = self.stash.restore((s, m)) if s > 0 else self.mbs[m].input_ids
+        nxt = self.next_backward.get((s, m))
+        if nxt is not None and nxt[0] > 0:
+            self.stash.prefetch(nxt)  # nothing if its forward has not run yet
+        if s > 0:
             x.requires_grad_(True)
             self.inputs[(s, m)] = x
         start = self.clock.mark()
-        last = s == self.num_stages - 1
-        with self.stores[s].saved_tensor_hooks():
-            mb = self.mbs[m]
-            out = stage(x, mb.targets, **mb.packing()) if last else stage(x, **mb.packing())
-        if last:
-            loss = out / self.num_targets
-            self.losses.append(loss.detach())
-            # float16: backward starts from the scaled loss, so every gradient is scaled (see LossScaler)
-            out = loss * self.loss_scale if self.loss_scale != 1.0 else loss
-        elif not crosses(self.mapping, s, s + 1):
-            self.local_in[(s + 1, m)] = out.detach()
-        self.outputs[(s, m)] = out
-        self.clock.span("compute", start, self.clock.mark())
+        return self._run_stage(s, m, x)[0], start
+
+    def _release_sent(self) -> None:
+        """activation_offload: drop the sent tensors whose sends are done (without it they live to
+        the end of the iteration, one per micro-batch). ``is_completed`` does not block."""
+        self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
 
     def _backward(self, a: Action) -> None:
         s, m = a.stage, a.mb
         self.stores[s].before_compute(backward=True, clock=self.clock)
-        out = self.outputs.pop((s, m))
+        if self.offloading:
+            self._release_sent()
+            # the recompute needs no gradient yet: it runs before the wait for the one sent back
+            out, start = self._recompute(s, m)
+        else:
+            out, start = self.outputs.pop((s, m)), None
         if s == self.num_stages - 1:
-            start = self.clock.mark()
+            start = self.clock.mark() if start is None else start
             out.backward()
         else:
             grad = self.local_grad.pop((s, m), None)
             if grad is None:
                 grad, work = self.recvs.pop((Op.RECV_B, s, m))
                 work.wait()
-            start = self.clock.mark()
+            start = self.clock.mark() if start is None else start
             torch.autograd.backward(out, grad)
         if s > 0:
             g = self.inputs.pop((s, m)).grad
@@ -237,7 +287,9 @@ class Executor:
 
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
-        t = self.outputs[(a.stage, a.mb)].detach()
+        # activation_offload: the output is not kept for a backward, only for this send
+        key = (a.stage, a.mb)
+        t = (self.outputs.pop(key) if self.offloading else self.outputs[key]).detach()
         self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
 
     def _send_b(self, a: Action) -> None:
