@@ -212,6 +212,20 @@ def test_torchrun_matches_reference(tiny_model_dir, tmp_path, nproc, schedule, o
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule,offload", [("gpipe", False), ("1f1b", True), ("interleaved", True)])
+def test_torchrun_activation_offload_matches_reference(tiny_model_dir, tmp_path, schedule, offload):
+    """activation_offload over gloo: stage inputs received from the other rank wait in the stash,
+    outputs are kept only until sent, and the training is the same."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=offload, activation_offload=True,
+                   save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
+    proc = run_torchrun(2, cli_flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
 def test_torchrun_resident_stages_match_reference(tiny_model_dir, tmp_path, schedule):
     """Two processes, each keeping its first stage resident and offloading its second."""
