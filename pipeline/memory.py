@@ -252,11 +252,11 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             out.at = str(a)
             out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
                          "in_flight": int(held), "transient": int(transient)}
-    if not inp.cpu:  # on the CPU the stash is counted in the walk: its inputs are the tensors themselves
-        out.host += int(stash_peak)
-    if inp.cpu:  # one memory: the "device" tensors are host tensors
+    if inp.cpu:  # one memory: the "device" tensors are host tensors (the stash's inputs counted in the walk)
         out.host += out.device_peak
         out.device_peak = 0
+    else:
+        out.host += int(stash_peak)
     return out
 
 
@@ -264,8 +264,8 @@ def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, 
     """activation_offload: one F or B of stage ``a.stage`` as (transient bytes, change of the
     tensors held after it, bytes of it sent to another rank). A forward runs without a graph:
     its input (until copied to the host) and one layer's working set. A backward holds the
-    input brought back, the received gradient and the stage's whole activations of one
-    micro-batch. Outputs and input gradients are held until a stage of this rank takes them,
+    input brought back (and the next backward's, prefetched), the received gradient and the
+    stage's whole activations of one micro-batch. Outputs and input gradients are held until a stage of this rank takes them,
     or, sent, until the next compute."""
     s, st = a.stage, inp.stages[a.stage]
     tokens = inp.micro_batch * inp.seq_len
@@ -277,7 +277,7 @@ def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, 
         out = io if not st.last else 0.0
         to_peer = out if not st.last and crosses(inp.mapping, s, s + 1) else 0.0
         return transient, out - to_peer - (io if local_in else 0.0), to_peer
-    transient = (full + bwd_t) * tokens + (io if s > 0 else 0) + (io if not st.last else 0)
+    transient = (full + bwd_t) * tokens + (2 * io if s > 0 else 0) + (io if not st.last else 0)
     local_grad = not st.last and not crosses(inp.mapping, s, s + 1)
     grad = io if s > 0 else 0.0
     to_peer = grad if s > 0 and crosses(inp.mapping, s, s - 1) else 0.0
