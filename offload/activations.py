@@ -47,7 +47,8 @@ class ActivationStash:
 
     def save(self, key: Key, x: torch.Tensor) -> None:
         """Keep ``x`` (the stage input of ``key``) for its backward; on CUDA start its copy to
-        pinned host memory. The caller may drop ``x`` right after."""
+        pinned host memory. The caller may drop ``x`` right after, but must not write it in
+        place: the copy may still be reading it (the executor only reads a stage input)."""
         if key in self._host or key in self._back:
             raise RuntimeError(f"activation_offload: the input of stage {key[0]}, micro-batch {key[1]} is already "
                                "held (a second forward before its backward)")
