@@ -90,7 +90,6 @@ def _measured_peak(trainer) -> int:
     dict(schedule="gpipe", num_chunks=4, attn_implementation="eager"),
     dict(schedule="1f1b", num_chunks=8),
     dict(schedule="interleaved", num_chunks=4, use_offload=True),
-    dict(schedule="interleaved", num_chunks=4, use_offload=True, activation_offload=True),
 ])
 @pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
