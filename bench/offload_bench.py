@@ -15,7 +15,8 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
   ``noprefetch`` (the same, loads not overlapped), ``hybrid`` (offload + prefetch with
   ``--resident_stages -1``: each GPU keeps as many of its stages, and their AdamW, as fit in 80% of the
   cap), ``delayed`` (``prefetch`` with ``--delayed_update``: not exact, each CPU step overlaps the next
-  iteration), ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation
+  iteration), ``actoff`` (``prefetch`` with ``--activation_offload``: stage inputs wait in host memory,
+  each backward recomputes its stage), ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation
   checkpointing);
 - ``-noclip`` trains without gradient clipping (``--grad_clip 0 --max_skipped_steps -1``: no NORM,
   so each stage's CPU step starts as soon as its gradients are in host memory); rows clip at 1.0
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("prefetch", "noprefetch", "hybrid", "delayed", "resident", "fsdp2")
+MODES = ("prefetch", "noprefetch", "hybrid", "delayed", "actoff", "resident", "fsdp2")
 MAPPINGS = ("cross", "sequential")
 DEFAULT_ROWS = ("pcie48-prefetch,pcie48-hybrid,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,"
                 "pcie24-fsdp2,pcie24-resident,nvlink48-prefetch,nvlink48-hybrid,nvlink48-fsdp2,nvlink48-resident")
@@ -141,11 +142,12 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
                         "--save_dir", str(out / slug(name)), "--save_results", str(result), "--comm_timeout_s", "150",
                         "--activation_checkpointing" if args.checkpointing else "--no_activation_checkpointing",
                         "--use_offload" if mode != "resident" else "--no_offload",
-                        "--use_prefetch" if mode in ("prefetch", "hybrid", "delayed") else "--no_prefetch",
+                        "--use_prefetch" if mode in ("prefetch", "hybrid", "delayed", "actoff") else "--no_prefetch",
                         "--resident_stages", "-1" if mode == "hybrid" else "0", "--keep_layers", str(args.keep_layers),
                         "--data_parallel", str(args.data_parallel)]
         cmd += ["--delayed_update"] if mode == "delayed" else []
         cmd += ["--compile_layers", "false"] if row.eager else []
+        cmd += ["--activation_offload"] if mode == "actoff" else []
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", {"cross": "planned", "sequential": "round_robin"}[mapping], "--timeline"] if mapping else []
     t0 = time.time()

@@ -43,7 +43,8 @@ def main() -> None:
             model, stages = model or "llama-2-7b", stages or default_stages
             cfg = make_config(dict(model=model, dataset="synthetic", seq_length=512, batch_size=64, num_chunks=16,
                                    num_stages=stages, schedule="gpipe", activation_checkpointing=True, device="cuda",
-                                   dtype="bfloat16", use_offload=mode != "resident", use_prefetch=mode == "prefetch",
+                                   dtype="bfloat16", use_offload=mode != "resident", use_prefetch=mode in ("prefetch", "actoff"),
+                                   activation_offload=mode == "actoff",
                                    gpu_memory_gb=cap, grad_clip=0.0 if noclip else 1.0,
                                    max_skipped_steps=-1 if noclip else 5))
             ranks, _ = memory_plan(cfg, preset_config(model), sched.round_robin(stages, gpus), "cuda")

@@ -90,6 +90,14 @@ class TrainConfig:
                              "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton) without "
                              "seq_chunks, false on the CPU (where compiling takes longer than a short run saves); "
                              "the first step is slower while it compiles.", choices=COMPILE_CHOICES)
+    activation_offload: bool = _f(False, "Exact low-memory mode: a stage's forward builds no graph and its input "
+                                  "(the activation from the previous stage) waits for the backward in host memory; "
+                                  "the backward copies it back (the next one's copy prefetched) and recomputes the "
+                                  "stage whole, once. GPU memory then holds one stage's activations of one "
+                                  "micro-batch, whatever the number of micro-batches in flight; host memory holds "
+                                  "one hidden state per micro-batch and stage in flight. Layers are not checkpointed "
+                                  "again (keep_layers must be 0; activation_checkpointing still chunks the last "
+                                  "stage's loss). Not with attention dropout.")
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -182,8 +190,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
     "parallelism": ("num_stages", "data_parallel", "schedule", "seq_chunks", "activation_checkpointing",
-                    "keep_layers", "compile_layers", "mapping", "topology", "plan_tflops", "stagger_loads", "device",
-                    "comm_timeout_s"),
+                    "keep_layers", "activation_offload", "compile_layers", "mapping", "topology", "plan_tflops",
+                    "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",

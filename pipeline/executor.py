@@ -6,6 +6,7 @@ schedule, which was validated and simulated before any process ran it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from offload.activations import ActivationStash
 from offload.store import StageStore, time_point
 from pipeline.segments import SegmentStage, segment_bounds, segment_lengths
 from schedule.ir import Action, Op, crosses, peer_stage, tie_covers, tied_stages
@@ -133,7 +135,7 @@ class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
                  grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0,
-                 num_segments: int = 1, key_cost: float = 0.0):
+                 num_segments: int = 1, key_cost: float = 0.0, activation_offload: bool = False):
         """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
         its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
@@ -143,7 +145,9 @@ class Executor:
         ``num_segments`` (``seq_chunks``): the programs' actions carry a segment of their
         micro-batch's columns, cut by ``segment_lengths`` with ``key_cost``
         (``schedule.costmodel.attention_key_cost``); each stage then runs through a
-        ``SegmentStage``, which carries the keys/values between the segments of a micro-batch."""
+        ``SegmentStage``, which carries the keys/values between the segments of a micro-batch.
+        ``activation_offload``: in training, every stage's forward builds no graph and its input
+        waits in host memory (``offload.activations``); its backward recomputes it (``_recompute``)."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas
         self.start_offset_s = start_offset_s
@@ -153,6 +157,7 @@ class Executor:
         self.runners: dict[int, SegmentStage] = {}
         self.bounds: list[tuple[int, int]] = []
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
+        self.stash = ActivationStash(device) if activation_offload else None
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
@@ -188,6 +193,12 @@ class Executor:
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
         self.summed: set[int] = set()  # stages whose gradient is summed over the replicas (data parallel)
         self.has_norm = any(a.op is Op.NORM for a in actions)
+        # activation_offload (training only): each backward prefetches the input of this rank's next one
+        self.offloading = self.stash is not None and train
+        order = [(a.stage, a.mb) for a in actions if a.op is Op.BACKWARD]
+        self.next_backward = dict(zip(order, order[1:]))
+        if self.stash is not None:
+            self.stash.clear()
         self.clock = StepClock(self.device.type == "cuda")
         if train and self.start_offset_s > 0:
             # The host is in step with the device here (the last iteration ended with a
@@ -250,39 +261,79 @@ class Executor:
                 buf, work = self.recvs.pop((Op.RECV_F, *key))
                 work.wait()  # device-side wait with NCCL; the host blocks only with gloo
                 x = buf
-            if a.seg is None:  # a segment's runner makes its own input leaf
+            if self.offloading:
+                self.stash.save((s, m), x)  # stage 0 needs none: its tokens stay in self.mbs
+            elif a.seg is None:  # a segment's runner makes its own input leaf
                 x.requires_grad_(True)
                 self.inputs[key] = x
+        if self.offloading:
+            self._release_sent()
         start = self.clock.mark()
         last = s == self.num_stages - 1
-        with self.stores[s].saved_tensor_hooks():
-            out = self._stage_forward(a, x, last)
+        # activation_offload: no graph; the backward recomputes this forward from the stashed input
+        with torch.no_grad() if self.offloading else contextlib.nullcontext():
+            out, loss = self._run_stage(a, x, last)
         if last:
-            loss = out / self.num_targets
             self.losses.append(loss.detach())
-            # float16: backward starts from the scaled loss, so every gradient is scaled (see LossScaler)
-            out = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif not crosses(self.mapping, s, s + 1):
             self.local_in[(s + 1, m, a.seg)] = out.detach()
-        self.outputs[key] = out
+        if not self.offloading or (not last and crosses(self.mapping, s, s + 1)):
+            self.outputs[key] = out  # offloading: only until SEND_F has sent it
         self.clock.span("compute", start, self.clock.mark())
+
+    def _run_stage(self, a: Action, x: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage of ``a`` on its micro-batch (segment): (what backward starts from, the
+        normalised loss on the last stage, else None). On the last stage the first is the loss
+        times the loss scale (float16: every gradient is then scaled, see LossScaler)."""
+        with self.stores[a.stage].saved_tensor_hooks():
+            out = self._stage_forward(a, x, last)
+        if not last:
+            return out, None
+        loss = out / self.num_targets
+        return (loss * self.loss_scale if self.loss_scale != 1.0 else loss), loss
+
+    def _recompute(self, a: Action, last: bool) -> tuple[torch.Tensor, object]:
+        """activation_offload: micro-batch ``a.mb``'s forward of stage ``a.stage`` again, with a
+        graph, from its input brought back from host memory; first the copy back of this rank's
+        next backward's input is started, so it overlaps this backward. Returns what the backward
+        starts from and the compute span's start."""
+        s, m = a.stage, a.mb
+        x = self.stash.restore((s, m)) if s > 0 else self.mbs[m].input_ids
+        nxt = self.next_backward.get((s, m))
+        if nxt is not None and nxt[0] > 0:
+            self.stash.prefetch(nxt)  # nothing if its forward has not run yet
+        if s > 0:
+            x.requires_grad_(True)
+            self.inputs[(s, m, a.seg)] = x
+        start = self.clock.mark()
+        return self._run_stage(a, x, last)[0], start
+
+    def _release_sent(self) -> None:
+        """activation_offload: drop the sent tensors whose sends are done (without it they live to
+        the end of the iteration, one per micro-batch). ``is_completed`` does not block."""
+        self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
 
     def _backward(self, a: Action) -> None:
         s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
         self.stores[s].before_compute(backward=True, clock=self.clock)
-        out = self.outputs.pop(key)
         last = s == self.num_stages - 1
+        if self.offloading:
+            self._release_sent()
+            # the recompute needs no gradient yet: it runs before the wait for the one sent back
+            out, start = self._recompute(a, last)
+        else:
+            out, start = self.outputs.pop(key), None
         grad = None
         if not last:
             grad = self.local_grad.pop(key, None)
             if grad is None:
                 grad, work = self.recvs.pop((Op.RECV_B, *key))
                 work.wait()
-        start = self.clock.mark()
+        start = self.clock.mark() if start is None else start
         if a.seg is not None:
             if last:
                 # The runner's root is the segment's summed loss: d(loss * scale / num_targets) is
-                # what autograd would give it through the normalisation of _forward.
+                # what autograd would give it through the normalisation of _run_stage.
                 grad = torch.full_like(out, self.loss_scale) / self.num_targets
             g = self.runners[s].backward(m, a.seg, grad)
         else:
@@ -300,7 +351,9 @@ class Executor:
 
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:
-        t = self.outputs[(a.stage, a.mb, a.seg)].detach()
+        # activation_offload: the output is not kept for a backward, only for this send
+        key = (a.stage, a.mb, a.seg)
+        t = (self.outputs.pop(key) if self.offloading else self.outputs[key]).detach()
         self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
 
     def _send_b(self, a: Action) -> None:

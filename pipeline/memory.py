@@ -18,6 +18,10 @@ keeps a ledger of what the executor and the stores hold at every action.
 * **In flight.** Stage inputs and outputs the executor keeps (sent tensors live until the end
   of the iteration), and the transient peak inside one forward/backward: the logits of the
   last stage, a layer's gradients, and a recomputed layer under checkpointing.
+* **activation_offload.** Forwards save nothing on the device: each stage input (not stage 0's
+  tokens) waits in host memory, counted at the walk's most inputs held at once. A backward
+  recomputes its stage whole, so one stage's full activations of one micro-batch are its
+  transient; sent tensors are released at the next compute (once their sends are done).
 """
 from __future__ import annotations
 
@@ -108,6 +112,7 @@ class MemoryInputs:
             return 0, self.seq_len, self.micro_batch * self.seq_len
         start = sum(self.segments[:seg])
         return start, start + self.segments[seg], self.micro_batch * self.segments[seg]
+    activation_offload: bool = False
 
     def kept_layers(self, s: int) -> int:
         return min(self.kept[s], self.stages[s].num_layers) if self.checkpointing and self.kept else 0
@@ -131,7 +136,9 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
     start, end, tokens = inp.span(seg)
     layer = layer_saved_bytes_per_token(m, d, end, inp.attn)
     kept = inp.kept_layers(s)
-    recomputed = st.num_layers - kept if inp.checkpointing else 0  # layers that save only their input
+    # activation_offload: the backward's recompute of the stage checkpoints no layer again
+    layer_ckpt = inp.checkpointing and not inp.activation_offload
+    recomputed = st.num_layers - kept if layer_ckpt else 0  # layers that save only their input
     saved = recomputed * d * h + (st.num_layers - recomputed) * layer
     if seg is not None:
         # A segment's own keys/values stay, carried for the later segments (a recomputed layer's
@@ -141,7 +148,7 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
         if start > 0:
             saved += (st.num_layers - recomputed) * 2 * d * m.kv_dim * end / (end - start)
     if st.first:
-        saved += 8 + (d * h if inp.checkpointing and st.num_layers else 0)  # token ids; embedding output
+        saved += 8 + (d * h if layer_ckpt and st.num_layers else 0)  # token ids; embedding output
     elif not recomputed and d == 4:
         saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
     fwd = bwd = 0.0
@@ -204,11 +211,30 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     saved = 0.0           # autograd's saved tensors of forwards whose backward has not run
     held = 0.0            # executor-held inputs/outputs/sent tensors
     per_mb: dict[tuple[int, int, int | str | None], float] = {}  # by (stage, micro-batch, segment)
+    stashed = stash_peak = 0.0  # activation_offload: stage inputs in host memory
+    sent = 0.0                  # activation_offload: sent tensors, released at the next compute
     for a in actions:
         s = a.stage
         n = inp.span(a.seg)[2] if a.op in (Op.FORWARD, Op.BACKWARD) else tokens  # tokens of this compute
         io = d * h * n   # one hidden-state tensor of a micro-batch (segment)
         fwd_t = bwd_t = 0.0
+        if inp.activation_offload and a.op in (Op.FORWARD, Op.BACKWARD):
+            held, sent = held - sent, 0.0
+            extra, held_delta, sent = _offloaded_compute(inp, a, io)
+            held += held_delta + sent
+            if a.op is Op.BACKWARD and s in offloaded and s not in has_grad:
+                take(inp.stages[s].numel)
+                has_grad.add(s)
+            if s > 0:
+                stashed += io if a.op is Op.FORWARD else -io
+                stash_peak = max(stash_peak, stashed)
+            now = params_static + pool_bytes + saved + held + (stashed if inp.cpu else 0)
+            transient = extra + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
+            if now + transient > out.device_peak:
+                out.device_peak, out.at = int(now + transient), str(a)
+                out.parts = {"parameters": int(params_static + pool_bytes), "activations": 0,
+                             "in_flight": int(held), "transient": int(transient)}
+            continue
         if a.op is Op.LOAD:
             take(inp.stages[s].numel)
         elif a.op is Op.DROP:
@@ -245,7 +271,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             # a received input is freed and its gradient, sent on, lives until the iteration ends
             if not inp.stages[s].last and not crosses(inp.mapping, s, s + 1):
                 held -= 2 * io  # the output (the next stage's input) and the gradient it got back
-        now = params_static + pool_bytes + saved + held
+        now = params_static + pool_bytes + saved + held + (stashed if inp.cpu else 0)
         transient = (fwd_t + bwd_t) * n + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
         peak = now + transient
         if peak > out.device_peak:
@@ -253,10 +279,36 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             out.at = str(a)
             out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
                          "in_flight": int(held), "transient": int(transient)}
-    if inp.cpu:  # one memory: the "device" tensors are host tensors
+    if inp.cpu:  # one memory: the "device" tensors are host tensors (the stash's inputs counted in the walk)
         out.host += out.device_peak
         out.device_peak = 0
+    else:
+        out.host += int(stash_peak)
     return out
+
+
+def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, float, float]:
+    """activation_offload: one F or B of stage ``a.stage`` as (transient bytes, change of the
+    tensors held after it, bytes of it sent to another rank). A forward runs without a graph:
+    its input (until copied to the host) and one layer's working set. A backward holds the
+    input brought back (and the next backward's, prefetched), the received gradient and the
+    stage's whole activations of one micro-batch. Outputs and input gradients are held until a stage of this rank takes them,
+    or, sent, until the next compute."""
+    s, st = a.stage, inp.stages[a.stage]
+    tokens = inp.micro_batch * inp.seq_len
+    full, fwd_t, bwd_t = _per_token(inp, s)
+    if a.op is Op.FORWARD:
+        layer_work = 4 * inp.dtype_bytes * inp.shape.intermediate if st.num_layers else 0
+        transient = max(fwd_t, layer_work) * tokens + (io if s > 0 else 0)
+        local_in = s > 0 and not crosses(inp.mapping, s, s - 1)
+        out = io if not st.last else 0.0
+        to_peer = out if not st.last and crosses(inp.mapping, s, s + 1) else 0.0
+        return transient, out - to_peer - (io if local_in else 0.0), to_peer
+    transient = (full + bwd_t) * tokens + (2 * io if s > 0 else 0) + (io if not st.last else 0)
+    local_grad = not st.last and not crosses(inp.mapping, s, s + 1)
+    grad = io if s > 0 else 0.0
+    to_peer = grad if s > 0 and crosses(inp.mapping, s, s - 1) else 0.0
+    return transient, grad - to_peer - (io if local_grad else 0.0), to_peer
 
 
 def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:

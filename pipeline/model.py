@@ -205,13 +205,16 @@ class Stage(nn.Module):
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's summed token loss of the final hidden states ``h`` (a whole
         micro-batch, or a sequence segment of it)."""
-        if self.checkpointing and torch.is_grad_enabled():
+        if self.checkpointing:
             # The head too: otherwise every micro-batch in flight keeps its fp32 log-softmax
             # (vocab floats a token, 32x the hidden state for Llama-2 7B) until its backward.
             # In chunks of tokens, each recomputed and differentiated on its own, so a large
-            # vocabulary's logits never exist for the whole micro-batch at once.
+            # vocabulary's logits never exist for the whole micro-batch at once; without a graph
+            # (activation_offload's forward, evaluation) the same chunks bound the logits alike.
             n = loss_chunk_tokens(self.lm_head.out_features)
             chunks = zip(h.flatten(0, 1).split(n), targets.flatten().split(n))
+            if not torch.is_grad_enabled():
+                return sum(self._loss(hc, tc) for hc, tc in chunks)
             return sum(checkpoint(self._loss, hc, tc, use_reentrant=False) for hc, tc in chunks)
         return self._loss(h, targets)
 

@@ -53,7 +53,7 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu",
                        kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
-                       segments=_segments(cfg, hf_config))
+                       segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload)
     return inp, program
 
 
@@ -128,6 +128,10 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     layers = [len(p) for p in partition_layers(hf_config.num_hidden_layers, S)]
     if not cfg.activation_checkpointing:
         return (0,) * S, ""
+    if cfg.activation_offload:
+        # nothing to choose: the backward recomputes each stage whole, once, from its input
+        return (0,) * S, f"recompute: activation_offload recomputes every stage whole in its backward, " \
+                         f"0 of {sum(layers)} decoder layers checkpointed (keep_layers unused)"
     device = device_type(cfg)
     if cfg.keep_layers >= 0:
         kept, why = [min(cfg.keep_layers, n) for n in layers], "as set"
@@ -168,6 +172,8 @@ def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainCon
         alts.append(("resident_stages: 0", dataclasses.replace(cfg, resident_stages=0)))
     if not cfg.activation_checkpointing:
         alts.append(("activation_checkpointing: true", dataclasses.replace(cfg, activation_checkpointing=True)))
+    if not cfg.activation_offload:
+        alts.append(("activation_offload: true", dataclasses.replace(cfg, activation_offload=True, keep_layers=0)))
     if not cfg.use_offload:
         alts.append(("use_offload: true", dataclasses.replace(cfg, use_offload=True)))
     if cfg.batch_size % (cfg.num_chunks * 2) == 0:
@@ -264,7 +270,7 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
              f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
              f"({tokens} tokens){segs}, offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
-             f"checkpointing={cfg.activation_checkpointing}",
+             f"checkpointing={cfg.activation_checkpointing} activation_offload={cfg.activation_offload}",
              f"stage -> rank: {mapping}",
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
     for r in a.ranks:

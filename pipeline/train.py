@@ -105,6 +105,12 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
             check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
+    dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
+    if cfg.activation_offload and dropout > 0:
+        # the backward's recompute would draw other dropout masks than the forward did
+        raise ConfigError(f"activation_offload recomputes each stage's forward in its backward, which is exact only "
+                          f"without dropout; model {cfg.model!r} has attention_dropout {dropout} (set it to 0 in "
+                          f"config.json, or turn activation_offload off)")
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_pos and cfg.seq_length > max_pos and not cfg.allow_long_sequences:
         raise ConfigError(f"seq_length ({cfg.seq_length}) exceeds the model's max_position_embeddings ({max_pos}); "
@@ -188,6 +194,15 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"(the stages per process)")
     if cfg.keep_layers < -1:
         raise ConfigError(f"keep_layers ({cfg.keep_layers}) must be -1 (auto) or >= 0 (layers per stage)")
+    if cfg.activation_offload and cfg.seq_chunks > 1:
+        # the stash and the prefetch order are keyed by (stage, micro-batch), and a segment's
+        # recompute would need the keys/values its earlier segments carried
+        raise ConfigError(f"activation_offload does not work with seq_chunks > 1 yet (got {cfg.seq_chunks}); "
+                          "use one of them")
+    if cfg.activation_offload and cfg.keep_layers > 0:
+        # the backward recomputes each stage whole: there is no layer whose activations could be kept
+        raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
+                          f"({cfg.keep_layers}) must be 0 or -1 with it")
     if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
@@ -434,8 +449,11 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
     with intra_op_threads(len(share) or torch.get_num_threads()):
         for s in stage_ids:
             t0 = time.perf_counter()
+            # activation_offload: the backward recomputes the stage whole, once, so no layer of it is
+            # checkpointed (recomputed) a second time inside that recompute
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
-                                checkpointing=cfg.activation_checkpointing, kept_layers=kept[s], init_device=device)
+                                checkpointing=cfg.activation_checkpointing,
+                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device)
             stage.rotary_emb.to(device)
             if compiled:
                 compile_layers(stage)
@@ -521,7 +539,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
                         hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
                         start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,
-                        key_cost=model_key_cost(hf))
+                        key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload)
     scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
     return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
                 schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)

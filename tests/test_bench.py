@@ -29,6 +29,7 @@ single = _load("single_gpu_baseline")
     ("nvlink24-fsdp2@llama-2-13b", ("nvlink", 24, "fsdp2", False, None, None, "llama-2-13b")),
     ("pcie48-prefetch/s16", ("pcie", 48, "prefetch", False, 16, None, None)),
     ("pcie24-hybrid-noclip/s16", ("pcie", 24, "hybrid", True, 16, None, None)),
+    ("pcie48-actoff/s16", ("pcie", 48, "actoff", False, 16, None, None)),
     ("pcie48-prefetch+cross@llama-2-13b", ("pcie", 48, "prefetch", False, None, "cross", "llama-2-13b")),
     ("pcie24-noprefetch/s16+sequential@tiny", ("pcie", 24, "noprefetch", False, 16, "sequential", "tiny")),
 ])

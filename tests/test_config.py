@@ -155,3 +155,15 @@ def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
     assert proc.returncode == 2
     assert _error_lines(proc.stderr) == [f"error: master_port {port} is in use; set master_port in fine_tune.yaml "
                                          f"or MASTER_PORT=<free port>"], proc.stderr[-2000:]
+
+
+def test_activation_offload_refuses_what_it_does_not_make_exact():
+    from pipeline.train import check_config
+
+    with pytest.raises(ConfigError, match=r"keep_layers \(1\) must be 0 or -1"):
+        check_config(make_config({"activation_offload": True, "keep_layers": 1, "device": "cpu"}), 2)
+    cfg = make_config({"activation_offload": True, "device": "cpu"})
+    check_config(cfg, 2)
+    cfg.seq_chunks = 2  # issue 18's key, from another branch: segments would meet in the stash
+    with pytest.raises(ConfigError, match=r"seq_chunks > 1 yet \(got 2\)"):
+        check_config(cfg, 2)

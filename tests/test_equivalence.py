@@ -98,6 +98,31 @@ def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
+@pytest.mark.parametrize("schedule,offload", [
+    ("interleaved", True), pytest.param("1f1b", False, marks=pytest.mark.slow),
+    pytest.param("gpipe", False, marks=pytest.mark.slow), pytest.param("gpipe", True, marks=pytest.mark.slow),
+    pytest.param("1f1b", True, marks=pytest.mark.slow), pytest.param("interleaved", False, marks=pytest.mark.slow)])
+def test_activation_offload_matches_reference(tiny_model_dir, schedule, offload):
+    """activation_offload: forwards build no graph, each stage input waits in the stash, and
+    every backward recomputes its stage whole (no layer checkpointed again): the same training."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_offload=True)
+    trainer = in_process_trainer(cfg)
+    assert all(stage.recomputed == 0 for stage in trainer.stages.values())
+    history = trainer.train()
+    assert len(trainer.executor.stash) == 0  # every input went back to its backward
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+def test_activation_offload_with_checkpointed_loss_matches_reference(tiny_model_dir):
+    """With activation_checkpointing too, the last stage's loss stays chunked and checkpointed
+    inside the recompute; the layers are recomputed once."""
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", use_offload=True, activation_offload=True,
+                   activation_checkpointing=True)
+    losses, params = _run_in_process(cfg)
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+
+
 @pytest.mark.slow
 def test_truncated_model_matches_reference(tiny_model_dir):
     cfg = tiny_cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
@@ -124,6 +149,21 @@ def test_detects_wrong_labels(tiny_model_dir, monkeypatch):
         return [Batch(mb.input_ids, mb.labels, targets[(i + 1) % n], mb.num_targets) for i, mb in enumerate(mbs)]
 
     _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Batch, "microbatches", rotated))
+
+
+def test_detects_another_microbatch_input(tiny_model_dir, monkeypatch):
+    """activation_offload: a backward that gets another micro-batch's stage input (the first
+    other one of its stage still held) recomputes the wrong forward."""
+    from offload.activations import ActivationStash
+
+    original = ActivationStash.restore
+
+    def swapped(self, key):
+        held = [k for k in [*self._host, *self._back] if k[0] == key[0] and k != key]
+        return original(self, held[0] if held else key)
+
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(ActivationStash, "restore", swapped),
+                     schedule="gpipe", activation_offload=True)
 
 
 @pytest.mark.slow
@@ -185,6 +225,20 @@ def test_torchrun_matches_reference(tiny_model_dir, tmp_path, nproc, schedule, o
     losses = [row["loss"] for row in results["iterations"]]
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,offload", [("gpipe", False), ("1f1b", True), ("interleaved", True)])
+def test_torchrun_activation_offload_matches_reference(tiny_model_dir, tmp_path, schedule, offload):
+    """activation_offload over gloo: stage inputs received from the other rank wait in the stash,
+    outputs are kept only until sent, and the training is the same."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=offload, activation_offload=True,
+                   save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
+    proc = run_torchrun(2, cli_flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow

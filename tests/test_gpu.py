@@ -22,8 +22,9 @@ needs_gpus = lambda n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=
 def _settings(nproc: int, mode: str) -> dict:
     return {"model": "tiny", "dataset": "synthetic", "device": "cuda", "dtype": "bfloat16", "seq_length": 128,
             "batch_size": 16, "num_chunks": 4, "num_stages": 2 * nproc, "num_iterations": 6, "lr": 1e-3,
-            "schedule": "gpipe", "use_offload": mode != "resident", "use_prefetch": mode in ("prefetch", "hybrid"),
-            "resident_stages": 1 if mode == "hybrid" else 0}
+            "schedule": "gpipe", "use_offload": mode != "resident",
+            "use_prefetch": mode in ("prefetch", "hybrid", "actoff"), "resident_stages": 1 if mode == "hybrid" else 0,
+            "activation_offload": mode == "actoff"}
 
 
 def _run(tmp_path, nproc: int, mode: str) -> dict:
@@ -58,7 +59,7 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
     norm (measured on 2 H200s: 2.4e-3 for the embedding). Exact equivalence of the offload
     logic is what the float32 CPU tests check."""
     resident = _run(tmp_path, nproc, "resident")
-    for mode in ("prefetch", "noprefetch", "hybrid"):
+    for mode in ("prefetch", "noprefetch", "hybrid", "actoff"):
         run = _run(tmp_path, nproc, mode)
         for a, b in zip(run["losses"], resident["losses"]):
             assert abs(a - b) <= 1e-3 * abs(b), (mode, run["losses"], resident["losses"])
@@ -77,7 +78,7 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
 
 
 @needs_gpus(1)
-@pytest.mark.parametrize("mode", ["prefetch", "hybrid", "resident"])
+@pytest.mark.parametrize("mode", ["prefetch", "hybrid", "resident", "actoff"])
 def test_step_has_no_host_sync(tmp_path, mode):
     """No clipping; every stage offloaded (with prefetch), one kept resident, or none offloaded:
     inside an iteration the host waits for the device only where the executor documents it
@@ -126,6 +127,77 @@ def test_step_has_no_host_sync(tmp_path, mode):
     unexpected = {(f, n, code) for f, n, code in seen
                   if not (f.endswith("pipeline/executor.py") and any(a in code for a in allowed))}
     assert not unexpected, sorted(unexpected)
+
+
+def _one_rank_trainer(tmp_path, mode: str, num_chunks: int):
+    """Every stage in this process, micro-batches of 2 x 128 tokens, and one iteration run to warm up."""
+    from pipeline.config import make_config
+    from reference import in_process_trainer
+
+    cfg = make_config({**_settings(1, mode), "num_stages": 4, "num_chunks": num_chunks, "batch_size": 2 * num_chunks,
+                       "save_dir": str(tmp_path), "save_model": False, "save_metrics": False})
+    trainer = in_process_trainer(cfg)
+    batch = trainer.stream.next_batch()
+    mbs = trainer.microbatches(batch)
+    run = lambda: trainer.executor.run(trainer.actions, mbs, batch.num_targets, 1e-3)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    return trainer, run
+
+
+@needs_gpus(1)
+def test_activation_offload_memory_does_not_grow_with_microbatches(tmp_path):
+    """GPipe on one GPU (every forward before any backward): without activation_offload the peak
+    grows by every added micro-batch's activations of every stage; with it, by the hand-offs
+    between stages of this GPU only (a hidden state each, 128 KiB here)."""
+    growth = {}
+    for mode in ("prefetch", "actoff"):
+        peaks = []
+        for chunks in (4, 16):
+            trainer, run = _one_rank_trainer(tmp_path / f"{mode}{chunks}", mode, chunks)
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            run()
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+            trainer.executor.finish()
+            if mode == "actoff":
+                assert len(trainer.executor.stash) == 0
+            del trainer, run
+        growth[mode] = peaks[1] - peaks[0]
+    io = 2 * 128 * 256 * 2  # one micro-batch's hidden state (tiny preset, bf16)
+    assert growth["prefetch"] > 12 * 10 * io, growth  # the plain run keeps 12 more micro-batches' activations
+    # outputs and input gradients between stages of this GPU; blocks freed while a copy still reads
+    # them count until it is done
+    assert growth["actoff"] <= 2 * 12 * io + 4 * 2**20, growth  # outputs and input gradients between local stages
+
+
+@needs_gpus(1)
+def test_activation_offload_copies_on_their_own_stream(tmp_path):
+    """The stage inputs go to host memory and come back on a stream of their own, which runs no
+    kernel: the copies overlap compute instead of queueing behind it. Seen by the profiler: the
+    one stream with device-to-pinned copies and no kernel (the gradient offload's stream converts
+    to fp32 on the device) copies each stage input out once and back once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer, run = _one_rank_trainer(tmp_path, "actoff", 4)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    trainer.executor.finish()
+    streams: dict[int, dict[str, int]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name()
+        kind = ("out" if "Device -> Pinned" in name else "back" if "Pinned -> Device" in name else "copy") \
+            if name.startswith("Memcpy") else "set" if name.startswith("Memset") else "kernel"
+        counts = streams.setdefault(e.device_resource_id(), {})
+        counts[kind] = counts.get(kind, 0) + 1
+    stash = [sid for sid, c in streams.items() if c.get("out") and not c.get("kernel")]
+    assert len(stash) == 1, streams
+    inputs = 3 * 4  # stages 1..3, 4 micro-batches
+    assert streams[stash[0]] == {"out": inputs, "back": inputs}, streams
 
 
 def _schedule_flags(schedule: str, offload: bool, out) -> list[str]:

@@ -123,6 +123,33 @@ def test_estimate_tracks_the_schedule():
     assert peaks["1f1b"] < 0.6 * peaks["gpipe"], peaks
 
 
+def test_activation_offload_peak_does_not_grow_with_microbatches():
+    """activation_offload: the GPU holds one stage's activations of one micro-batch whatever the
+    number waiting for their backward; each waiting one costs a hidden state per stage in host
+    memory instead. 7B on two GPUs, every stage offloaded (RoundPipe's setting)."""
+    from pipeline.plan import memory_plan, resolve_kept
+
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", num_stages=16, seq_length=4096, use_offload=True, resident_stages=0,
+                activation_checkpointing=True, device="cuda", activation_offload=True)
+    io = 4096 * 4096 * 2  # one micro-batch's hidden state in bf16
+    for schedule in ("gpipe", "1f1b"):
+        peak, host = {}, {}
+        for n in (4, 16):  # micro-batches of one sequence
+            cfg = make_config({**base, "schedule": schedule, "batch_size": n, "num_chunks": n})
+            ranks, _ = memory_plan(cfg, hf, sched.round_robin(16, 2), "cuda")
+            assert all(r.parts["activations"] == 0 for r in ranks)
+            peak[n], host[n] = max(r.device_peak for r in ranks), sum(r.host for r in ranks)
+            plain, _ = memory_plan(make_config({**cfg.to_dict(), "activation_offload": False}), hf,
+                                   sched.round_robin(16, 2), "cuda")
+            assert max(r.device_peak for r in plain) > peak[n]
+        assert peak[4] == peak[16] < 8 * 2**30, peak  # RoundPipe's class: 5-8 GiB per GPU
+        if schedule == "gpipe":  # every forward first: each of 15 stage inputs of each micro-batch waits
+            assert host[16] - host[4] == 12 * 15 * io
+    kept, line = resolve_kept(make_config({**base, "keep_layers": -1, "batch_size": 4, "num_chunks": 4}), hf, 2)
+    assert kept == (0,) * 16 and "activation_offload" in line
+
+
 def test_resident_stages_move_their_state_from_host_to_gpu():
     """Each resident stage keeps its weights, gradients, masters and AdamW moments on the GPU
     (20 bytes a parameter in bf16) and none of them in host memory."""

@@ -87,6 +87,17 @@ def test_tokenizer_stages_dims_errors(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_activation_offload_refusals(tiny_model_dir, tmp_path):
+    """activation_offload recomputes each stage whole from its input: kept layers mean nothing
+    there, and dropout would draw other masks in the recompute."""
+    base = ["--model", str(tiny_model_dir), "--activation_offload"]
+    _one_error(_check(base + ["--keep_layers", "1"]), "keep_layers (1) must be 0 or -1 with it")
+    dropout = _model_copy(tiny_model_dir, tmp_path / "d", config={"attention_dropout": 0.1})
+    _one_error(_check(["--model", str(dropout), "--activation_offload"]), "attention_dropout 0.1")
+    assert _check(base).returncode == 0
+
+
+@pytest.mark.slow
 def test_seq_length_beyond_positions(tiny_model_dir):
     base = ["--model", str(tiny_model_dir), "--seq_length", "512"]  # the model has 256 positions
     _one_error(_check(base), "seq_length (512) exceeds the model's max_position_embeddings (256)")

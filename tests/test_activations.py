@@ -1,0 +1,52 @@
+"""``offload.activations.ActivationStash`` on its own: every (stage, micro-batch) gets its own
+input back, once; a second save of a key or a restore of a key never saved is an error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.activations import ActivationStash
+
+
+def test_each_key_gets_its_own_input_back_once():
+    stash = ActivationStash(torch.device("cpu"))
+    inputs = {(s, m): torch.full((2, 3, 4), float(10 * s + m)) for s in (1, 2) for m in range(3)}
+    for key, x in inputs.items():
+        stash.save(key, x)
+    assert len(stash) == 6 and stash.host_bytes() == 6 * inputs[(1, 0)].nbytes
+    stash.prefetch((2, 1))
+    stash.prefetch((2, 1))  # already on its way back: nothing more
+    stash.prefetch((3, 0))  # not saved (its forward has not run): nothing
+    for key in [(2, 1), (1, 0), (2, 2), (1, 2), (2, 0), (1, 1)]:
+        assert torch.equal(stash.restore(key), inputs[key]), key
+    assert len(stash) == 0
+    with pytest.raises(RuntimeError, match="no input held for stage 1, micro-batch 0"):
+        stash.restore((1, 0))
+
+
+def test_a_second_save_of_a_key_is_an_error():
+    stash = ActivationStash(torch.device("cpu"))
+    stash.save((1, 0), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="stage 1, micro-batch 0 is already held"):
+        stash.save((1, 0), torch.ones(2))
+    stash.clear()
+    stash.save((1, 0), torch.ones(2))
+    assert torch.equal(stash.restore((1, 0)), torch.ones(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_round_trip_through_pinned_memory():
+    """On CUDA the input crosses to pinned host memory and back on the stash's stream; the
+    device tensor may be dropped as soon as save returns: its memory is not handed out again
+    before the copy has read it."""
+    stash = ActivationStash(torch.device("cuda"))
+    x = torch.randn(4, 64, 32, device="cuda")
+    want = x.clone()
+    stash.save((1, 0), x)
+    del x
+    junk = torch.full_like(want, 7.0)  # would take x's block if the copy's use of it were not recorded
+    assert stash._host[(1, 0)].is_pinned()
+    back = stash.restore((1, 0))
+    torch.cuda.synchronize()
+    assert back.device.type == "cuda" and torch.equal(back, want) and not torch.equal(junk, want)
