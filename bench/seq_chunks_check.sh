@@ -33,6 +33,6 @@ for name in ("fp32_k1", "fp32_k4", "bf16_offload_k1", "bf16_offload_k4"):
     path = out / name / "results.json"
     if path.exists():
         rows = json.loads(path.read_text())["iterations"]
-        print(name, "losses", [r["loss"] for r in rows], "peak GiB", max(r["peak_mem_bytes"] for r in rows) / 2**30,
+        print(name, "losses", [r["loss"] for r in rows], "peak GiB", max(max(r["peak_mem_bytes"]) for r in rows) / 2**30,
               "step s", rows[-1]["step_time_s"])
 EOF

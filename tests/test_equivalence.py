@@ -61,6 +61,7 @@ def test_compiled_layers_match_reference(tiny_model_dir):
     import torch._dynamo.utils as dynamo_utils
 
     torch._dynamo.reset()
+    dynamo_utils.counters.clear()
     cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, use_offload=True, activation_checkpointing=True,
                    keep_layers=1, compile_layers="true")
     trainer = in_process_trainer(cfg)
