@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("sdpa", "eager")
+PARTITIONS = ("cost", "layers")
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,11 @@ class TrainConfig:
     schedule: str = _f("1f1b", "Pipeline schedule: 1f1b keeps fewer micro-batches in flight than gpipe and was the "
                        "fastest on GPUs; gpipe runs every forward first; interleaved is 1F1B over virtual "
                        "stages.", choices=SCHEDULE_NAMES)
+    partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
+                        "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
+                        "the even split unless another is predicted strictly faster) or layers (as even as "
+                        "possible, extra layers to the middle stages). --plan shows the layers per stage.",
+                        choices=PARTITIONS)
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
                                                 "last stage's head and loss).")
     keep_layers: int = _f(0, "With activation_checkpointing: decoder layers per stage that keep their activations "
@@ -170,8 +176,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "cache_dir"),
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
-    "parallelism": ("num_stages", "data_parallel", "schedule", "activation_checkpointing", "keep_layers", "mapping",
-                    "topology", "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
+    "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "activation_checkpointing", "keep_layers",
+                    "mapping", "topology", "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
