@@ -335,6 +335,20 @@ def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | 
     return ResumePoint(Path(path), state)
 
 
+def check_resume_partition(point: ResumePoint | None, num_stages: int, parts: list[range], partition: str) -> None:
+    """Raise ConfigError when ``point`` has this run's stage count but other decoder layers per
+    stage: its AdamW state is saved per stage, so it fits only the partition it was saved with.
+    (Another stage count continues from the weights with a fresh AdamW state, as asked.)"""
+    if point is None or point.state["num_stages"] != num_stages:
+        return
+    now = [[r.start, r.stop] for r in parts]
+    if point.state["parts"] != now:
+        then = point.state.get("config", {}).get("partition", "layers")  # saved before the key: layers
+        raise ConfigError(f"resume: {point.path} holds the decoder layers {point.state['parts']} per stage, this run "
+                          f"(partition {partition}) {now}; its AdamW state is per stage: resume with partition: "
+                          f"{then} and the same processes, or change num_stages for a fresh AdamW state")
+
+
 class CheckpointManager:
     """One rank's training checkpoints: what exact continuation needs after a step (weights and
     AdamW state per stage, data position, loss scale, RNG states, the run's shape), saved with

@@ -12,8 +12,9 @@ import torch
 import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
-from pipeline.model import partition_layers, stage_param_counts
+from pipeline.model import stage_param_counts
 from pipeline.optim import compute_dtype
+from pipeline.partition import stage_layers
 from pipeline.programs import program_spec
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
@@ -44,7 +45,8 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
 def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                    kept: tuple[int, ...] | None = None) -> tuple[MemoryInputs, dict]:
     S = cfg.num_stages
-    parts, counts = partition_layers(hf_config.num_hidden_layers, S), stage_param_counts(hf_config, S)
+    parts = stage_layers(cfg, hf_config, len(set(mapping)))
+    counts = stage_param_counts(hf_config, S, parts)
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
     program = program_spec(cfg, tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1).build(mapping)
@@ -118,7 +120,7 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     ``AUTO_RESIDENT_FRACTION`` of the GPU, after ``resolve_resident`` has spent its share: each
     kept layer saves one layer forward per micro-batch in backward. Without a GPU it is 0."""
     S = cfg.num_stages
-    layers = [len(p) for p in partition_layers(hf_config.num_hidden_layers, S)]
+    layers = [len(p) for p in stage_layers(cfg, hf_config, world_size)]
     if not cfg.activation_checkpointing:
         return (0,) * S, ""
     device = device_type(cfg)
@@ -249,6 +251,8 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing}",
              f"stage -> rank: {mapping}",
+             f"decoder layers per stage: {[len(p) for p in stage_layers(cfg, hf_config, len(set(mapping)))]} "
+             f"(partition {cfg.partition})",
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
     for r in a.ranks:
         mine = [s for s, m in enumerate(mapping) if m == r.rank]

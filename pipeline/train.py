@@ -23,8 +23,9 @@ from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, layer_windows, model_flops_per_token,
-                            partition_layers, preset_config)
+                            preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
+from pipeline.partition import stage_layers
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
 from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
@@ -350,7 +351,7 @@ class Rank:
         placement: the stage -> rank mapping and why (``placement.choice``).
         loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
         schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
-        parts: each stage's decoder layers (``partition_layers``).
+        parts: each stage's decoder layers (``pipeline.partition.stage_layers``).
         stages, stores: this rank's stages and their parameter stores, by stage id.
         replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
     """
@@ -490,7 +491,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
                                                      show=cfg.debug_schedule and env.rank == 0)
     if tied:
         check_tied_steps(cfg, schedule, mapping)
-    parts = partition_layers(hf.num_hidden_layers, S)
+    parts = stage_layers(one, hf, size)
+    checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
     stage_ids = sched.stages_of(position, mapping)
     # With offload, the stages the program never loads stay on the GPU (resident_stages), AdamW
     # included: the program is the one record of which stages those are.
