@@ -46,39 +46,58 @@ def stage_layers(cfg: TrainConfig, hf_config, num_ranks: int) -> list[range]:
         return even
     if cfg.partition != "cost":
         raise ValueError(f"partition {cfg.partition!r}: choose one of {', '.join(PARTITIONS)}")
+    return layer_ranges(list(_cost_counts(tuple(len(p) for p in even), *_inputs(cfg, hf_config, num_ranks))))
+
+
+def predicted_step_time(cfg: TrainConfig, hf_config, num_ranks: int, parts: list[range]) -> float:
+    """The step time the ``cost`` partition minimises, of ``parts`` (seconds, under its
+    assumptions: see ``_predictor``)."""
+    return _predictor(*_inputs(cfg, hf_config, num_ranks))([len(p) for p in parts])
+
+
+def _inputs(cfg: TrainConfig, hf_config, num_ranks: int) -> tuple:
+    """``_predictor``'s arguments, hashable (its answers are cached)."""
+    S = cfg.num_stages
     # A stage's FLOPs are linear in its layer count: fixed[s] + count * layer.
     zero = stage_costs(hf_config, [0] * S, cfg.seq_length, cfg.activation_checkpointing)
     one = stage_costs(hf_config, [1] * S, cfg.seq_length, cfg.activation_checkpointing)
     layer = (one[1][0] - zero[1][0], one[1][1] - zero[1][1])
     params = tuple(stage_num_params(hf_config, range(0), s == 0, s == S - 1) for s in range(S))
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    counts = _cost_counts(tuple(len(p) for p in even), layer, tuple(zero), params,
-                          stage_num_params(hf_config, range(1), False, False), program_spec(cfg, tied=tied),
-                          num_ranks, cfg.batch_size // cfg.num_chunks * cfg.seq_length, cfg.plan_tflops)
-    return layer_ranges(list(counts))
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1
+    return (layer, tuple(zero), params, stage_num_params(hf_config, range(1), False, False),
+            program_spec(cfg, tied=tied), num_ranks, cfg.batch_size // cfg.num_chunks * cfg.seq_length,
+            cfg.plan_tflops)
 
 
 @functools.lru_cache(maxsize=64)
-def _cost_counts(start: tuple[int, ...], layer: tuple[float, float], fixed: tuple[tuple[float, float], ...],
-                 params: tuple[int, ...], per_layer: int, spec: ProgramSpec, num_ranks: int, tokens: int,
-                 tflops: float) -> tuple[int, ...]:
-    # Cached: the memory plan asks again for every candidate it weighs (resident stages, advice).
+def _predictor(layer: tuple[float, float], fixed: tuple[tuple[float, float], ...], params: tuple[int, ...],
+               per_layer: int, spec: ProgramSpec, num_ranks: int, tokens: int, tflops: float):
+    """counts -> predicted step time (``schedule.costmodel.predict``) of ``spec``'s program on
+    ``num_ranks`` round-robin ranks. As the mapping planner assumes: bf16 parameters,
+    ``ASSUMED_LINK_GBPS`` per GPU, each GPU under its own root (the topology is not known yet),
+    compute at ``tflops``; stage s computes ``fixed[s] + count * layer`` FLOPs a token."""
     mapping = sched.round_robin(spec.num_stages, num_ranks)
     program = spec.build(mapping)
     gpus = list(range(num_ranks))
     per_s = tokens / (tflops * 1e12)  # seconds per FLOP per token of a micro-batch
 
     def step_time(counts: list[int]) -> float:
-        # As the mapping planner assumes: bf16 parameters, ASSUMED_LINK_GBPS per GPU, each GPU
-        # under its own root (the topology is not known yet), compute at plan_tflops.
         stage_bytes = [2 * (p + c * per_layer) for p, c in zip(params, counts)]
         compute = {s: ((f + c * layer[0]) * per_s, (b + c * layer[1]) * per_s)
                    for s, (c, (f, b)) in enumerate(zip(counts, fixed))}
         return predict(program, mapping, gpus, gpus, compute, stage_bytes, ASSUMED_LINK_GBPS,
                        ASSUMED_LINK_GBPS).step_time
 
+    return step_time
+
+
+@functools.lru_cache(maxsize=64)
+def _cost_counts(start: tuple[int, ...], *inputs) -> tuple[int, ...]:
+    # Cached: the memory plan asks again for every candidate it weighs (resident stages, advice).
+    layer, fixed, spec, num_ranks = inputs[0], inputs[1], inputs[4], inputs[5]
     loads = [f + b for f, b in fixed]
-    return tuple(choose_counts(list(start), sum(layer), loads, mapping, step_time))
+    return tuple(choose_counts(list(start), sum(layer), loads, sched.round_robin(spec.num_stages, num_ranks),
+                               _predictor(*inputs)))
 
 
-__all__ = ["PARTITIONS", "stage_costs", "stage_layers"]
+__all__ = ["PARTITIONS", "predicted_step_time", "stage_costs", "stage_layers"]

@@ -12,9 +12,9 @@ import torch
 import schedule as sched
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
-from pipeline.model import stage_param_counts
+from pipeline.model import partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
-from pipeline.partition import stage_layers
+from pipeline.partition import predicted_step_time, stage_layers
 from pipeline.programs import program_spec
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
@@ -156,9 +156,22 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     return tuple(kept), line
 
 
+def partition_line(cfg: TrainConfig, hf_config, num_ranks: int) -> str:
+    """The decoder layers per stage, and with ``partition: cost`` the step times it compared."""
+    parts = stage_layers(cfg, hf_config, num_ranks)
+    line = f"decoder layers per stage: {[len(p) for p in parts]} (partition {cfg.partition}"
+    if cfg.partition == "cost" and cfg.num_stages > 1:
+        even = partition_layers(hf_config.num_hidden_layers, cfg.num_stages)
+        line += (f": predicted step {predicted_step_time(cfg, hf_config, num_ranks, parts):.4g}s, the even split "
+                 f"{predicted_step_time(cfg, hf_config, num_ranks, even):.4g}s at {cfg.plan_tflops:g} TFLOP/s")
+    return line + ")"
+
+
 def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainConfig]]:
     """The levers a user has, each as the config it gives."""
     alts = []
+    if cfg.partition == "cost":  # the cost partition may give a stage more layers than the even split
+        alts.append(("partition: layers", dataclasses.replace(cfg, partition="layers")))
     if cfg.use_offload and cfg.resident_stages > 0:
         alts.append(("resident_stages: 0", dataclasses.replace(cfg, resident_stages=0)))
     if not cfg.activation_checkpointing:
@@ -251,8 +264,7 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing}",
              f"stage -> rank: {mapping}",
-             f"decoder layers per stage: {[len(p) for p in stage_layers(cfg, hf_config, len(set(mapping)))]} "
-             f"(partition {cfg.partition})",
+             partition_line(cfg, hf_config, len(set(mapping))),
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
     for r in a.ranks:
         mine = [s for s, m in enumerate(mapping) if m == r.rank]
@@ -274,4 +286,5 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report", "resolve_kept", "resolve_resident"]
+__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "partition_line", "report", "resolve_kept",
+           "resolve_resident"]

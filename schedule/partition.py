@@ -55,23 +55,46 @@ def balance_layers(start: Sequence[int], layer: float, fixed: Sequence[float], m
 
 
 def choose_counts(start: Sequence[int], layer: float, fixed: Sequence[float], mapping: Sequence[int],
-                  step_time: Callable[[list[int]], float]) -> list[int]:
-    """The counts with the smallest ``step_time`` (the cost model's prediction) among ``start``
-    and its two balanced forms (``balance_layers`` ranks first, stages first); ``start`` unless
-    another is predicted strictly faster, so the answer is never predicted slower than ``start``."""
+                  step_time: Callable[[list[int]], float], budget: int | None = None) -> list[int]:
+    """Counts with a small ``step_time`` (the cost model's prediction): the fastest of ``start``
+    and its two balanced forms (``balance_layers`` ranks first, stages first), then improved one
+    layer move at a time while a move is predicted strictly faster, within ``budget`` predictions
+    (default ``4 * stages + 16``). The loads do not see the pipeline's fill and drain (a light
+    first stage starts the others sooner), the prediction does. Deterministic; never predicted
+    slower than ``start``, which wins ties.
+
+    Moves are tried from the most loaded stage to the least loaded first; a stage with no layer
+    in ``start`` gets none, every other keeps at least one."""
+    budget = 4 * len(start) + 16 if budget is None else budget
     candidates = [list(start)]
     for ranks_first in (True, False):
         c = balance_layers(start, layer, fixed, mapping, ranks_first)
         if c not in candidates:
             candidates.append(c)
-    if len(candidates) == 1:
-        return candidates[0]
     times = [step_time(c) for c in candidates]
     best = 0
     for i, t in enumerate(times):
         if t < times[best] * (1 - _REL_TIE):
             best = i
-    return candidates[best]
+    counts, best_t, spent = candidates[best], times[best], len(times)
+    improved = True
+    while improved and spent < budget:
+        improved = False
+        loads = [c * layer + f for c, f in zip(counts, fixed)]
+        order = sorted(range(len(counts)), key=lambda s: (-loads[s], s))
+        for i, j in ((i, j) for i in order for j in reversed(order)):
+            if i == j or counts[i] <= 1 or counts[j] == 0:
+                continue
+            if spent >= budget:
+                break
+            trial = list(counts)
+            trial[i], trial[j] = trial[i] - 1, trial[j] + 1
+            t = step_time(trial)
+            spent += 1
+            if t < best_t * (1 - _REL_TIE):
+                counts, best_t, improved = trial, t, True
+                break
+    return counts
 
 
 __all__ = ["balance_layers", "choose_counts"]
