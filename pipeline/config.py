@@ -75,9 +75,9 @@ class TrainConfig:
                        "stages.", choices=SCHEDULE_NAMES)
     partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
                         "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
-                        "the even split unless another is predicted strictly faster) or layers (as even as "
-                        "possible, extra layers to the middle stages). --plan shows the layers per stage.",
-                        choices=PARTITIONS)
+                        "the even split unless another is predicted at least 0.1% faster), layers (as even as possible, "
+                        "extra layers to the middle stages) or the counts themselves, comma-separated (\"3,5,4,4\": "
+                        "what a checkpoint's stages hold). --plan shows the layers per stage.")
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
                                                 "last stage's head and loss).")
     keep_layers: int = _f(0, "With activation_checkpointing: decoder layers per stage that keep their activations "
@@ -305,7 +305,23 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, name) not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
+    partition_counts(cfg.partition)
     return cfg
+
+
+def partition_counts(partition: str) -> list[int] | None:
+    """The decoder layers per stage ``partition`` names explicitly ("3,5,4,4"); None for
+    ``PARTITIONS`` (decided from the model). Raises ConfigError for anything else."""
+    if partition in PARTITIONS:
+        return None
+    try:
+        counts = [int(c) for c in partition.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)} or the decoder layers per stage, "
+                          f"comma-separated (e.g. 3,5,4,4); got {partition!r}")
+    return counts
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, str]:

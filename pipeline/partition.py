@@ -3,15 +3,16 @@
 ``layers`` splits the decoder layers evenly (``partition_layers``). ``cost`` moves layers away
 from the stages (and ranks) whose embedding or head make them the slowest, as the cost model
 predicts (``schedule.partition.choose_counts``): it keeps the even split unless another is
-predicted strictly faster, so it is never predicted slower. Pure: every rank, the memory plan
-and ``--plan`` compute the same answer from the same configuration.
+predicted at least 0.1% faster (``MIN_GAIN``), so it is never predicted slower. Given counts
+("3,5,4,4") are taken as they are. Pure: every rank, the memory plan and ``--plan`` compute the
+same answer from the same configuration.
 """
 from __future__ import annotations
 
 import functools
 
 import schedule as sched
-from pipeline.config import PARTITIONS, TrainConfig
+from pipeline.config import TrainConfig, partition_counts
 from pipeline.model import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
 from pipeline.programs import program_spec
 from schedule.costmodel import predict
@@ -41,11 +42,15 @@ def stage_layers(cfg: TrainConfig, hf_config, num_ranks: int) -> list[range]:
     GPUs), by ``cfg.partition``. With checkpointing every layer counts as recomputed (the
     layers ``keep_layers`` spares are chosen after the partition)."""
     S, L = cfg.num_stages, hf_config.num_hidden_layers
+    given = partition_counts(cfg.partition)
+    if given is not None:
+        if len(given) != S or sum(given) != L:
+            raise ValueError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; "
+                             f"this run has {S} stages and {L} layers")
+        return layer_ranges(given)
     even = partition_layers(L, S)
     if cfg.partition == "layers" or S == 1:
         return even
-    if cfg.partition != "cost":
-        raise ValueError(f"partition {cfg.partition!r}: choose one of {', '.join(PARTITIONS)}")
     return layer_ranges(list(_cost_counts(tuple(len(p) for p in even), *_inputs(cfg, hf_config, num_ranks))))
 
 
@@ -100,4 +105,4 @@ def _cost_counts(start: tuple[int, ...], *inputs) -> tuple[int, ...]:
                                _predictor(*inputs)))
 
 
-__all__ = ["PARTITIONS", "predicted_step_time", "stage_costs", "stage_layers"]
+__all__ = ["predicted_step_time", "stage_costs", "stage_layers"]

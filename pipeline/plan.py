@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.model import partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
@@ -182,7 +182,10 @@ def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainCon
         alts.append((f"num_chunks: {cfg.num_chunks * 2} (smaller micro-batches)",
                      dataclasses.replace(cfg, num_chunks=cfg.num_chunks * 2)))
     if cfg.num_stages * 2 <= num_layers + 2:
-        alts.append((f"num_stages: {cfg.num_stages * 2}", dataclasses.replace(cfg, num_stages=cfg.num_stages * 2)))
+        # counts given for num_stages do not fit twice the stages: those are cut by cost
+        partition = cfg.partition if partition_counts(cfg.partition) is None else "cost"
+        alts.append((f"num_stages: {cfg.num_stages * 2}",
+                     dataclasses.replace(cfg, num_stages=cfg.num_stages * 2, partition=partition)))
     if cfg.schedule == "gpipe":
         alts.append(("schedule: 1f1b (fewer micro-batches in flight)", dataclasses.replace(cfg, schedule="1f1b")))
     return alts

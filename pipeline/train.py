@@ -17,7 +17,7 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
@@ -97,6 +97,10 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if cfg.num_stages > hf_config.num_hidden_layers + 2:
         raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
                           f"({hf_config.num_hidden_layers} + 2); use fewer stages")
+    given = partition_counts(cfg.partition)
+    if given is not None and (len(given) != cfg.num_stages or sum(given) != hf_config.num_hidden_layers):
+        raise ConfigError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; the "
+                          f"run has num_stages {cfg.num_stages} and {hf_config.num_hidden_layers} layers")
     types = getattr(hf_config, "layer_types", None)
     if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
@@ -466,7 +470,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
     lay = layout(cfg, env.rank, env.world_size)
     position, size = lay.position, lay.pipeline_size
-    resolved = resolved or resolve(cfg, env.world_size, hf)
+    resolved = resolved or resolve(cfg, env.world_size, hf, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
     cfg, one = resolved.cfg, resolved.replica
     S = cfg.num_stages
     # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
@@ -691,7 +695,7 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
-    whole, resolved = cfg, resolve(cfg, world_size, source.config)
+    whole, resolved = cfg, resolve(cfg, world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size,
                            resolved.kept)
@@ -717,7 +721,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     # Rank 0 makes the automatic choices (auto reads its GPU's size); every rank runs them.
     resolved = None
     if env.rank == 0:
-        resolved = resolve(cfg, env.world_size, source.config)
+        resolved = resolve(cfg, env.world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
         for line in resolved.lines:
             print(line, flush=True)
     resolved = broadcast_object(resolved)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-_REL_TIE = 1e-9  # relative: predicted step times closer than this are equal
+# A change of partition must be predicted this much faster (relative): below it the cost model's
+# error decides, and a change moves memory between stages and a checkpoint's AdamW state with it.
+MIN_GAIN = 1e-3
 
 
 def _key(counts: Sequence[int], layer: float, fixed: Sequence[float], mapping: Sequence[int],
@@ -58,10 +60,10 @@ def choose_counts(start: Sequence[int], layer: float, fixed: Sequence[float], ma
                   step_time: Callable[[list[int]], float], budget: int | None = None) -> list[int]:
     """Counts with a small ``step_time`` (the cost model's prediction): the fastest of ``start``
     and its two balanced forms (``balance_layers`` ranks first, stages first), then improved one
-    layer move at a time while a move is predicted strictly faster, within ``budget`` predictions
+    layer move at a time while a move is predicted faster by ``MIN_GAIN``, within ``budget`` predictions
     (default ``4 * stages + 16``). The loads do not see the pipeline's fill and drain (a light
     first stage starts the others sooner), the prediction does. Deterministic; never predicted
-    slower than ``start``, which wins ties.
+    slower than ``start``, which wins unless another is ``MIN_GAIN`` faster.
 
     Moves are tried from the most loaded stage to the least loaded first; a stage with no layer
     in ``start`` gets none, every other keeps at least one."""
@@ -74,7 +76,7 @@ def choose_counts(start: Sequence[int], layer: float, fixed: Sequence[float], ma
     times = [step_time(c) for c in candidates]
     best = 0
     for i, t in enumerate(times):
-        if t < times[best] * (1 - _REL_TIE):
+        if t < times[best] * (1 - MIN_GAIN):
             best = i
     counts, best_t, spent = candidates[best], times[best], len(times)
     improved = True
@@ -91,10 +93,10 @@ def choose_counts(start: Sequence[int], layer: float, fixed: Sequence[float], ma
             trial[i], trial[j] = trial[i] - 1, trial[j] + 1
             t = step_time(trial)
             spent += 1
-            if t < best_t * (1 - _REL_TIE):
+            if t < best_t * (1 - MIN_GAIN):
                 counts, best_t, improved = trial, t, True
                 break
     return counts
 
 
-__all__ = ["balance_layers", "choose_counts"]
+__all__ = ["MIN_GAIN", "balance_layers", "choose_counts"]
