@@ -249,5 +249,6 @@ def test_plan_cli_prints_every_rank_and_the_verdict():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "stage -> rank: [0, 1, 2, 3, 0, 1, 2, 3]" in out
+    assert "decoder layers per stage: [" in out and "(partition cost: predicted step " in out
     assert all(f"rank {r} actions:" in out for r in range(4))
     assert "GPU:" in out and "fits" in out
