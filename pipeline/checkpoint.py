@@ -335,6 +335,37 @@ def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | 
     return ResumePoint(Path(path), state)
 
 
+def saved_partition(resume: str, save_dir: str) -> list[int] | None:
+    """The decoder layers per stage of the checkpoint ``resume`` names ('latest' or a path), read
+    without collectives for ``resolve``; None without a readable one (``find_resume`` reports
+    what is wrong with it later)."""
+    if not resume:
+        return None
+    path = find_latest(Path(save_dir), lambda line: None) if resume == "latest" else Path(resume)
+    if path is None or validate_checkpoint(path):
+        return None
+    try:
+        return [b - a for a, b in read_trainer_state(path)["parts"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_resume_partition(point: ResumePoint | None, num_stages: int, parts: list[range], partition: str) -> None:
+    """Raise ConfigError when ``point`` has this run's stage count and layers but other decoder
+    layers per stage: its AdamW state is saved per stage, so it fits only the partition it was
+    saved with. ``resolve`` adopts that partition unless counts were given; another stage count
+    continues from the weights with a fresh AdamW state, as asked."""
+    if point is None or point.state["num_stages"] != num_stages:
+        return
+    now = [[r.start, r.stop] for r in parts]
+    # other layers in all (num_layers changed): a fresh AdamW state, as for another stage count
+    if point.state["parts"] != now and point.state["parts"][-1][1] == now[-1][1]:
+        counts = ",".join(str(b - a) for a, b in point.state["parts"])
+        raise ConfigError(f"resume: {point.path} holds the decoder layers {point.state['parts']} per stage, this run "
+                          f"(partition {partition}) {now}; its AdamW state is per stage: resume with partition: "
+                          f"{counts} (or change num_stages for a fresh AdamW state)")
+
+
 class CheckpointManager:
     """One rank's training checkpoints: what exact continuation needs after a step (weights and
     AdamW state per stage, data position, loss scale, RNG states, the run's shape), saved with

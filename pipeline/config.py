@@ -25,6 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")
 COMPILE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("sdpa", "eager")
+PARTITIONS = ("cost", "layers")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,11 @@ class TrainConfig:
                          "instead of whole sequences (exact: each segment attends to the earlier segments' keys and "
                          "values, which stay on the device until the micro-batch's backward). For long seq_length; "
                          "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows.")
+    partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
+                        "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
+                        "the even split unless another is predicted at least 0.1% faster), layers (as even as possible, "
+                        "extra layers to the middle stages) or the counts themselves, comma-separated (\"3,5,4,4\": "
+                        "what a checkpoint's stages hold). --plan shows the layers per stage.")
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
                                                 "last stage's head and loss).")
     keep_layers: int = _f(0, "With activation_checkpointing: decoder layers per stage that keep their activations "
@@ -189,7 +195,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "cache_dir"),
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
-    "parallelism": ("num_stages", "data_parallel", "schedule", "seq_chunks", "activation_checkpointing",
+    "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",
                     "keep_layers", "activation_offload", "compile_layers", "mapping", "topology", "plan_tflops",
                     "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
@@ -321,7 +327,23 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, name) not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
+    partition_counts(cfg.partition)
     return cfg
+
+
+def partition_counts(partition: str) -> list[int] | None:
+    """The decoder layers per stage ``partition`` names explicitly ("3,5,4,4"); None for
+    ``PARTITIONS`` (decided from the model). Raises ConfigError for anything else."""
+    if partition in PARTITIONS:
+        return None
+    try:
+        counts = [int(c) for c in partition.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise ConfigError(f"partition must be one of {', '.join(PARTITIONS)} or the decoder layers per stage, "
+                          f"comma-separated (e.g. 3,5,4,4); got {partition!r}")
+    return counts
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, str]:

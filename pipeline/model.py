@@ -1,7 +1,7 @@
 """A Hugging Face decoder LM cut into pipeline stages.
 
 Stage 0 holds the token embedding, the last stage the final norm and ``lm_head``; decoder
-layers are spread evenly. A stage's ``state_dict`` keys are exactly the Hugging Face keys
+layers are spread evenly (``partition_layers``) or by cost (``pipeline.partition``). A stage's ``state_dict`` keys are exactly the Hugging Face keys
 (``model.layers.7.mlp.up_proj.weight``), so loading reads only the owned tensors from the
 safetensors (or ``.bin``) files and saving writes a shard a stage.
 """
@@ -57,6 +57,11 @@ def partition_layers(num_layers: int, num_stages: int) -> list[range]:
     order = sorted(holders, key=lambda s: abs(s - (num_stages - 1) / 2))
     for s in order[:extra]:
         counts[s] += 1
+    return layer_ranges(counts)
+
+
+def layer_ranges(counts: list[int]) -> list[range]:
+    """Consecutive decoder layers, ``counts[s]`` of them for stage s."""
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))
@@ -409,9 +414,10 @@ def stage_num_params(config, layer_ids: range, first: bool, last: bool) -> int:
     return len(layer_ids) * per_layer + (v * h if first else 0) + ((v * h * (not tied) + h) if last else 0)
 
 
-def stage_param_counts(config, num_stages: int) -> list[int]:
-    """Parameter count of every stage when the model is cut into ``num_stages`` (``partition_layers``)."""
-    parts = partition_layers(config.num_hidden_layers, num_stages)
+def stage_param_counts(config, num_stages: int, parts: list[range] | None = None) -> list[int]:
+    """Parameter count of every stage when the model is cut into ``parts`` (default
+    ``partition_layers``: a run's are ``pipeline.partition.stage_layers``)."""
+    parts = partition_layers(config.num_hidden_layers, num_stages) if parts is None else parts
     return [stage_num_params(config, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
 
 
@@ -427,13 +433,21 @@ def model_key_cost(config) -> float:
                               getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
+def forward_flops_per_token(config, num_layers: int, last: bool, seq_len: int) -> float:
+    """Forward FLOPs per token of ``num_layers`` decoder layers, and of the head when ``last``:
+    2 per parameter (matmuls) and the causal attention scores (2*T*h, half of 4*T*h). The
+    embedding is a lookup (no FLOPs), and the loss's softmax is small beside the head's 2*V*h."""
+    n = stage_num_params(config, range(num_layers), False, last)
+    return 2 * n + 2 * num_layers * seq_len * config.hidden_size
+
+
 def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
-    n = stage_num_params(config, range(num_layers), False, True)  # the layers and the head, not the lookup
-    return 6 * n + 6 * num_layers * seq_len * config.hidden_size  # 12*L*T*h/2 for causal attention
+    return 3 * forward_flops_per_token(config, num_layers, True, seq_len)
 
 
 __all__ = ["LOSS_CHUNK_BYTES", "PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask",
-           "check_tied_checkpoint", "compile_layers", "init_weights_", "layer_windows", "load_weights_",
-           "loss_chunk_tokens", "model_flops_per_token", "model_key_cost", "partition_layers",
+           "check_tied_checkpoint", "compile_layers", "forward_flops_per_token", "init_weights_", "layer_ranges",
+           "layer_windows", "load_weights_", "loss_chunk_tokens", "model_flops_per_token", "model_key_cost",
+           "partition_layers",
            "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]

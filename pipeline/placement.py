@@ -16,6 +16,7 @@ from pipeline.topology import GpuLink, Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.model import stage_param_counts
+from pipeline.partition import stage_layers
 from pipeline.programs import program_spec
 from schedule.mapping import MappingChoice, choose_mapping, describe_plan
 
@@ -86,7 +87,7 @@ def load_topology(cfg: TrainConfig, discover_ok: bool) -> Topology | None:
 def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
     S = cfg.num_stages
     elem = torch.empty(0, dtype=dtype).element_size()
-    stage_bytes = [n * elem for n in stage_param_counts(hf_config, S)]
+    stage_bytes = [n * elem for n in stage_param_counts(hf_config, S, stage_layers(cfg, hf_config, env.world_size))]
     topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping == "planned")
     groups, links, why = rank_topology(topo, env)
     try:
@@ -120,7 +121,7 @@ def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.d
 def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
     """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
     assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
-    params = stage_param_counts(hf_config, cfg.num_stages)
+    params = stage_param_counts(hf_config, cfg.num_stages, stage_layers(cfg, hf_config, len(topology.groups())))
     return describe_plan(topology.groups(), params, program_spec(cfg), cfg.seq_length,
                          cfg.batch_size // cfg.num_chunks, gpu_ids=topology.indices(),
                          link_gbps=topology.link_gbps(), tflops=cfg.plan_tflops)

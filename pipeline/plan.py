@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.model import model_key_cost, partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
+from pipeline.partition import predicted_step_time, stage_layers
 from pipeline.programs import program_spec
 from pipeline.segments import segment_lengths
 
@@ -45,7 +46,8 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
 def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                    kept: tuple[int, ...] | None = None) -> tuple[MemoryInputs, dict]:
     S = cfg.num_stages
-    parts, counts = partition_layers(hf_config.num_hidden_layers, S), stage_param_counts(hf_config, S)
+    parts = stage_layers(cfg, hf_config, len(set(mapping)))
+    counts = stage_param_counts(hf_config, S, parts)
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
     program = program_spec(cfg, tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1).build(mapping)
@@ -125,7 +127,7 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     ``AUTO_RESIDENT_FRACTION`` of the GPU, after ``resolve_resident`` has spent its share: each
     kept layer saves one layer forward per micro-batch in backward. Without a GPU it is 0."""
     S = cfg.num_stages
-    layers = [len(p) for p in partition_layers(hf_config.num_hidden_layers, S)]
+    layers = [len(p) for p in stage_layers(cfg, hf_config, world_size)]
     if not cfg.activation_checkpointing:
         return (0,) * S, ""
     if cfg.activation_offload:
@@ -165,9 +167,22 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     return tuple(kept), line
 
 
+def partition_line(cfg: TrainConfig, hf_config, num_ranks: int) -> str:
+    """The decoder layers per stage, and with ``partition: cost`` the step times it compared."""
+    parts = stage_layers(cfg, hf_config, num_ranks)
+    line = f"decoder layers per stage: {[len(p) for p in parts]} (partition {cfg.partition}"
+    if cfg.partition == "cost" and cfg.num_stages > 1:
+        even = partition_layers(hf_config.num_hidden_layers, cfg.num_stages)
+        line += (f": predicted step {predicted_step_time(cfg, hf_config, num_ranks, parts):.4g}s, the even split "
+                 f"{predicted_step_time(cfg, hf_config, num_ranks, even):.4g}s at {cfg.plan_tflops:g} TFLOP/s")
+    return line + ")"
+
+
 def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainConfig]]:
     """The levers a user has, each as the config it gives."""
     alts = []
+    if cfg.partition == "cost":  # the cost partition may give a stage more layers than the even split
+        alts.append(("partition: layers", dataclasses.replace(cfg, partition="layers")))
     if cfg.use_offload and cfg.resident_stages > 0:
         alts.append(("resident_stages: 0", dataclasses.replace(cfg, resident_stages=0)))
     if not cfg.activation_checkpointing:
@@ -180,7 +195,10 @@ def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainCon
         alts.append((f"num_chunks: {cfg.num_chunks * 2} (smaller micro-batches)",
                      dataclasses.replace(cfg, num_chunks=cfg.num_chunks * 2)))
     if cfg.num_stages * 2 <= num_layers + 2:
-        alts.append((f"num_stages: {cfg.num_stages * 2}", dataclasses.replace(cfg, num_stages=cfg.num_stages * 2)))
+        # counts given for num_stages do not fit twice the stages: those are cut by cost
+        partition = cfg.partition if partition_counts(cfg.partition) is None else "cost"
+        alts.append((f"num_stages: {cfg.num_stages * 2}",
+                     dataclasses.replace(cfg, num_stages=cfg.num_stages * 2, partition=partition)))
     if cfg.schedule == "gpipe":
         alts.append(("schedule: 1f1b (fewer micro-batches in flight)", dataclasses.replace(cfg, schedule="1f1b")))
     # Sequence segments: a stage holds a few segments' activations instead of whole rows (the
@@ -272,6 +290,7 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing} activation_offload={cfg.activation_offload}",
              f"stage -> rank: {mapping}",
+             partition_line(cfg, hf_config, len(set(mapping))),
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
     for r in a.ranks:
         mine = [s for s, m in enumerate(mapping) if m == r.rank]
@@ -293,4 +312,5 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "report", "resolve_kept", "resolve_resident"]
+__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "partition_line", "report", "resolve_kept",
+           "resolve_resident"]

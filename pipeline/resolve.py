@@ -2,7 +2,8 @@
 
 ``resolve`` is pure: from the configuration, the number of processes and the model's config it
 decides what ``-1 = auto`` leaves open (the resident stages, then the layers that keep their
-activations, both from the memory plan of one replica's pipeline) and says so in log lines.
+activations, both from the memory plan of one replica's pipeline), keeps a resumed checkpoint's
+layers per stage, and says so in log lines.
 Training runs it on rank 0 (auto reads that rank's GPU) and broadcasts the result; ``--plan``
 and a ``Trainer`` built directly (tests) run it themselves. Everything after it reads the
 ``Resolved`` and decides nothing again.
@@ -12,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.config import TrainConfig
+from pipeline.config import TrainConfig, partition_counts
+from pipeline.partition import stage_layers
 from pipeline.plan import resolve_kept, resolve_resident
 from pipeline.replicas import replica_config
 
@@ -40,12 +42,31 @@ class Resolved:
         return replica_config(self.cfg)
 
 
-def resolve(cfg: TrainConfig, world_size: int, hf_config) -> Resolved:
+def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int] | None = None) -> Resolved:
+    """``saved_parts``: the decoder layers per stage of the checkpoint the run resumes from
+    (``checkpoint.saved_partition``), kept where they fit."""
     size = world_size // cfg.data_parallel
+    cfg, partition = resume_partition(cfg, hf_config, size, saved_parts)
     one, resident = resolve_resident(replica_config(cfg), hf_config, size)
     kept, recompute = resolve_kept(one, hf_config, size)
     return Resolved(dataclasses.replace(cfg, resident_stages=one.resident_stages), kept, size,
-                    tuple(line for line in (resident, recompute) if line))
+                    tuple(line for line in (partition, resident, recompute) if line))
 
 
-__all__ = ["Resolved", "resolve"]
+def resume_partition(cfg: TrainConfig, hf_config, size: int, saved: list[int] | None) -> tuple[TrainConfig, str]:
+    """``cfg`` with the checkpoint's decoder layers per stage (``saved``) as its ``partition``
+    where this run's would differ, and a log line saying so: the AdamW state is saved per stage,
+    and the cost partition depends on the processes. Unchanged with counts given, or another
+    number of stages or layers (those restart AdamW)."""
+    if saved is None or len(saved) != cfg.num_stages or sum(saved) != hf_config.num_hidden_layers \
+            or partition_counts(cfg.partition) is not None:
+        return cfg, ""
+    now = [len(p) for p in stage_layers(replica_config(cfg), hf_config, size)]
+    if now == saved:
+        return cfg, ""
+    return (dataclasses.replace(cfg, partition=",".join(map(str, saved))),
+            f"partition: the checkpoint's decoder layers per stage {saved} (its AdamW state is per stage; "
+            f"partition {cfg.partition} gives {now} here)")
+
+
+__all__ = ["Resolved", "resolve", "resume_partition"]

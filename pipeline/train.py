@@ -17,14 +17,15 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers, layer_windows,
-                            model_flops_per_token, model_key_cost, partition_layers, preset_config)
+                            model_flops_per_token, model_key_cost, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
+from pipeline.partition import stage_layers
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
 from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
@@ -96,6 +97,10 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if cfg.num_stages > hf_config.num_hidden_layers + 2:
         raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
                           f"({hf_config.num_hidden_layers} + 2); use fewer stages")
+    given = partition_counts(cfg.partition)
+    if given is not None and (len(given) != cfg.num_stages or sum(given) != hf_config.num_hidden_layers):
+        raise ConfigError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; the "
+                          f"run has num_stages {cfg.num_stages} and {hf_config.num_hidden_layers} layers")
     types = getattr(hf_config, "layer_types", None)
     if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
@@ -373,7 +378,7 @@ class Rank:
         placement: the stage -> rank mapping and why (``placement.choice``).
         loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
         schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
-        parts: each stage's decoder layers (``partition_layers``).
+        parts: each stage's decoder layers (``pipeline.partition.stage_layers``).
         stages, stores: this rank's stages and their parameter stores, by stage id.
         replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
     """
@@ -498,7 +503,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
     lay = layout(cfg, env.rank, env.world_size)
     position, size = lay.position, lay.pipeline_size
-    resolved = resolved or resolve(cfg, env.world_size, hf)
+    resolved = resolved or resolve(cfg, env.world_size, hf, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
     cfg, one = resolved.cfg, resolved.replica
     S = cfg.num_stages
     # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
@@ -523,7 +528,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
                                                      show=cfg.debug_schedule and env.rank == 0)
     if tied:
         check_tied_steps(cfg, schedule, mapping)
-    parts = partition_layers(hf.num_hidden_layers, S)
+    parts = stage_layers(one, hf, size)
+    checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
     stage_ids = sched.stages_of(position, mapping)
     # With offload, the stages the program never loads stay on the GPU (resident_stages), AdamW
     # included: the program is the one record of which stages those are.
@@ -726,7 +732,7 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
 
         ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
     source = resolve_model(cfg)
-    whole, resolved = cfg, resolve(cfg, world_size, source.config)
+    whole, resolved = cfg, resolve(cfg, world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size,
                            resolved.kept)
@@ -752,7 +758,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     # Rank 0 makes the automatic choices (auto reads its GPU's size); every rank runs them.
     resolved = None
     if env.rank == 0:
-        resolved = resolve(cfg, env.world_size, source.config)
+        resolved = resolve(cfg, env.world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
         for line in resolved.lines:
             print(line, flush=True)
     resolved = broadcast_object(resolved)

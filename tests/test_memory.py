@@ -115,9 +115,10 @@ def test_estimate_tracks_the_schedule():
 
     hf = preset_config("llama-2-7b")
     peaks = {}
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b"):  # the same layers per stage under both schedules
         cfg = make_config(dict(model="llama-2-7b", schedule=name, num_stages=8, num_chunks=16, batch_size=64,
-                               seq_length=512, use_offload=True, activation_checkpointing=True, device="cuda"))
+                               seq_length=512, use_offload=True, activation_checkpointing=True, device="cuda",
+                               partition="layers"))
         ranks, _ = memory_plan(cfg, hf, sched.round_robin(8, 4), "cuda")
         peaks[name] = max(r.parts["activations"] for r in ranks)
     assert peaks["1f1b"] < 0.6 * peaks["gpipe"], peaks
@@ -200,7 +201,7 @@ def test_auto_kept_layers_fill_the_spare_gpu_memory():
     hf = preset_config("llama-2-7b")
     base = dict(model="llama-2-7b", schedule="1f1b", num_stages=16, num_chunks=16, batch_size=64, seq_length=512,
                 use_offload=True, resident_stages=0, activation_checkpointing=True, keep_layers=-1, device="cuda",
-                dtype="bfloat16")
+                dtype="bfloat16", partition="layers")  # equal stages: the order follows the micro-batches in flight
     mapping = sched.round_robin(16, 2)
     peak = lambda cfg, kept: max(r.device_peak for r in plan.memory_plan(cfg, hf, mapping, "cuda", kept)[0])  # noqa: E731
     for gb in (24, 48):
@@ -278,5 +279,6 @@ def test_plan_cli_prints_every_rank_and_the_verdict():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "stage -> rank: [0, 1, 2, 3, 0, 1, 2, 3]" in out
+    assert "decoder layers per stage: [" in out and "(partition cost: predicted step " in out
     assert all(f"rank {r} actions:" in out for r in range(4))
     assert "GPU:" in out and "fits" in out
