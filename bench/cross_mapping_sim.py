@@ -10,35 +10,41 @@ Assumptions (all printed under the table):
   fairly by the GPUs under it that copy at the same time (loads and offloads do not interfere).
 * Compute: forward 2 FLOPs per parameter and token, backward twice that, at ``--tflops``
   achieved per GPU (attention and the embedding lookup are counted as matmul FLOPs).
-* bf16 parameters are loaded and bf16 gradients offloaded per stage residency; prefetch on;
-  global-norm clipping on; the CPU optimizer step takes no time (it is the same for every mapping).
+* Each case is a run's configuration (one row of ``tokens`` per micro-batch): its program
+  (``program_spec``: bf16 parameters loaded and bf16 gradients offloaded per stage residency,
+  prefetch, global-norm clipping) and its decoder layers per stage (``stage_layers``, the
+  default cost partition at ``--tflops``); the CPU optimizer step takes no time (it is the same
+  for every mapping).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.config import TrainConfig, make_config  # noqa: E402
+from pipeline.model import preset_config, stage_param_counts  # noqa: E402
+from pipeline.partition import stage_layers  # noqa: E402
+from pipeline.programs import program_spec  # noqa: E402
 from schedule.mapping import compare_mappings  # noqa: E402
 
-# Llama-2 shapes (pipeline/model.py PRESETS), repeated here so the script needs no torch.
-MODELS = {
-    "Llama-2 7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000),
-    "Llama-2 13B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                        num_key_value_heads=40, vocab_size=32000),
-}
+MODELS = {"Llama-2 7B": "llama-2-7b", "Llama-2 13B": "llama-2-13b"}  # table name -> preset (pipeline/model.py)
 GROUPS = [0, 1, 0, 1]  # root complex of GPU 0..3
 
 
-def stage_params(shape: dict, num_stages: int) -> list[int]:
-    """Parameters per stage, with the trainer's own partition (pipeline/model.py)."""
-    from pipeline.model import stage_param_counts
+def run_config(preset: str, num_stages: int, tokens: int, args: argparse.Namespace) -> TrainConfig:
+    """The configuration of the run a table row describes: one row of ``tokens`` per micro-batch."""
+    return make_config({"model": preset, "num_stages": num_stages, "schedule": args.schedule,
+                        "num_chunks": args.num_microbatches, "batch_size": args.num_microbatches,
+                        "seq_length": tokens, "use_offload": True, "use_prefetch": True, "resident_stages": 0,
+                        "plan_tflops": args.tflops})
 
-    return stage_param_counts(types.SimpleNamespace(**shape), num_stages)
+
+def stage_params(cfg: TrainConfig, hf_config) -> list[int]:
+    """Parameters per stage, cut as the run cuts them (``stage_layers``)."""
+    return stage_param_counts(hf_config, cfg.num_stages, stage_layers(cfg, hf_config, len(GROUPS)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,13 +58,14 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | stages | tokens / micro-batch | cross: rank -> GPU | cross s | sequential s | worst s "
           "(rank -> GPU) | worst / cross | cross + stagger s | sequential + stagger s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for model, shape in MODELS.items():
+    for model, preset in MODELS.items():
+        hf = preset_config(preset)
         for num_stages in (8, 16):
-            stage_bytes = [2 * n for n in stage_params(shape, num_stages)]
             for tokens in args.tokens:
-                plan, rows = compare_mappings(GROUPS, stage_bytes, args.schedule, args.num_microbatches,
-                                              tokens_per_microbatch=tokens, tflops=args.tflops,
-                                              link_gbps=args.link_gbps, offload=True, prefetch=True, clip=True)
+                cfg = run_config(preset, num_stages, tokens, args)
+                stage_bytes = [2 * n for n in stage_params(cfg, hf)]
+                plan, rows = compare_mappings(GROUPS, stage_bytes, program_spec(cfg), tokens_per_microbatch=tokens,
+                                              tflops=args.tflops, link_gbps=args.link_gbps)
                 r = {row.name: row for row in rows}
                 print(f"| {model} | {num_stages} | {tokens} | {r['cross'].gpu_of_rank} | {r['cross'].step_time:.3f} "
                       f"| {r['sequential'].step_time:.3f} | {r['worst'].step_time:.3f} {r['worst'].gpu_of_rank} "
@@ -66,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"| {r['sequential'].staggered_step_time:.3f} |")
     print(f"\nGPUs 0,2 under root complex A, 1,3 under B; {args.link_gbps:g} GB/s per GPU link and per root uplink "
           f"(shared max-min fairly while concurrent); {args.tflops:g} TFLOP/s per GPU; schedule {args.schedule}, "
-          f"{args.num_microbatches} micro-batches, bf16 loads and gradient offloads, prefetch, clipping; CPU "
-          f"optimizer step time not modelled.")
+          f"{args.num_microbatches} micro-batches, bf16 loads and gradient offloads, prefetch, clipping; "
+          f"decoder layers per stage by the cost partition; CPU optimizer step time not modelled.")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ step that much as long (what a faster CPU optimizer would buy, all else as measu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,10 @@ import torch  # noqa: E402
 import schedule as sched  # noqa: E402
 from pipeline.config import make_config  # noqa: E402
 from pipeline.model import PRESETS, preset_config, stage_param_counts  # noqa: E402
-from pipeline.optim import compute_dtype, needs_norm  # noqa: E402
+from pipeline.optim import compute_dtype  # noqa: E402
+from pipeline.partition import stage_layers  # noqa: E402
+from pipeline.programs import program_spec  # noqa: E402
+from pipeline.replicas import replica_config  # noqa: E402
 from pipeline.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402
 
 
@@ -38,7 +42,9 @@ def scale_steps(events: list[dict], factor: float) -> list[dict]:
 def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales: tuple[float, ...] = ()) -> dict:
     events = read_chrome_trace(row_dir / "timeline.json")
     saved = json.loads(results.read_text())
-    cfg = make_config(saved["config"])
+    # Files written before the ``partition`` setting existed come from runs that split the
+    # layers evenly; the default (cost) would give other stage sizes.
+    cfg = replica_config(make_config({"partition": "layers", **saved["config"]}))
     S = cfg.num_stages
     mapping = [-1] * S
     for e in events:
@@ -54,15 +60,15 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales:
 
         hf = AutoConfig.from_pretrained(cfg.model)
     elem = torch.empty(0, dtype=compute_dtype(cfg, torch.device(cfg.device))).element_size()
-    stage_bytes = [n * elem for n in stage_param_counts(hf, S)]
+    stage_bytes = [n * elem for n in stage_param_counts(hf, S, stage_layers(cfg, hf, len(set(mapping))))]
     # The saved config may say -1 (auto); the trace says what ran: with offload, the stages a
     # rank never loaded stayed resident (the same number on every rank).
     resident = cfg.resident_stages
     if cfg.use_offload and resident < 0:
         loaded = {e["stage"] for e in events if e["op"] == "L"}
         resident = min(sum(1 for s in sched.stages_of(r, mapping) if s not in loaded) for r in set(mapping))
-    program = sched.build(cfg.schedule, S, cfg.num_chunks, mapping, offload=cfg.use_offload,
-                          prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(resident, 0))
+    tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
+    program = program_spec(dataclasses.replace(cfg, resident_stages=resident), tied=tied).build(mapping)
     steady = calibrated_prediction(events, program, mapping, stage_bytes, groups)
     # The same durations, one iteration from a clean start (what the model predicted before).
     clean = calibrated_prediction(events, program, mapping, stage_bytes, groups, steady=False)

@@ -74,13 +74,13 @@ def _sport(rng: random.Random) -> tuple[str, str]:
     )
     body = [
         f"{scorer} opened the scoring after {minute} minutes with a low shot from the edge of the area.",
-        f"The visitors had chances before the break but could not find a way past the home goalkeeper.",
+        "The visitors had chances before the break but could not find a way past the home goalkeeper.",
         f"A crowd of {crowd:,} watched the match, the largest at the ground this season.",
         f"{away} had won their previous three games and arrived as favourites.",
         f"Manager {manager} said: \"The players showed real character and deserved the win.\"",
         f"The home side will now travel to {rng.choice(TOWNS)} next weekend.",
         f"{scorer} has now scored {rng.randint(6, 21)} goals in all competitions this season.",
-        f"Supporters stayed behind after the final whistle to applaud the team.",
+        "Supporters stayed behind after the final whistle to applaud the team.",
     ]
     summary = f"{home} beat {away} {goals_home}-{goals_away}, with {scorer} scoring the opening goal."
     return _assemble(rng, opening, body), summary
@@ -125,11 +125,11 @@ def _council(rng: random.Random) -> tuple[str, str]:
     body = [
         f"The proposal was backed by {votes_for} votes to {votes_against} at a meeting on {rng.choice(WEEKDAYS)}.",
         f"Council leader {leader} said the {building} would serve families across {rng.choice(REGIONS)}.",
-        f"Opponents argued that the money should be spent on repairing roads instead.",
+        "Opponents argued that the money should be spent on repairing roads instead.",
         f"Work is due to start in {rng.choice(MONTHS)} and should take about {rng.randint(9, 30)} months.",
         f"The old {building} closed {rng.randint(2, 11)} years ago because of safety concerns.",
         f"A public consultation received more than {rng.randint(3, 20) * 100} responses.",
-        f"Part of the cost will be met by a grant from the government.",
+        "Part of the cost will be met by a grant from the government.",
     ]
     summary = f"A new {cost}m pound {building} in {town} has been approved by councillors."
     return _assemble(rng, opening, body), summary
@@ -149,7 +149,7 @@ def _weather(rng: random.Random) -> tuple[str, str]:
         f"Schools in {rng.choice(TOWNS)} opened late while staff cleared paths and car parks.",
         f"Train services were cancelled between {rng.choice(TOWNS)} and {rng.choice(TOWNS)}.",
         f"Emergency services said they had received {rng.randint(20, 300)} calls since the evening.",
-        f"Residents were advised to check on elderly neighbours.",
+        "Residents were advised to check on elderly neighbours.",
     ]
     summary = f"A warning for {hazard} is in place across {region}, where {homes:,} homes lost power."
     return _assemble(rng, opening, body), summary
@@ -168,9 +168,9 @@ def _science(rng: random.Random) -> tuple[str, str]:
         f"Researchers from the university in {rng.choice(TOWNS)} counted the animals at {rng.randint(12, 150)} sites.",
         f"Dr {researcher}, who led the study, said the results were {'encouraging' if rising else 'worrying'}.",
         f"Volunteers helped to collect data every {rng.choice(['spring', 'summer', 'autumn', 'winter'])}.",
-        f"The team believes changes in farming and habitat explain much of the trend.",
-        f"The findings have been published in a scientific journal.",
-        f"Conservation groups called for long-term monitoring of the population.",
+        "The team believes changes in farming and habitat explain much of the trend.",
+        "The findings have been published in a scientific journal.",
+        "Conservation groups called for long-term monitoring of the population.",
         f"Similar surveys are now planned in {rng.choice(REGIONS)}.",
     ]
     summary = f"{animal.capitalize()} numbers in {region} have {trend} by {percent}% in {years} years, researchers say."
@@ -185,11 +185,11 @@ def _health(rng: random.Random) -> tuple[str, str]:
     doctor = _person(rng)
     opening = f"A hospital in {town} has closed {wards} wards to new patients after {cases} cases of {illness}."
     body = [
-        f"Visitors have been asked to stay away unless their visit is essential.",
+        "Visitors have been asked to stay away unless their visit is essential.",
         f"Medical director Dr {doctor} said staff were working hard to contain the outbreak.",
         f"Cases of {illness} usually rise during the {rng.choice(['winter', 'autumn', 'spring'])} months.",
-        f"The health board said planned operations would go ahead where possible.",
-        f"People with symptoms were urged to contact their GP rather than go to the emergency department.",
+        "The health board said planned operations would go ahead where possible.",
+        "People with symptoms were urged to contact their GP rather than go to the emergency department.",
         f"Last year a similar outbreak led to the closure of {rng.randint(1, 8)} wards for {rng.randint(3, 20)} days.",
     ]
     summary = f"{wards} wards at a hospital in {town} have closed after {cases} cases of {illness}."
@@ -208,8 +208,8 @@ def _crime(rng: random.Random) -> tuple[str, str]:
         f"{name} admitted the thefts when he appeared at court on {rng.choice(WEEKDAYS)}.",
         f"The court heard the offences took place between {rng.choice(MONTHS)} and {rng.choice(MONTHS)} last year.",
         f"Police recovered most of the {item} during a search of a lock-up garage.",
-        f"The judge said the thefts had caused real distress to the victims.",
-        f"A detective said officers were pleased with the outcome of the case.",
+        "The judge said the thefts had caused real distress to the victims.",
+        "A detective said officers were pleased with the outcome of the case.",
         f"Items worth about {rng.randint(2, 90)},000 pounds were taken in total.",
     ]
     summary = f"{name}, {age}, from {town}, has been jailed for stealing {count} {item}."
@@ -228,9 +228,9 @@ def _transport(rng: random.Random) -> tuple[str, str]:
         f"Transport minister {minister} said the line would bring the two cities closer together.",
         f"Trains will run every {rng.choice([15, 20, 30, 60])} minutes during the day.",
         f"Business leaders in {a} welcomed the announcement.",
-        f"Campaigners said the money would be better spent on local bus services.",
+        "Campaigners said the money would be better spent on local bus services.",
         f"About {rng.randint(2, 30)},000 passengers are expected to use the line each week.",
-        f"Construction work will require the closure of the existing station for several months.",
+        "Construction work will require the closure of the existing station for several months.",
     ]
     summary = f"A {cost}m pound rail link will cut journeys between {a} and {b} by {minutes} minutes."
     return _assemble(rng, opening, body), summary
@@ -246,10 +246,10 @@ def _farming(rng: random.Random) -> tuple[str, str]:
     body = [
         f"{farmer}, who farms near {rng.choice(TOWNS)}, said it was the worst year he could remember.",
         f"Shoppers could see higher prices for {crop} in the coming months.",
-        f"The farming union has asked the government for emergency support.",
-        f"Some growers have already left fields unharvested.",
+        "The farming union has asked the government for emergency support.",
+        "Some growers have already left fields unharvested.",
         f"The harvest usually brings in about {rng.randint(20, 300)}m pounds to the local economy.",
-        f"Experts warned that such seasons could become more common.",
+        "Experts warned that such seasons could become more common.",
     ]
     summary = f"The {crop} harvest in {region} has fallen by {percent}% after {cause}."
     return _assemble(rng, opening, body), summary
@@ -268,8 +268,8 @@ def _culture(rng: random.Random) -> tuple[str, str]:
         f"Tickets go on sale on {rng.choice(WEEKDAYS)} morning.",
         f"{artist} said: \"I have wonderful memories of {town} and cannot wait to come back.\"",
         f"The event was first held in {rng.randint(1960, 2015)} and has grown every year since.",
-        f"Local hotels said they were already close to fully booked.",
-        f"A free programme for schools will also be offered.",
+        "Local hotels said they were already close to fully booked.",
+        "A free programme for schools will also be offered.",
     ]
     summary = f"{artist} will headline the {days}-day {town} {event}, which expects {visitors:,} visitors."
     return _assemble(rng, opening, body), summary

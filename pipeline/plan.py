@@ -73,6 +73,17 @@ def gpu_capacity(cfg: TrainConfig) -> int | None:
     return None
 
 
+def auto_capacity(cfg: TrainConfig, key: str, set_to: str) -> int:
+    """The GPU bytes an automatic choice (``key`` at -1) is sized against; ConfigError without
+    a GPU or ``gpu_memory_gb`` (``--plan --device cuda`` on a machine without one), since any
+    number picked then would be a guess the plan would print as if it were measured."""
+    cap = gpu_capacity(cfg)
+    if cap is None:
+        raise ConfigError(f"--plan --device cuda without a visible GPU needs gpu_memory_gb (the card's memory "
+                          f"in GiB, e.g. 80) to decide {key} -1 (auto); or set {key} to {set_to}")
+    return cap
+
+
 def host_available() -> int | None:
     try:
         with open("/proc/meminfo") as fh:
@@ -101,7 +112,8 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
     elif device != "cuda":
         k, why = 0, "auto: no GPU"
     else:
-        cap, k, why = gpu_capacity(cfg), 0, "auto: no stage fits beside the offloaded ones"
+        cap = auto_capacity(cfg, "resident_stages", f"0..{per_rank}")
+        k, why = 0, "auto: no stage fits beside the offloaded ones"
         mapping = sched.round_robin(cfg.num_stages, world_size)
         for n in range(1, per_rank + 1):
             ranks, _ = memory_plan(dataclasses.replace(cfg, resident_stages=n), hf_config, mapping, device)
@@ -140,7 +152,8 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     elif device != "cuda":
         kept, why = [0] * S, "auto: no GPU"
     else:
-        limit, mapping = AUTO_RESIDENT_FRACTION * gpu_capacity(cfg), sched.round_robin(S, world_size)
+        cap = auto_capacity(cfg, "keep_layers", "0 or more (layers per stage)")
+        limit, mapping = AUTO_RESIDENT_FRACTION * cap, sched.round_robin(S, world_size)
         inp, program = _memory_inputs(cfg, hf_config, mapping, device, (0,) * S)
         kept = [0] * S
 
@@ -162,7 +175,7 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
             trials = {t: (peak_with(t) if mapping[t] == mapping[s] else peak) for t, peak in trials.items()
                       if kept[t] < layers[t]}
         why = f"auto: estimated peak {gib(max(peaks.values()))} within {AUTO_RESIDENT_FRACTION:.0%} of " \
-              f"{gib(gpu_capacity(cfg))}"
+              f"{gib(cap)}"
     line = f"recompute: {sum(kept)} of {sum(layers)} decoder layers keep their activations, per stage {kept} ({why})"
     return tuple(kept), line
 
@@ -304,6 +317,8 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     if a.gpu is not None:
         lines.append(f"GPU: {gib(a.worst.device_peak)} of {gib(a.gpu)} ({USABLE_FRACTION:.0%} usable): "
                      f"{'fits' if a.gpu_fits else 'DOES NOT FIT'}")
+    elif a.device == "cuda":
+        lines.append(f"GPU: {gib(a.worst.device_peak)}, not checked (no GPU visible; gpu_memory_gb sets the card's size)")
     lines.append(f"host: {gib(a.total_host)} for all ranks" +
                  (f" of {gib(a.host)} available: {'fits' if a.host_fits else 'DOES NOT FIT'}" if a.host else ""))
     if not a.fits:

@@ -20,7 +20,6 @@ from typing import Callable, Sequence
 
 from schedule.costmodel import predict
 from schedule.ir import COMPUTE_OPS, Op, Schedule, round_robin
-from schedule.lower import build as build_schedule
 from schedule.spec import ProgramSpec
 
 EXHAUSTIVE_MAX = 8   # 8! = 40320 permutations: still well under a second of bookkeeping
@@ -82,32 +81,25 @@ def estimate_compute_s(stage_bytes: Sequence[int], tokens_per_microbatch: int, t
 
 def plan_mapping(
     topology_groups: list[int],
-    num_stages: int,
     stage_bytes: list[int],
-    schedule_name: str,
-    num_microbatches: int,
+    program: ProgramSpec,
     *,
     stage_compute_s: dict[int, tuple[float, float]] | None = None,
     link_gbps: float | list[float] = 25.0,
     root_gbps: float | dict[int, float] | None = None,
     gpu_ids: list[int] | None = None,
-    offload: bool = True,
-    prefetch: bool = True,
-    clip: bool = False,
-    resident: int = 0,
     step_s: float = 0.0,
     tokens_per_microbatch: int = 4096,
     tflops: float = 60.0,
     exhaustive_max: int = EXHAUSTIVE_MAX,
-    build: Callable[..., Schedule] | None = None,
 ) -> MappingPlan:
     """Pick the rank -> GPU permutation with the smallest predicted step time.
 
     Args:
         topology_groups: root group of each GPU (``Topology.groups()``); one rank per GPU.
-        num_stages: pipeline stages, >= number of GPUs (round-robin over the GPUs).
         stage_bytes: bytes one LOAD of each stage moves (parameters in the compute dtype).
-        schedule_name, num_microbatches, offload, prefetch, clip, resident: as for ``schedule.lower.build``.
+        program: what the ranks' programs are built from; its ``num_stages`` must be a
+            multiple of the GPUs (round-robin over them).
         stage_compute_s: ``{stage: (fwd s, bwd s)}`` per micro-batch; default
             ``estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)``.
         link_gbps: each GPU's host link, GB/s (one value or one per GPU).
@@ -115,9 +107,8 @@ def plan_mapping(
             GPUs under one root share one x16 uplink).
         gpu_ids: physical ids of the GPUs in ``topology_groups`` order (default 0..N-1).
         exhaustive_max: largest GPU count searched exhaustively.
-        build: schedule builder, default ``schedule.lower.build``.
     """
-    n = len(topology_groups)
+    n, num_stages = len(topology_groups), program.num_stages
     if n < 1:
         raise ValueError("topology_groups is empty: need the root group of at least one GPU")
     if len(stage_bytes) != num_stages:
@@ -129,10 +120,8 @@ def plan_mapping(
     if len(links) != n:
         raise ValueError(f"link_gbps has {len(links)} values ({links}) for {n} GPUs")
     roots = root_gbps if root_gbps is not None else max(links)
-    build = build or build_schedule
     stage_to_rank = round_robin(num_stages, n)
-    program = build(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
-                    prefetch=prefetch, clip=clip, resident=resident)
+    actions = program.build(stage_to_rank)
     compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
     root_of = (lambda g: float(roots)) if isinstance(roots, (int, float)) else (lambda g: float(roots[g]))
     cache: dict[tuple, float] = {}
@@ -144,7 +133,7 @@ def plan_mapping(
         key = tuple((names.setdefault(topology_groups[g], len(names)), links[g], root_of(topology_groups[g]))
                     for g in perm)
         if key not in cache:
-            cache[key] = predict(program, stage_to_rank, list(perm), topology_groups, compute, stage_bytes,
+            cache[key] = predict(actions, stage_to_rank, list(perm), topology_groups, compute, stage_bytes,
                                  links, roots, step_s=step_s).step_time
         return cache[key]
 
@@ -306,10 +295,8 @@ def choose_mapping(
     if why_not is not None:
         return fixed(f"mapping planned -> round_robin: {why_not}")
     links = rank_link_gbps or [25.0] * num_ranks
-    plan = plan_mapping(rank_groups, num_stages, stage_bytes, program.schedule, program.num_microbatches,
-                        stage_compute_s=stage_compute_s, link_gbps=links, gpu_ids=identity, offload=offload,
-                        prefetch=prefetch, clip=program.clip, resident=program.resident,
-                        tokens_per_microbatch=tokens_per_microbatch, tflops=tflops)
+    plan = plan_mapping(rank_groups, stage_bytes, program, stage_compute_s=stage_compute_s, link_gbps=links,
+                        gpu_ids=identity, tokens_per_microbatch=tokens_per_microbatch, tflops=tflops)
     stage_to_rank = position_mapping(plan.gpu_of_rank, num_stages)
     offsets, note = zeros, ""
     if stagger and offload and prefetch:
@@ -409,8 +396,7 @@ class MappingRow:
 def compare_mappings(
     topology_groups: list[int],
     stage_bytes: list[int],
-    schedule_name: str,
-    num_microbatches: int,
+    program: ProgramSpec,
     *,
     stage_compute_s: dict[int, tuple[float, float]] | None = None,
     tokens_per_microbatch: int = 4096,
@@ -418,30 +404,24 @@ def compare_mappings(
     link_gbps: float | list[float] = 25.0,
     root_gbps: float | dict[int, float] | None = None,
     gpu_ids: list[int] | None = None,
-    offload: bool = True,
-    prefetch: bool = True,
-    clip: bool = True,
-    resident: int = 0,
 ) -> tuple[MappingPlan, list[MappingRow]]:
     """Plan the mapping, then predict the cross (chosen), sequential (identity) and worst
     mappings in detail, each without and with load staggering. Arguments as ``plan_mapping``."""
-    n, num_stages = len(topology_groups), len(stage_bytes)
+    n = len(topology_groups)
     ids = list(range(n)) if gpu_ids is None else list(gpu_ids)
     links = [float(link_gbps)] * n if isinstance(link_gbps, (int, float)) else [float(x) for x in link_gbps]
     roots = root_gbps if root_gbps is not None else max(links)
     compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
-    plan = plan_mapping(topology_groups, num_stages, stage_bytes, schedule_name, num_microbatches,
-                        stage_compute_s=compute, link_gbps=links, root_gbps=roots, gpu_ids=ids, offload=offload,
-                        prefetch=prefetch, clip=clip, resident=resident)
+    plan = plan_mapping(topology_groups, stage_bytes, program, stage_compute_s=compute, link_gbps=links,
+                        root_gbps=roots, gpu_ids=ids)
     stage_to_rank = plan.stage_to_rank
-    program = build_schedule(schedule_name, num_stages, num_microbatches, stage_to_rank, offload=offload,
-                             prefetch=prefetch, clip=clip, resident=resident)
+    actions = program.build(stage_to_rank)
     rows = []
     for name, gpus in (("cross", plan.gpu_of_rank), ("sequential", ids), ("worst", plan.worst_gpu_of_rank)):
         perm = [ids.index(g) for g in gpus]
-        p = predict(program, stage_to_rank, perm, topology_groups, compute, stage_bytes, links, roots)
-        st = (plan_stagger(program, stage_to_rank, perm, topology_groups, compute, stage_bytes, links, roots)
-              if offload and prefetch else Stagger([0.0] * n, p.step_time, p.step_time))
+        p = predict(actions, stage_to_rank, perm, topology_groups, compute, stage_bytes, links, roots)
+        st = (plan_stagger(actions, stage_to_rank, perm, topology_groups, compute, stage_bytes, links, roots)
+              if program.offload and program.prefetch else Stagger([0.0] * n, p.step_time, p.step_time))
         rows.append(MappingRow(name, list(gpus), p.step_time, p.bubble_fraction,
                                max(p.exposed_transfer_s.values(), default=0.0), st.step_time, st.offsets))
     return plan, rows
@@ -481,10 +461,8 @@ def describe_plan(
     tokens = seq_length * micro_batch_size
     schedule_name, num_microbatches = program.schedule, program.num_microbatches
     offload, prefetch, resident = program.offload, program.prefetch, program.resident
-    plan, rows = compare_mappings(topology_groups, stage_bytes, schedule_name, num_microbatches,
-                                  tokens_per_microbatch=tokens, tflops=tflops, link_gbps=link_gbps,
-                                  root_gbps=root_gbps, gpu_ids=gpu_ids, offload=offload, prefetch=prefetch,
-                                  clip=program.clip, resident=resident)
+    plan, rows = compare_mappings(topology_groups, stage_bytes, program, tokens_per_microbatch=tokens, tflops=tflops,
+                                  link_gbps=link_gbps, root_gbps=root_gbps, gpu_ids=gpu_ids)
     ids = list(range(len(topology_groups))) if gpu_ids is None else list(gpu_ids)
     roots = " ".join(f"GPU{g}:{chr(65 + r) if r < 26 else r}" for g, r in zip(ids, topology_groups))
     links = link_gbps if isinstance(link_gbps, (int, float)) else "/".join(f"{x:g}" for x in link_gbps)

@@ -104,7 +104,8 @@ def test_cost_model_start_offset():
 
 
 def test_compare_and_describe_plan():
-    plan, rows = compare_mappings([0, 0, 1, 1], [GB] * 8, "interleaved", 8,
+    plan, rows = compare_mappings([0, 0, 1, 1], [GB] * 8,
+                                  ProgramSpec("interleaved", 8, 8, offload=True, prefetch=True, clip=True),
                                   stage_compute_s={s: (0.01, 0.02) for s in range(8)})
     by = {r.name: r for r in rows}
     assert by["cross"].gpu_of_rank == [0, 2, 1, 3] and by["sequential"].gpu_of_rank == [0, 1, 2, 3]

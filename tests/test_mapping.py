@@ -15,6 +15,7 @@ from pipeline.timeline import (STYLE, Timeline, read_chrome_trace, timeline_size
 from schedule.costmodel import predict, predict_steady
 from schedule.ir import Action, Op
 from schedule.mapping import manual_mapping, plan_mapping
+from schedule.spec import ProgramSpec
 from test_metrics import distinct_colours, png_size
 
 DATA = Path(__file__).parent / "data"
@@ -257,7 +258,7 @@ def test_deadlock_is_reported():
 def _plan(groups, per_rank, num_mbs, **kw):
     n = len(groups) * per_rank
     # 1 GB stages at 25 GB/s load in 0.04 s, as long as a stage's 4 forwards; backward twice that.
-    return plan_mapping(groups, n, [GB] * n, "interleaved", num_mbs,
+    return plan_mapping(groups, [GB] * n, ProgramSpec("interleaved", n, num_mbs, offload=True, prefetch=True),
                         stage_compute_s={s: (0.01, 0.02) for s in range(n)}, link_gbps=25.0, **kw)
 
 
@@ -303,7 +304,7 @@ def test_manual_mapping_and_errors():
     gpus, reason = manual_mapping([3, 1, 2, 0])
     assert gpus == [3, 1, 2, 0] and "CUDA_VISIBLE_DEVICES=3,1,2,0" in reason
     with pytest.raises(ValueError, match=r"stage_bytes has 3 entries .* num_stages is 4"):
-        plan_mapping([0, 1], 4, [1, 2, 3], "1f1b", 4)
+        plan_mapping([0, 1], [1, 2, 3], ProgramSpec("1f1b", 4, 4, offload=True, prefetch=True))
 
 
 # --- timeline ---------------------------------------------------------------------------------

@@ -282,3 +282,37 @@ def test_plan_cli_prints_every_rank_and_the_verdict():
     assert "decoder layers per stage: [" in out and "(partition cost: predicted step " in out
     assert all(f"rank {r} actions:" in out for r in range(4))
     assert "GPU:" in out and "fits" in out
+
+
+def test_auto_choices_without_a_gpu_size_ask_for_it(monkeypatch):
+    """Planning a GPU run on a machine without one: auto sizes against the card, so without
+    ``gpu_memory_gb`` it is one ConfigError naming the key to set, not a guess."""
+    from pipeline import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", num_stages=4, use_offload=True, activation_checkpointing=True, device="cuda")
+    with pytest.raises(ConfigError, match=r"needs gpu_memory_gb .* resident_stages -1 \(auto\).* 0\.\.2"):
+        plan.resolve_resident(make_config(base), hf, 2)
+    with pytest.raises(ConfigError, match=r"needs gpu_memory_gb .* keep_layers -1 \(auto\)"):
+        plan.resolve_kept(make_config({**base, "keep_layers": -1}), hf, 2)
+    # values given, or the card's size, need no GPU
+    assert plan.resolve_resident(make_config({**base, "resident_stages": 1}), hf, 2)[0].resident_stages == 1
+    assert plan.resolve_resident(make_config({**base, "gpu_memory_gb": 80}), hf, 2)[0].resident_stages >= 0
+    assert plan.resolve_kept(make_config({**base, "keep_layers": -1, "gpu_memory_gb": 80}), hf, 2)[0]
+
+
+@pytest.mark.slow
+def test_plan_for_a_gpu_on_a_machine_without_one():
+    cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", "--plan", "--device", "cuda", "--model",
+           "llama-2-7b", "--nproc", "2", "--use_offload"]
+    env = {**env_without_dist(), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: --plan --device cuda without a visible GPU needs gpu_memory_gb"), lines[0]
+    # with the choice made, a plan whose GPU verdict says it was not checked
+    proc = subprocess.run(cmd + ["--resident_stages", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not checked (no GPU visible; gpu_memory_gb sets the card's size)" in proc.stdout

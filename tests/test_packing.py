@@ -14,7 +14,10 @@ from data.batching import pack_rows
 from pipeline.config import make_config
 from pipeline.model import build_stage, partition_layers
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from test_architectures import WINDOW, make_model, models_root  # noqa: F401 (fixture)
+import test_architectures
+from test_architectures import make_model
+
+models_root = test_architectures.models_root  # the fixture, shared with this module's tests
 
 SEQ = 96
 
