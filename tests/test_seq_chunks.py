@@ -126,6 +126,91 @@ def test_segments_equal_whole_rows(tiny_model_dir, kw, rtol):
     assert_same_training(*split, *whole, rtol=rtol)
 
 
+# --- activation_offload: segments' inputs in host memory, recomputed at their backward -----------
+@pytest.mark.parametrize("schedule,offload", [
+    ("interleaved", True), pytest.param("1f1b", False, marks=pytest.mark.slow),
+    pytest.param("gpipe", False, marks=pytest.mark.slow), pytest.param("gpipe", True, marks=pytest.mark.slow),
+    pytest.param("1f1b", True, marks=pytest.mark.slow), pytest.param("interleaved", False, marks=pytest.mark.slow),
+])
+def test_activation_offload_with_segments(tiny_model_dir, schedule, offload):
+    """Each (stage, micro-batch, segment) forward builds no graph, its input waits in the stash
+    and its backward recomputes it against the keys/values the earlier segments carried."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_offload=True, seq_chunks=3)
+    trainer = in_process_trainer(cfg)
+    assert all(stage.recomputed == 0 for stage in trainer.stages.values())
+    history = trainer.train()
+    assert len(trainer.executor.stash) == 0  # every segment's input went back to its backward
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True])
+def test_activation_offload_rows_of_different_lengths(tiny_model_dir, tmp_path, packing):
+    cfg = tiny_cfg(tiny_model_dir, dataset=_text_records(tmp_path / "var.jsonl", 2, 30), packing=packing,
+                   seq_chunks=4, batch_size=4, num_chunks=2, num_stages=2, schedule="1f1b", use_offload=True,
+                   activation_offload=True, activation_checkpointing=True)
+    assert_same_training(*_train(cfg), *reference_train(cfg, cfg.model))
+
+
+def _equal_segments(monkeypatch) -> None:
+    """Cut rows into equal segments (64 columns: 4 of 16), so that another segment's input has
+    this one's shape and a mix-up shows in the numbers, not as a shape error."""
+    import pipeline.executor as executor
+
+    monkeypatch.setattr(executor, "segment_lengths", lambda width, k, key_cost=0.0: segments.segment_lengths(width, k))
+
+
+def _expect_offload_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
+    _equal_segments(monkeypatch)
+    patch(monkeypatch)
+    cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
+    losses, params = _train(cfg)
+    with pytest.raises(AssertionError):
+        assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+def test_equal_segments_still_match(tiny_model_dir, monkeypatch):
+    """The control of the mutations below: the same run unpatched equals the reference."""
+    _equal_segments(monkeypatch)
+    cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
+    assert_same_training(*_train(cfg), *reference_result(str(tiny_model_dir)))
+
+
+def test_activation_offload_detects_another_segment_input(tiny_model_dir, monkeypatch):
+    """A backward whose recompute gets the input of another segment of its micro-batch."""
+    from offload.activations import ActivationStash
+
+    original = ActivationStash.restore
+
+    def swapped(self, key):
+        held = [k for k in [*self._host, *self._back] if k[:2] == key[:2] and k != key]
+        return original(self, held[0] if held else key)
+
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(ActivationStash, "restore", swapped))
+
+
+@pytest.mark.slow
+def test_activation_offload_detects_dropped_keys_and_values(tiny_model_dir, monkeypatch):
+    """The recompute (and only it) attends to zeros instead of segment 0's carried keys/values."""
+    class DropInRecompute(segments._KVCarry):
+        def __init__(self, past):
+            super().__init__(past)
+            if torch.is_grad_enabled():
+                for kvs in self.past.values():
+                    if kvs:
+                        kvs[0] = (torch.zeros_like(kvs[0][0]), torch.zeros_like(kvs[0][1]))
+
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(segments, "_KVCarry", DropInRecompute))
+
+
+@pytest.mark.slow
+def test_activation_offload_detects_dropped_key_value_gradients(tiny_model_dir, monkeypatch):
+    """The later segments' gradients of a segment's carried keys/values not fed to its backward."""
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch,
+                             lambda mp: mp.setattr(segments, "kv_gradients", lambda new, carry, seg: ([], [])))
+
+
 # --- the comparison must be able to fail -------------------------------------------------------
 def _expect_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
     patch(monkeypatch)
