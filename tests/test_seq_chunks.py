@@ -246,10 +246,13 @@ def test_detects_dropped_keys_and_values(tiny_model_dir, monkeypatch):
 
 # --- several processes over gloo ---------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,offload", [("1f1b", False), ("interleaved", True)])
-def test_torchrun_segments_match_reference(tiny_model_dir, tmp_path, schedule, offload):
-    """Two processes: each segment's activation and gradient cross ranks in buffers of its length."""
+@pytest.mark.parametrize("schedule,offload,actoff", [("1f1b", False, False), ("interleaved", True, False),
+                                                     ("interleaved", True, True)])
+def test_torchrun_segments_match_reference(tiny_model_dir, tmp_path, schedule, offload, actoff):
+    """Two processes: each segment's activation and gradient cross ranks in buffers of its length
+    (activation_offload: a received segment input waits in the stash for its recompute)."""
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=offload, seq_chunks=3,
+                   activation_offload=actoff,
                    save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
     proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -303,6 +306,37 @@ def test_memory_plan_counts_segments():
         assert {a.seg for a in program[0] if a.op.value == "F"} == ({None} if k == 1 else set(range(k)))
         peaks.append(ranks[0].parts["activations"])
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.6 * peaks[0], peaks
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_memory_plan_counts_segments_with_activation_offload(schedule):
+    """activation_offload with segments: a backward recomputes one segment, so the peak falls
+    with K and stays under the plan without activation_offload; the carried keys/values stay on
+    the device (activations above zero, at most every micro-batch's whole rows' keys/values and
+    their gradients); the stash's inputs are host memory, under gpipe the same whatever K."""
+    from pipeline.model import preset_config
+    from pipeline.plan import memory_plan, report
+    from schedule import round_robin
+
+    hf = preset_config("tiny")
+    layers_per_stage = hf.num_hidden_layers // 4
+    kv_dim = hf.num_key_value_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    whole_kv = 4 * layers_per_stage * 2 * 2 * kv_dim * 2048  # 4 micro-batches of one 2048-column row, bf16
+    peaks, hosts = [], set()
+    for k in (1, 2, 4, 8):
+        cfg = _plan_cfg(schedule=schedule, seq_chunks=k, activation_offload=True)
+        ranks, _ = memory_plan(cfg, hf, round_robin(4, 4), "cuda")
+        plain, _ = memory_plan(_plan_cfg(schedule=schedule, seq_chunks=k), hf, round_robin(4, 4), "cuda")
+        worst = max(r.device_peak for r in ranks)
+        assert worst < max(r.device_peak for r in plain), k
+        acts = max(r.parts["activations"] for r in ranks)
+        assert (acts == 0) if k == 1 else (0 < acts <= 2 * whole_kv), (k, acts, whole_kv)
+        peaks.append(worst)
+        hosts.add(ranks[1].host)  # stage 1's inputs in the stash, in segments or whole
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.6 * peaks[0], peaks
+    assert len(hosts) == 1 or schedule != "gpipe", hosts  # gpipe: every input stashed before any backward
+    text = report(_plan_cfg(schedule=schedule, seq_chunks=4, activation_offload=True), hf, round_robin(4, 4), 4)
+    assert "in 4 sequence segments of [" in text and "activation_offload=True" in text, text
 
 
 def test_plan_advises_seq_chunks(monkeypatch):
