@@ -108,16 +108,19 @@ def _tiny_config(model_dir):
 
 @pytest.mark.slow
 def test_evaluation_with_segments(tiny_model_dir, capsys):
-    """The forward-only program with segments gives the same validation loss."""
+    """The forward-only program with segments gives the same validation loss (with
+    activation_offload too: evaluation keeps no stash and recomputes nothing)."""
     lines = []
-    for k in (1, 3):
-        in_process_trainer(tiny_cfg(tiny_model_dir, seq_chunks=k, eval_every=3, eval_batches=2)).train()
+    for k, actoff in ((1, False), (3, False), (3, True)):
+        in_process_trainer(tiny_cfg(tiny_model_dir, seq_chunks=k, eval_every=3, eval_batches=2,
+                                    activation_offload=actoff)).train()
         lines.append([x.split(" time ")[0] for x in capsys.readouterr().out.splitlines() if x.startswith("eval step")])
-    assert lines[0] and lines[0] == lines[1], lines
+    assert lines[0] and lines[0] == lines[1] == lines[2], lines
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw,rtol", [(dict(dtype="float16"), 1e-2),
+                                     (dict(dtype="float16", activation_offload=True), 1e-2),
                                      (dict(delayed_update=True, use_offload=True, resident_stages=0), 1e-5)])
 def test_segments_equal_whole_rows(tiny_model_dir, kw, rtol):
     """What the Hugging Face reference does not model (float16 with loss scaling, the delayed
