@@ -2,7 +2,8 @@
 
 A stage in this mode runs its forward without building a graph and keeps only its input; the
 backward brings the input back and recomputes the stage. ``ActivationStash`` holds those inputs,
-keyed by (stage, micro-batch), so a micro-batch only ever gets its own back.
+keyed by (stage, micro-batch, segment), so a micro-batch (segment) only ever gets its own back;
+the segment is None without ``seq_chunks``.
 
 Streams and ownership (CUDA): one stash per rank, used by the thread that interprets the action
 list only. Its copies, host-bound and device-bound, run on its own stream, which nothing else
@@ -24,11 +25,16 @@ from __future__ import annotations
 
 import torch
 
-Key = tuple[int, int]  # (stage, micro-batch)
+Key = tuple[int, int, "int | None"]  # (stage, micro-batch, segment)
+
+
+def _name(key: Key) -> str:
+    return f"stage {key[0]}, micro-batch {key[1]}" + (f", segment {key[2]}" if len(key) > 2 and key[2] is not None
+                                                      else "")
 
 
 class ActivationStash:
-    """Stage inputs waiting for their backward, by (stage, micro-batch): in pinned host memory
+    """Stage inputs waiting for their backward, by (stage, micro-batch, segment): in pinned host memory
     from ``save`` until ``prefetch`` (or ``restore``) starts their copy back to the device."""
 
     def __init__(self, device: torch.device):
@@ -50,8 +56,8 @@ class ActivationStash:
         pinned host memory. The caller may drop ``x`` right after, but must not write it in
         place: the copy may still be reading it (the executor only reads a stage input)."""
         if key in self._host or key in self._back:
-            raise RuntimeError(f"activation_offload: the input of stage {key[0]}, micro-batch {key[1]} is already "
-                               "held (a second forward before its backward)")
+            raise RuntimeError(f"activation_offload: the input of {_name(key)} is already held (a second "
+                               "forward before its backward)")
         x = x.detach()
         if not self.cuda:
             self._host[key] = x
@@ -85,8 +91,8 @@ class ActivationStash:
         device-side); it is no longer held here."""
         self.prefetch(key)
         if key not in self._back:
-            raise RuntimeError(f"activation_offload: no input held for stage {key[0]}, micro-batch {key[1]} "
-                               f"(held: {sorted([*self._host, *self._back])})")
+            raise RuntimeError(f"activation_offload: no input held for {_name(key)} "
+                               f"(held: {sorted([*self._host, *self._back], key=str)})")
         x, done = self._back.pop(key)
         if done is not None:
             compute = torch.cuda.current_stream(self.device)

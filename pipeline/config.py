@@ -100,10 +100,11 @@ class TrainConfig:
                                   "(the activation from the previous stage) waits for the backward in host memory; "
                                   "the backward copies it back (the next one's copy prefetched) and recomputes the "
                                   "stage whole, once. GPU memory then holds one stage's activations of one "
-                                  "micro-batch, whatever the number of micro-batches in flight; host memory holds "
-                                  "one hidden state per micro-batch and stage in flight. Layers are not checkpointed "
-                                  "again (keep_layers must be 0; activation_checkpointing still chunks the last "
-                                  "stage's loss). Not with attention dropout.")
+                                  "micro-batch (with seq_chunks: of one segment, beside the carried keys and values "
+                                  "of the micro-batches in flight), whatever the number of micro-batches in flight; "
+                                  "host memory holds one hidden state per micro-batch and stage in flight. Layers "
+                                  "are not checkpointed again (keep_layers must be 0; activation_checkpointing still "
+                                  "chunks the last stage's loss). Not with attention dropout.")
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "

@@ -181,21 +181,24 @@ class Executor:
         self.local_grad: dict[Key, torch.Tensor] = {}
         self.recvs: dict[tuple[Op, int, int, int | None], tuple[torch.Tensor, object]] = {}
         self.grads_out: dict[Key, torch.Tensor] = {}
+        # activation_offload (training only): each backward prefetches the input of this rank's next one
+        self.offloading = self.stash is not None and train
         if self.num_segments > 1:
             # Fresh runners each iteration: what they carry lives from a micro-batch's first
             # forward to its last backward, all inside this call.
             width = microbatches[0].input_ids.shape[1]
             lengths = segment_lengths(width, self.num_segments, self.key_cost)
             self.bounds = segment_bounds(lengths)
-            self.runners = {s: SegmentStage(stage, lengths) for s, stage in self.stages.items()}
+            # activation_offload: a segment's forward keeps only its carried keys/values, and its
+            # backward recomputes it (``_recompute``)
+            self.runners = {s: SegmentStage(stage, lengths, recompute=self.offloading)
+                            for s, stage in self.stages.items()}
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
         self.summed: set[int] = set()  # stages whose gradient is summed over the replicas (data parallel)
         self.has_norm = any(a.op is Op.NORM for a in actions)
-        # activation_offload (training only): each backward prefetches the input of this rank's next one
-        self.offloading = self.stash is not None and train
-        order = [(a.stage, a.mb) for a in actions if a.op is Op.BACKWARD]
+        order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD]
         self.next_backward = dict(zip(order, order[1:]))
         if self.stash is not None:
             self.stash.clear()
@@ -239,7 +242,7 @@ class Executor:
         start, end = self.bounds[seg]
         return t[:, start:end]
 
-    def _stage_forward(self, a: Action, x: torch.Tensor, last: bool) -> torch.Tensor:
+    def _stage_forward(self, a: Action, x: torch.Tensor, last: bool, recompute: bool = False) -> torch.Tensor:
         mb = self.mbs[a.mb]
         targets = self._columns(mb.targets, a.seg) if last else None
         if a.seg is None:
@@ -248,7 +251,8 @@ class Executor:
         if mb.segment_ids is not None:  # the records' ids so far keep attention within a record
             packed = {"position_ids": self._columns(mb.position_ids, a.seg),
                       "doc_ids": mb.segment_ids[:, :self.bounds[a.seg][1]]}
-        return self.runners[a.stage].forward(a.mb, a.seg, x, targets, **packed)
+        runner = self.runners[a.stage]
+        return (runner.recompute_forward if recompute else runner.forward)(a.mb, a.seg, x, targets, **packed)
 
     def _forward(self, a: Action) -> None:
         s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
@@ -262,7 +266,7 @@ class Executor:
                 work.wait()  # device-side wait with NCCL; the host blocks only with gloo
                 x = buf
             if self.offloading:
-                self.stash.save((s, m), x)  # stage 0 needs none: its tokens stay in self.mbs
+                self.stash.save(key, x)  # stage 0 needs none: its tokens stay in self.mbs
             elif a.seg is None:  # a segment's runner makes its own input leaf
                 x.requires_grad_(True)
                 self.inputs[key] = x
@@ -281,32 +285,36 @@ class Executor:
             self.outputs[key] = out  # offloading: only until SEND_F has sent it
         self.clock.span("compute", start, self.clock.mark())
 
-    def _run_stage(self, a: Action, x: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_stage(self, a: Action, x: torch.Tensor, last: bool,
+                   recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stage of ``a`` on its micro-batch (segment): (what backward starts from, the
         normalised loss on the last stage, else None). On the last stage the first is the loss
-        times the loss scale (float16: every gradient is then scaled, see LossScaler)."""
+        times the loss scale (float16: every gradient is then scaled, see LossScaler).
+        ``recompute``: activation_offload's forward again, right before the backward."""
         with self.stores[a.stage].saved_tensor_hooks():
-            out = self._stage_forward(a, x, last)
+            out = self._stage_forward(a, x, last, recompute)
         if not last:
             return out, None
         loss = out / self.num_targets
         return (loss * self.loss_scale if self.loss_scale != 1.0 else loss), loss
 
     def _recompute(self, a: Action, last: bool) -> tuple[torch.Tensor, object]:
-        """activation_offload: micro-batch ``a.mb``'s forward of stage ``a.stage`` again, with a
-        graph, from its input brought back from host memory; first the copy back of this rank's
-        next backward's input is started, so it overlaps this backward. Returns what the backward
-        starts from and the compute span's start."""
-        s, m = a.stage, a.mb
-        x = self.stash.restore((s, m)) if s > 0 else self.mbs[m].input_ids
-        nxt = self.next_backward.get((s, m))
+        """activation_offload: micro-batch ``a.mb``'s forward of stage ``a.stage`` (segment
+        ``a.seg``) again, with a graph, from its input brought back from host memory; first the
+        copy back of this rank's next backward's input is started, so it overlaps this backward.
+        A segment's recompute attends to the keys/values its earlier segments carried (its
+        ``SegmentStage`` holds them). Returns what the backward starts from and the compute
+        span's start."""
+        key = (a.stage, a.mb, a.seg)
+        x = self.stash.restore(key) if a.stage > 0 else self._columns(self.mbs[a.mb].input_ids, a.seg)
+        nxt = self.next_backward.get(key)
         if nxt is not None and nxt[0] > 0:
             self.stash.prefetch(nxt)  # nothing if its forward has not run yet
-        if s > 0:
+        if a.stage > 0 and a.seg is None:  # a segment's runner makes its own input leaf
             x.requires_grad_(True)
-            self.inputs[(s, m, a.seg)] = x
+            self.inputs[key] = x
         start = self.clock.mark()
-        return self._run_stage(a, x, last)[0], start
+        return self._run_stage(a, x, last, recompute=a.seg is not None)[0], start
 
     def _release_sent(self) -> None:
         """activation_offload: drop the sent tensors whose sends are done (without it they live to

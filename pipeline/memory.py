@@ -20,8 +20,10 @@ keeps a ledger of what the executor and the stores hold at every action.
   last stage, a layer's gradients, and a recomputed layer under checkpointing.
 * **activation_offload.** Forwards save nothing on the device: each stage input (not stage 0's
   tokens) waits in host memory, counted at the walk's most inputs held at once. A backward
-  recomputes its stage whole, so one stage's full activations of one micro-batch are its
-  transient; sent tensors are released at the next compute (once their sends are done).
+  recomputes its stage whole, so one stage's full activations of one micro-batch (segment) are
+  its transient; sent tensors are released at the next compute (once their sends are done).
+  With sequence segments the carried keys/values (and their gradients) stay on the device from
+  a segment's forward to its backward.
 """
 from __future__ import annotations
 
@@ -222,6 +224,17 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             held, sent = held - sent, 0.0
             extra, held_delta, sent = _offloaded_compute(inp, a, io)
             held += held_delta + sent
+            carried = 0.0  # seq_chunks: this segment's carried keys/values, freed after its backward
+            if a.seg is not None:
+                # The forward keeps its keys/values on the device for the later segments and its
+                # own recompute (only its input goes to the host); the backward adds the gradients
+                # of the earlier segments' keys/values.
+                if a.op is Op.FORWARD:
+                    per_mb[(s, a.mb, a.seg)] = _kv_bytes(inp, s, n)
+                    saved += per_mb[(s, a.mb, a.seg)]
+                else:
+                    carried = per_mb.pop((s, a.mb, a.seg))
+                    saved += _kv_grads_change(inp, a, per_mb)
             if a.op is Op.BACKWARD and s in offloaded and s not in has_grad:
                 take(inp.stages[s].numel)
                 has_grad.add(s)
@@ -232,8 +245,9 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             transient = extra + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
             if now + transient > out.device_peak:
                 out.device_peak, out.at = int(now + transient), str(a)
-                out.parts = {"parameters": int(params_static + pool_bytes), "activations": 0,
+                out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
                              "in_flight": int(held), "transient": int(transient)}
+            saved -= carried
             continue
         if a.op is Op.LOAD:
             take(inp.stages[s].numel)
@@ -260,12 +274,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 has_grad.add(s)
             saved -= per_mb.pop((s, a.mb, a.seg))
             if a.seg is not None:
-                # The later segments' backwards leave the gradients of the earlier segments'
-                # carried keys/values (columns 0..start) until those segments' own backwards.
-                start = inp.span(a.seg)[0]
-                kv_grads = inp.stages[s].num_layers * 2 * d * inp.shape.kv_dim * inp.micro_batch * start
-                saved += kv_grads - per_mb.pop((s, a.mb, "kv"), 0.0)
-                per_mb[(s, a.mb, "kv")] = kv_grads
+                saved += _kv_grads_change(inp, a, per_mb)
             if s > 0 and not crosses(inp.mapping, s, s - 1):
                 held += io  # the input's gradient, handed to the previous stage of this rank
             # a received input is freed and its gradient, sent on, lives until the iteration ends
@@ -287,16 +296,32 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     return out
 
 
+def _kv_bytes(inp: MemoryInputs, s: int, tokens: int) -> float:
+    """Every layer's keys and values of stage ``s`` for ``tokens`` tokens."""
+    return inp.stages[s].num_layers * 2 * inp.dtype_bytes * inp.shape.kv_dim * tokens
+
+
+def _kv_grads_change(inp: MemoryInputs, a: Action, per_mb: dict) -> float:
+    """seq_chunks: the backward of segment ``a.seg`` leaves the gradients of the earlier
+    segments' carried keys/values (columns 0..start) until those segments' own backwards; the
+    change of what is held, kept in ``per_mb`` under (stage, micro-batch, "kv")."""
+    kv_grads = _kv_bytes(inp, a.stage, inp.micro_batch * inp.span(a.seg)[0])
+    change = kv_grads - per_mb.pop((a.stage, a.mb, "kv"), 0.0)
+    per_mb[(a.stage, a.mb, "kv")] = kv_grads
+    return change
+
+
 def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, float, float]:
     """activation_offload: one F or B of stage ``a.stage`` as (transient bytes, change of the
     tensors held after it, bytes of it sent to another rank). A forward runs without a graph:
     its input (until copied to the host) and one layer's working set. A backward holds the
     input brought back (and the next backward's, prefetched), the received gradient and the
-    stage's whole activations of one micro-batch. Outputs and input gradients are held until a stage of this rank takes them,
-    or, sent, until the next compute."""
+    stage's whole activations of one micro-batch (segment: of its tokens, attending to the
+    earlier segments' keys). Outputs and input gradients are held until a stage of this rank
+    takes them, or, sent, until the next compute."""
     s, st = a.stage, inp.stages[a.stage]
-    tokens = inp.micro_batch * inp.seq_len
-    full, fwd_t, bwd_t = _per_token(inp, s)
+    tokens = inp.span(a.seg)[2]
+    full, fwd_t, bwd_t = _per_token(inp, s, a.seg)
     if a.op is Op.FORWARD:
         layer_work = 4 * inp.dtype_bytes * inp.shape.intermediate if st.num_layers else 0
         transient = max(fwd_t, layer_work) * tokens + (io if s > 0 else 0)

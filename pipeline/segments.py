@@ -108,6 +108,10 @@ class SegmentStage:
         stage: the stage, as built (``stage.recomputed`` layers under activation checkpointing).
         lengths: the segment lengths of a row (``schedule.costmodel.balanced_segments``); every
             micro-batch is cut the same way.
+        recompute: ``activation_offload``: ``forward`` (called without a graph) keeps only the
+            carried keys/values, and ``recompute_forward`` runs the segment again with a graph
+            right before its ``backward``. The carried keys/values stay where they were made
+            (the device) until the micro-batch's backward of segment 0.
 
     Per micro-batch it keeps each layer's carried keys/values of the segments forwarded so far
     (leaves whose ``.grad`` collects the later segments' gradients), and per (micro-batch,
@@ -115,11 +119,12 @@ class SegmentStage:
     keys/values in the graph. The backward of segment 0 frees the micro-batch's state.
     """
 
-    def __init__(self, stage: Stage, lengths: Sequence[int]):
+    def __init__(self, stage: Stage, lengths: Sequence[int], *, recompute: bool = False):
         if stage.attn_implementation not in ("eager", "sdpa"):
             raise ValueError(f"sequence segments need attn_implementation eager or sdpa (an explicit mask over "
                              f"the carried keys), got {stage.attn_implementation!r}")
         self.stage = stage
+        self.recompute = recompute
         self.lengths = list(lengths)
         self.bounds = segment_bounds(self.lengths)
         self.carry: dict[int, dict[int, list[KV | None]]] = {}  # mb -> layer -> per segment
@@ -145,11 +150,52 @@ class SegmentStage:
             The hidden states, or on the last stage the summed token loss with ``targets``
             (logits without).
         """
-        stage = self.stage
         done = self.forwarded.get(mb, 0)
         if seg != done:
             raise RuntimeError(f"forward of micro-batch {mb} segment {seg} out of order: segments 0..{done - 1} are "
                                f"done, so the next is {done} (its keys/values are attended to by later segments)")
+        carry = self.carry.setdefault(mb, {})
+        inp, out, new = self._pass(mb, seg, x, targets, position_ids, doc_ids)
+        # Carried as leaves: later segments' graphs end here, and their backwards leave the
+        # gradients of this segment's keys/values in .grad for this segment's backward. With
+        # ``recompute`` the forward runs without a graph but the leaves still take gradients:
+        # the later segments' backwards run (recomputed) before this segment's.
+        grad = torch.is_grad_enabled() or self.recompute
+        for layer, (k, v) in new.items():
+            carry.setdefault(layer, []).append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
+        self.forwarded[mb] = seg + 1
+        if torch.is_grad_enabled() and not self.recompute:
+            self.saved[(mb, seg)] = (inp, out, new)
+        elif seg == self.num_segments - 1 and not self.recompute:
+            self._free(mb)  # forward only (evaluation): nothing waits for a backward
+        return out
+
+    def recompute_forward(self, mb: int, seg: int, x: torch.Tensor, targets: torch.Tensor | None = None, *,
+                          position_ids: torch.Tensor | None = None,
+                          doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``recompute`` (activation_offload): the forward of (``mb``, ``seg``) again, with a
+        graph, right before its ``backward``; ``x`` is the segment's input as its first forward
+        got it (brought back from host memory). It attends to the carried keys/values of
+        segments < ``seg`` as the first forward did (still held: their backwards come later)
+        and makes its own keys/values in the graph, the roots of the gradients the later
+        segments' backwards left on its carried leaves. Arguments as ``forward``."""
+        if not self.recompute:
+            raise RuntimeError("recompute_forward needs a SegmentStage made with recompute=True")
+        self._check_backward_order(mb, seg)
+        inp, out, new = self._pass(mb, seg, x, targets, position_ids, doc_ids)
+        for layer, (k, _) in new.items():
+            leaf = self.carry[mb][layer][seg][0]
+            if leaf.shape != k.shape:
+                raise RuntimeError(f"recompute of micro-batch {mb} segment {seg}: layer {layer} made keys of shape "
+                                   f"{tuple(k.shape)}, its first forward {tuple(leaf.shape)}")
+        self.saved[(mb, seg)] = (inp, out, new)
+        return out
+
+    def _pass(self, mb: int, seg: int, x: torch.Tensor, targets: torch.Tensor | None,
+              position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None) -> tuple:
+        """One pass of the segment through the stage, attending to the carried keys/values of
+        segments < ``seg``: (input leaf or None, output, the segment's own keys/values by layer)."""
+        stage = self.stage
         start, end = self.bounds[seg]
         if x.shape[1] != end - start:
             raise ValueError(f"segment {seg} of micro-batch {mb} has {x.shape[1]} columns; lengths {self.lengths} "
@@ -161,8 +207,8 @@ class SegmentStage:
             # A leaf of this segment's graph: its .grad is what the backward sends upstream.
             inp = x.detach().requires_grad_(torch.is_grad_enabled())
             h = inp
-        carry = self.carry.setdefault(mb, {})
-        kv_cache = _KVCarry({layer: kvs for layer, kvs in carry.items()})
+        carry = self.carry.get(mb, {})
+        kv_cache = _KVCarry({layer: kvs[:seg] for layer, kvs in carry.items()})
         if len(stage.model.layers):
             if position_ids is None:
                 position_ids = torch.arange(start, end, device=h.device)[None]
@@ -177,21 +223,11 @@ class SegmentStage:
                     h = run(h)
                 if isinstance(h, tuple):  # older transformers return (hidden_states,)
                     h = h[0]
-        for layer, (k, v) in kv_cache.new.items():
-            # Carried as leaves: later segments' graphs end here, and their backwards leave the
-            # gradients of this segment's keys/values in .grad for this segment's backward.
-            grad = torch.is_grad_enabled()
-            carry.setdefault(layer, []).append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
         if stage.is_last:
             out = stage.head_loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
         else:
             out = h
-        self.forwarded[mb] = seg + 1
-        if torch.is_grad_enabled():
-            self.saved[(mb, seg)] = (inp, out, kv_cache.new)
-        elif seg == self.num_segments - 1:
-            self._free(mb)  # forward only (evaluation): nothing waits for a backward
-        return out
+        return inp, out, kv_cache.new
 
     def backward(self, mb: int, seg: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
         """Backward of (rows ``mb``, segment ``seg``): the gradient of its output (``grad_output``;
@@ -199,12 +235,7 @@ class SegmentStage:
         that the later segments' backwards accumulated. Accumulates the parameter gradients and
         the earlier segments' key/value gradients; returns the gradient of the segment's input
         (None on the first stage)."""
-        expected = self.backed.get(mb, self.num_segments) - 1
-        if seg != expected or self.forwarded.get(mb, 0) != self.num_segments:
-            raise RuntimeError(f"backward of micro-batch {mb} segment {seg} out of order: it needs every segment "
-                               f"forwarded ({self.forwarded.get(mb, 0)} of {self.num_segments}) and the backwards "
-                               f"of segments {seg + 1}..{self.num_segments - 1} done; the next backward is "
-                               f"segment {expected}")
+        self._check_backward_order(mb, seg)
         inp, out, new = self.saved.pop((mb, seg))
         roots, grads = [out], [grad_output if grad_output is not None else torch.ones_like(out)]
         roots_kv, grads_kv = kv_gradients(new, self.carry[mb], seg)
@@ -215,6 +246,14 @@ class SegmentStage:
         if seg == 0:
             self._free(mb)
         return None if inp is None else inp.grad
+
+    def _check_backward_order(self, mb: int, seg: int) -> None:
+        expected = self.backed.get(mb, self.num_segments) - 1
+        if seg != expected or self.forwarded.get(mb, 0) != self.num_segments:
+            raise RuntimeError(f"backward of micro-batch {mb} segment {seg} out of order: it needs every segment "
+                               f"forwarded ({self.forwarded.get(mb, 0)} of {self.num_segments}) and the backwards "
+                               f"of segments {seg + 1}..{self.num_segments - 1} done; the next backward is "
+                               f"segment {expected}")
 
     def _free(self, mb: int) -> None:
         self.carry.pop(mb, None)

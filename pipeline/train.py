@@ -199,11 +199,6 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"(the stages per process)")
     if cfg.keep_layers < -1:
         raise ConfigError(f"keep_layers ({cfg.keep_layers}) must be -1 (auto) or >= 0 (layers per stage)")
-    if cfg.activation_offload and cfg.seq_chunks > 1:
-        # the stash and the prefetch order are keyed by (stage, micro-batch), and a segment's
-        # recompute would need the keys/values its earlier segments carried
-        raise ConfigError(f"activation_offload does not work with seq_chunks > 1 yet (got {cfg.seq_chunks}); "
-                          "use one of them")
     if cfg.activation_offload and cfg.keep_layers > 0:
         # the backward recomputes each stage whole: there is no layer whose activations could be kept
         raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "

@@ -1,5 +1,5 @@
-"""``offload.activations.ActivationStash`` on its own: every (stage, micro-batch) gets its own
-input back, once; a second save of a key or a restore of a key never saved is an error."""
+"""``offload.activations.ActivationStash`` on its own: every (stage, micro-batch, segment) gets
+its own input back, once; a second save of a key or a restore of a key never saved is an error."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +32,22 @@ def test_a_second_save_of_a_key_is_an_error():
     stash.clear()
     stash.save((1, 0), torch.ones(2))
     assert torch.equal(stash.restore((1, 0)), torch.ones(2))
+
+
+def test_segments_of_a_microbatch_are_keys_of_their_own():
+    """seq_chunks: each segment of a micro-batch waits for its own backward (last segment first)."""
+    stash = ActivationStash(torch.device("cpu"))
+    inputs = {(1, 0, j): torch.full((2, 3 - j, 4), float(j)) for j in range(3)}
+    for key, x in inputs.items():
+        stash.save(key, x)
+    stash.prefetch((1, 0, 1))
+    for key in [(1, 0, 2), (1, 0, 1), (1, 0, 0)]:
+        assert torch.equal(stash.restore(key), inputs[key]), key
+    with pytest.raises(RuntimeError, match="no input held for stage 1, micro-batch 0, segment 2"):
+        stash.restore((1, 0, 2))
+    stash.save((1, 0, 2), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="stage 1, micro-batch 0, segment 2 is already held"):
+        stash.save((1, 0, 2), torch.zeros(1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -93,6 +93,8 @@ def _measured_peak(trainer) -> int:
     dict(schedule="interleaved", num_chunks=4, use_offload=True),
     dict(schedule="1f1b", num_chunks=8, seq_chunks=4),
     dict(schedule="gpipe", num_chunks=4, seq_chunks=4, attn_implementation="eager"),
+    dict(schedule="gpipe", num_chunks=4, seq_chunks=4, activation_offload=True),
+    dict(schedule="1f1b", num_chunks=8, seq_chunks=4, activation_offload=True),
 ])
 @pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):

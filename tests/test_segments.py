@@ -13,6 +13,8 @@ k_proj bias's gradient is zero in exact arithmetic (softmax ignores a shift shar
 so its float32 value is summation noise (about 5e-5 relative), in either order."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -89,21 +91,28 @@ def reference(stage, x, targets):
     return loss.detach(), grads_of(stage)
 
 
-def run_segments(stage, x, targets, lengths, *, positions=None, shift_labels=False):
+def run_segments(stage, x, targets, lengths, *, positions=None, shift_labels=False, recompute=False):
     """Forward every segment in order, then backward from the last; optional mutations:
     ``positions`` restart at 0 in every segment, ``shift_labels`` gives segment 1 the labels
-    of segment 0's columns."""
+    of segment 0's columns. ``recompute`` (activation_offload): the forwards build no graph and
+    each backward first recomputes its segment."""
     stage.zero_grad(set_to_none=True)
-    runner = SegmentStage(stage, lengths)
+    runner = SegmentStage(stage, lengths, recompute=recompute)
     bounds = segment_bounds(lengths)
-    loss = 0
+    loss, cols = 0, []
     for j, (a, b) in enumerate(bounds):
         t = targets[:, a:b]
         if shift_labels and j == 1:
             t = targets[:, :b - a]
         pos = torch.arange(0, b - a)[None] if positions == "restart" else None
-        loss = loss + runner.forward(0, j, x[:, a:b], t, position_ids=pos).detach()
+        cols.append((x[:, a:b], t, pos))
+        with torch.no_grad() if recompute else contextlib.nullcontext():
+            loss = loss + runner.forward(0, j, x[:, a:b], t, position_ids=pos).detach()
+    assert not runner.saved if recompute else len(runner.saved) == len(bounds)
     for j in reversed(range(len(bounds))):
+        if recompute:
+            xj, tj, pos = cols[j]
+            runner.recompute_forward(0, j, xj, tj, position_ids=pos)
         assert runner.backward(0, j) is None  # the first stage sends no input gradient
     assert not runner.carry and not runner.saved  # segment 0's backward freed the micro-batch
     return loss, grads_of(stage)
@@ -230,6 +239,34 @@ def test_two_stages_by_hand():
         for n, p in st.named_parameters():
             assert rel(p.grad, ref[n]) < TOL, n
     del whole
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_recompute_equals_the_unsplit_sequence(arch):
+    """activation_offload's mode: forwards without a graph, each backward recomputing its
+    segment against the earlier segments' carried keys/values (sliding windows included)."""
+    torch.manual_seed(0)
+    config = make_config(arch, "sdpa")
+    (stage,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size)
+    ref = reference(stage, x, targets)
+    floor = noise_floor(stage, x, targets, ref)
+    got = run_segments(stage, x, targets, LENGTHS["balanced"], recompute=True)
+    assert not mismatch(ref, got, floor), mismatch(ref, got, floor)
+
+
+def test_recompute_order_is_checked():
+    config = make_config("llama", "eager")
+    (stage,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size)
+    with pytest.raises(RuntimeError, match="needs a SegmentStage made with recompute=True"):
+        SegmentStage(stage, [48, 48]).recompute_forward(0, 0, x[:, :48], targets[:, :48])
+    runner = SegmentStage(stage, [48, 48], recompute=True)
+    with torch.no_grad():
+        runner.forward(0, 0, x[:, :48], targets[:, :48])
+        runner.forward(0, 1, x[:, 48:], targets[:, 48:])
+    with pytest.raises(RuntimeError, match="the next backward is segment 1"):
+        runner.recompute_forward(0, 0, x[:, :48], targets[:, :48])
 
 
 def test_order_is_checked():

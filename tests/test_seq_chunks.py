@@ -108,22 +108,110 @@ def _tiny_config(model_dir):
 
 @pytest.mark.slow
 def test_evaluation_with_segments(tiny_model_dir, capsys):
-    """The forward-only program with segments gives the same validation loss."""
+    """The forward-only program with segments gives the same validation loss (with
+    activation_offload too: evaluation keeps no stash and recomputes nothing)."""
     lines = []
-    for k in (1, 3):
-        in_process_trainer(tiny_cfg(tiny_model_dir, seq_chunks=k, eval_every=3, eval_batches=2)).train()
+    for k, actoff in ((1, False), (3, False), (3, True)):
+        in_process_trainer(tiny_cfg(tiny_model_dir, seq_chunks=k, eval_every=3, eval_batches=2,
+                                    activation_offload=actoff)).train()
         lines.append([x.split(" time ")[0] for x in capsys.readouterr().out.splitlines() if x.startswith("eval step")])
-    assert lines[0] and lines[0] == lines[1], lines
+    assert lines[0] and lines[0] == lines[1] == lines[2], lines
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw,rtol", [(dict(dtype="float16"), 1e-2),
+                                     (dict(dtype="float16", activation_offload=True), 1e-2),
                                      (dict(delayed_update=True, use_offload=True, resident_stages=0), 1e-5)])
 def test_segments_equal_whole_rows(tiny_model_dir, kw, rtol):
     """What the Hugging Face reference does not model (float16 with loss scaling, the delayed
     update): 3 segments train as whole rows do (float16: within its rounding)."""
     whole, split = (_train(tiny_cfg(tiny_model_dir, seq_chunks=k, **kw)) for k in (1, 3))
     assert_same_training(*split, *whole, rtol=rtol)
+
+
+# --- activation_offload: segments' inputs in host memory, recomputed at their backward -----------
+@pytest.mark.parametrize("schedule,offload", [
+    ("interleaved", True), pytest.param("1f1b", False, marks=pytest.mark.slow),
+    pytest.param("gpipe", False, marks=pytest.mark.slow), pytest.param("gpipe", True, marks=pytest.mark.slow),
+    pytest.param("1f1b", True, marks=pytest.mark.slow), pytest.param("interleaved", False, marks=pytest.mark.slow),
+])
+def test_activation_offload_with_segments(tiny_model_dir, schedule, offload):
+    """Each (stage, micro-batch, segment) forward builds no graph, its input waits in the stash
+    and its backward recomputes it against the keys/values the earlier segments carried."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_offload=True, seq_chunks=3)
+    trainer = in_process_trainer(cfg)
+    assert all(stage.recomputed == 0 for stage in trainer.stages.values())
+    history = trainer.train()
+    assert len(trainer.executor.stash) == 0  # every segment's input went back to its backward
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True])
+def test_activation_offload_rows_of_different_lengths(tiny_model_dir, tmp_path, packing):
+    cfg = tiny_cfg(tiny_model_dir, dataset=_text_records(tmp_path / "var.jsonl", 2, 30), packing=packing,
+                   seq_chunks=4, batch_size=4, num_chunks=2, num_stages=2, schedule="1f1b", use_offload=True,
+                   activation_offload=True, activation_checkpointing=True)
+    assert_same_training(*_train(cfg), *reference_train(cfg, cfg.model))
+
+
+def _equal_segments(monkeypatch) -> None:
+    """Cut rows into equal segments (64 columns: 4 of 16), so that another segment's input has
+    this one's shape and a mix-up shows in the numbers, not as a shape error."""
+    import pipeline.executor as executor
+
+    monkeypatch.setattr(executor, "segment_lengths", lambda width, k, key_cost=0.0: segments.segment_lengths(width, k))
+
+
+def _expect_offload_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
+    _equal_segments(monkeypatch)
+    patch(monkeypatch)
+    cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
+    losses, params = _train(cfg)
+    with pytest.raises(AssertionError):
+        assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+def test_equal_segments_still_match(tiny_model_dir, monkeypatch):
+    """The control of the mutations below: the same run unpatched equals the reference."""
+    _equal_segments(monkeypatch)
+    cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
+    assert_same_training(*_train(cfg), *reference_result(str(tiny_model_dir)))
+
+
+def test_activation_offload_detects_another_segment_input(tiny_model_dir, monkeypatch):
+    """A backward whose recompute gets the input of another segment of its micro-batch."""
+    from offload.activations import ActivationStash
+
+    original = ActivationStash.restore
+
+    def swapped(self, key):
+        held = [k for k in [*self._host, *self._back] if k[:2] == key[:2] and k != key]
+        return original(self, held[0] if held else key)
+
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(ActivationStash, "restore", swapped))
+
+
+@pytest.mark.slow
+def test_activation_offload_detects_dropped_keys_and_values(tiny_model_dir, monkeypatch):
+    """The recompute (and only it) attends to zeros instead of segment 0's carried keys/values."""
+    class DropInRecompute(segments._KVCarry):
+        def __init__(self, past):
+            super().__init__(past)
+            if torch.is_grad_enabled():
+                for kvs in self.past.values():
+                    if kvs:
+                        kvs[0] = (torch.zeros_like(kvs[0][0]), torch.zeros_like(kvs[0][1]))
+
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(segments, "_KVCarry", DropInRecompute))
+
+
+@pytest.mark.slow
+def test_activation_offload_detects_dropped_key_value_gradients(tiny_model_dir, monkeypatch):
+    """The later segments' gradients of a segment's carried keys/values not fed to its backward."""
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch,
+                             lambda mp: mp.setattr(segments, "kv_gradients", lambda new, carry, seg: ([], [])))
 
 
 # --- the comparison must be able to fail -------------------------------------------------------
@@ -161,10 +249,13 @@ def test_detects_dropped_keys_and_values(tiny_model_dir, monkeypatch):
 
 # --- several processes over gloo ---------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,offload", [("1f1b", False), ("interleaved", True)])
-def test_torchrun_segments_match_reference(tiny_model_dir, tmp_path, schedule, offload):
-    """Two processes: each segment's activation and gradient cross ranks in buffers of its length."""
+@pytest.mark.parametrize("schedule,offload,actoff", [("1f1b", False, False), ("interleaved", True, False),
+                                                     ("interleaved", True, True)])
+def test_torchrun_segments_match_reference(tiny_model_dir, tmp_path, schedule, offload, actoff):
+    """Two processes: each segment's activation and gradient cross ranks in buffers of its length
+    (activation_offload: a received segment input waits in the stash for its recompute)."""
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=offload, seq_chunks=3,
+                   activation_offload=actoff,
                    save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
     proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -218,6 +309,37 @@ def test_memory_plan_counts_segments():
         assert {a.seg for a in program[0] if a.op.value == "F"} == ({None} if k == 1 else set(range(k)))
         peaks.append(ranks[0].parts["activations"])
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.6 * peaks[0], peaks
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_memory_plan_counts_segments_with_activation_offload(schedule):
+    """activation_offload with segments: a backward recomputes one segment, so the peak falls
+    with K and stays under the plan without activation_offload; the carried keys/values stay on
+    the device (activations above zero, at most every micro-batch's whole rows' keys/values and
+    their gradients); the stash's inputs are host memory, under gpipe the same whatever K."""
+    from pipeline.model import preset_config
+    from pipeline.plan import memory_plan, report
+    from schedule import round_robin
+
+    hf = preset_config("tiny")
+    layers_per_stage = hf.num_hidden_layers // 4
+    kv_dim = hf.num_key_value_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    whole_kv = 4 * layers_per_stage * 2 * 2 * kv_dim * 2048  # 4 micro-batches of one 2048-column row, bf16
+    peaks, hosts = [], set()
+    for k in (1, 2, 4, 8):
+        cfg = _plan_cfg(schedule=schedule, seq_chunks=k, activation_offload=True)
+        ranks, _ = memory_plan(cfg, hf, round_robin(4, 4), "cuda")
+        plain, _ = memory_plan(_plan_cfg(schedule=schedule, seq_chunks=k), hf, round_robin(4, 4), "cuda")
+        worst = max(r.device_peak for r in ranks)
+        assert worst < max(r.device_peak for r in plain), k
+        acts = max(r.parts["activations"] for r in ranks)
+        assert (acts == 0) if k == 1 else (0 < acts <= 2 * whole_kv), (k, acts, whole_kv)
+        peaks.append(worst)
+        hosts.add(ranks[1].host)  # stage 1's inputs in the stash, in segments or whole
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.6 * peaks[0], peaks
+    assert len(hosts) == 1 or schedule != "gpipe", hosts  # gpipe: every input stashed before any backward
+    text = report(_plan_cfg(schedule=schedule, seq_chunks=4, activation_offload=True), hf, round_robin(4, 4), 4)
+    assert "in 4 sequence segments of [" in text and "activation_offload=True" in text, text
 
 
 def test_plan_advises_seq_chunks(monkeypatch):
