@@ -3,8 +3,12 @@ its single-process reference result (cached), and torchrun runs of main.py."""
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
+from pathlib import Path
+
+import torch
 
 from conftest import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import make_config
@@ -47,3 +51,13 @@ def cli_flags(cfg) -> list[str]:
         elif v != "":
             out += [f"--{k}", str(v)]
     return out
+
+
+def torchrun_training(nproc: int, cfg) -> tuple[list[float], dict[str, torch.Tensor], subprocess.CompletedProcess]:
+    """Train ``cfg`` (``save_params`` and ``save_results`` set) on ``nproc`` processes: its
+    losses, final weights and the finished process (for its log)."""
+    proc = run_torchrun(nproc, cli_flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(Path(cfg.save_results).read_text())
+    params = torch.load(Path(cfg.save_dir) / "params.pt", weights_only=True)
+    return [row["loss"] for row in results["iterations"]], params, proc

@@ -7,13 +7,11 @@ stage's gradient is lost, or a layer is skipped.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from runs import ITERS, cli_flags, reference_result, run_torchrun, tiny_cfg
+from runs import ITERS, reference_result, tiny_cfg, torchrun_training
 
 def _run_in_process(cfg):
     trainer = in_process_trainer(cfg)
@@ -220,11 +218,7 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
 def test_torchrun_matches_reference(tiny_model_dir, tmp_path, nproc, schedule, offload):
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=2 * nproc, use_offload=offload,
                save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(nproc, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    losses = [row["loss"] for row in results["iterations"]]
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    losses, params, _ = torchrun_training(nproc, cfg)
     assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
@@ -235,11 +229,8 @@ def test_torchrun_activation_offload_matches_reference(tiny_model_dir, tmp_path,
     outputs are kept only until sent, and the training is the same."""
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=offload, activation_offload=True,
                    save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))
+    losses, params, _ = torchrun_training(2, cfg)
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -248,9 +239,6 @@ def test_torchrun_resident_stages_match_reference(tiny_model_dir, tmp_path, sche
     """Two processes, each keeping its first stage resident and offloading its second."""
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=True, resident_stages=1,
                save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses, params, proc = torchrun_training(2, cfg)
     assert "offload: 1 of 2 stages per GPU stay resident" in proc.stdout, proc.stdout[-2000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))

@@ -3,11 +3,9 @@ the memory plan, ``--plan`` and resume; and a cost partition that differs from t
 trains exactly like single-process training (in one process here, two in a slow test)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import schedule as sched
 from pipeline.config import ConfigError, make_config
@@ -215,7 +213,7 @@ def test_in_process_cost_partition_matches_reference(wide_vocab_model_dir):
 def test_torchrun_cost_partition_matches_reference(wide_vocab_model_dir, tmp_path):
     """Two processes, four stages: rank 1 (stages 1 and 3, the head) gives a layer to rank 0."""
     from reference import assert_same_training
-    from runs import cli_flags, reference_result, run_torchrun, tiny_cfg
+    from runs import reference_result, tiny_cfg, torchrun_training
 
     cfg = tiny_cfg(wide_vocab_model_dir, schedule="interleaved", num_stages=4, save_dir=str(tmp_path),
                    save_params=True, save_results=str(tmp_path / "results.json"))
@@ -223,12 +221,8 @@ def test_torchrun_cost_partition_matches_reference(wide_vocab_model_dir, tmp_pat
 
     counts = _counts(cfg, AutoConfig.from_pretrained(wide_vocab_model_dir), 2)
     assert counts == [2, 1, 2, 1], counts  # not the even [1, 2, 2, 1]
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training([row["loss"] for row in results["iterations"]], params,
-                         *reference_result(str(wide_vocab_model_dir)))
+    losses, params, _ = torchrun_training(2, cfg)
+    assert_same_training(losses, params, *reference_result(str(wide_vocab_model_dir)))
 
 
 def test_choose_counts_stays_within_its_budget():

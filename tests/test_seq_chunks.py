@@ -19,7 +19,7 @@ import pipeline.segments as segments
 from pipeline.config import ConfigError, make_config
 from pipeline.train import check_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from runs import ITERS, cli_flags, reference_result, run_torchrun, tiny_cfg
+from runs import ITERS, reference_result, tiny_cfg, torchrun_training
 
 
 def _train(cfg):
@@ -257,11 +257,8 @@ def test_torchrun_segments_match_reference(tiny_model_dir, tmp_path, schedule, o
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=offload, seq_chunks=3,
                    activation_offload=actoff,
                    save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))
+    losses, params, _ = torchrun_training(2, cfg)
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -269,11 +266,8 @@ def test_torchrun_replicas_with_segments(tiny_model_dir, tmp_path):
     """data_parallel: two one-rank pipelines, each summing its segments' gradients before the replicas do."""
     cfg = tiny_cfg(tiny_model_dir, num_stages=2, data_parallel=2, use_offload=True, seq_chunks=3,
                    save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert_same_training([row["loss"] for row in results["iterations"]], params, *reference_result(str(tiny_model_dir)))
+    losses, params, _ = torchrun_training(2, cfg)
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 # --- configuration and plan ------------------------------------------------------------------------
