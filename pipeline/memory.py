@@ -106,6 +106,7 @@ class MemoryInputs:
     kept: tuple[int, ...] = ()
     # seq_chunks: the lengths of a row's sequence segments (their sum is seq_len); () = whole rows.
     segments: tuple[int, ...] = ()
+    activation_offload: bool = False
 
     def span(self, seg: int | None) -> tuple[int, int, int]:
         """(start, end) columns of segment ``seg`` of a row (the whole row for None), and the
@@ -114,7 +115,6 @@ class MemoryInputs:
             return 0, self.seq_len, self.micro_batch * self.seq_len
         start = sum(self.segments[:seg])
         return start, start + self.segments[seg], self.micro_batch * self.segments[seg]
-    activation_offload: bool = False
 
     def kept_layers(self, s: int) -> int:
         return min(self.kept[s], self.stages[s].num_layers) if self.checkpointing and self.kept else 0
@@ -215,6 +215,15 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     per_mb: dict[tuple[int, int, int | str | None], float] = {}  # by (stage, micro-batch, segment)
     stashed = stash_peak = 0.0  # activation_offload: stage inputs in host memory
     sent = 0.0                  # activation_offload: sent tensors, released at the next compute
+
+    def note_peak(a: Action, transient: float) -> None:
+        """What the device holds at action ``a``, plus its ``transient``: a new peak is kept with its parts."""
+        now = params_static + pool_bytes + saved + held + (stashed if inp.cpu else 0)
+        if now + transient > out.device_peak:
+            out.device_peak, out.at = int(now + transient), str(a)
+            out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
+                         "in_flight": int(held), "transient": int(transient)}
+
     for a in actions:
         s = a.stage
         n = inp.span(a.seg)[2] if a.op in (Op.FORWARD, Op.BACKWARD) else tokens  # tokens of this compute
@@ -241,12 +250,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             if s > 0:
                 stashed += io if a.op is Op.FORWARD else -io
                 stash_peak = max(stash_peak, stashed)
-            now = params_static + pool_bytes + saved + held + (stashed if inp.cpu else 0)
-            transient = extra + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
-            if now + transient > out.device_peak:
-                out.device_peak, out.at = int(now + transient), str(a)
-                out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
-                             "in_flight": int(held), "transient": int(transient)}
+            note_peak(a, extra + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
             saved -= carried
             continue
         if a.op is Op.LOAD:
@@ -280,14 +284,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             # a received input is freed and its gradient, sent on, lives until the iteration ends
             if not inp.stages[s].last and not crosses(inp.mapping, s, s + 1):
                 held -= 2 * io  # the output (the next stage's input) and the gradient it got back
-        now = params_static + pool_bytes + saved + held + (stashed if inp.cpu else 0)
-        transient = (fwd_t + bwd_t) * n + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0)
-        peak = now + transient
-        if peak > out.device_peak:
-            out.device_peak = int(peak)
-            out.at = str(a)
-            out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
-                         "in_flight": int(held), "transient": int(transient)}
+        note_peak(a, (fwd_t + bwd_t) * n + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
     if inp.cpu:  # one memory: the "device" tensors are host tensors (the stash's inputs counted in the walk)
         out.host += out.device_peak
         out.device_peak = 0
