@@ -5,8 +5,8 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
     python bench/offload_bench.py --summarise bench/results/2026-11-22_h200x2_callA --warmup 2
 
-Rows are named ``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>]``, the optional
-suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``):
+Rows are named ``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>][~<flag>=<value>...]``,
+the optional suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b~keep_layers=-1``):
 
 - net ``pcie`` sets NCCL_P2P_DISABLE=1 (GPUs cannot talk directly: inter-GPU traffic goes through
   host memory, as on a commodity PCIe server); ``nvlink`` leaves the machine as it is;
@@ -27,9 +27,11 @@ suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b``
 - ``+cross`` / ``+sequential`` passes ``--mapping planned|round_robin --timeline``: the row also reports
   main.py's mapping line and the timeline's measured step, cost-model step and prediction error
   (``timeline.png`` / ``timeline.json`` stay in ``<out>/<row>/``);
-- ``@<model>`` overrides ``--model`` (a preset name: letters, digits, ``.``, ``-``, ``_``).
+- ``@<model>`` overrides ``--model`` (a preset name: letters, digits, ``.``, ``-``, ``_``);
+- ``~<flag>=<value>`` (repeatable) passes ``--<flag> <value>`` to main.py after the row's own flags, so
+  that one setting can be compared within a call (``~fuse_last_stage=false``, ``~partition=layers``).
 
-``-noclip``, ``-eager``, ``/s`` and ``+`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
+``-noclip``, ``-eager``, ``/s``, ``+`` and ``~`` apply to main.py rows only (not ``fsdp2``). Rows run until ``--budget_s`` is spent;
 the table (step time = mean after the warm-up iterations, with its compute / exposed-wait / other
 breakdown, and the host's time in Python's cyclic garbage collector, which may fall in any
 part) and, for ``+<mapping>`` rows, a mapping table are printed at the end and written to
@@ -53,7 +55,7 @@ MAPPINGS = ("cross", "sequential")
 DEFAULT_ROWS = ("pcie48-prefetch,pcie48-hybrid,pcie48-fsdp2,pcie48-resident,pcie48-noprefetch,pcie24-prefetch,"
                 "pcie24-fsdp2,pcie24-resident,nvlink48-prefetch,nvlink48-hybrid,nvlink48-fsdp2,nvlink48-resident")
 ROW_RE = re.compile(rf"(pcie|nvlink)([1-9]\d*)-({'|'.join(MODES)})(-noclip)?(-eager)?(?:/s([1-9]\d*))?(?:\+({'|'.join(MAPPINGS)}))?"
-                    r"(?:@([\w.-]+))?")
+                    r"(?:@([\w.-]+?))?((?:~[a-z_]+=[\w.-]+)*)")
 TIMELINE_RE = re.compile(r"timeline: measured step ([\d.]+)s, cost model(?: \([^)]*\))? ([\d.]+)s, "
                          r"prediction error ([+-]?[\d.]+)%")
 # the older mode names too: earlier results' logs say auto, cross, sequential or manual
@@ -72,19 +74,22 @@ class Row(NamedTuple):
     mapping: str | None
     model: str | None
     eager: bool = False
+    flags: tuple[tuple[str, str], ...] = ()  # ~<flag>=<value>
 
 
 def parse_row(name: str) -> Row:
-    """``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>]`` -> ``Row``; a bad name exits
-    with one error line."""
+    """``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>][~<flag>=<value>...]`` -> ``Row``;
+    a bad name exits with one error line."""
     m = ROW_RE.fullmatch(name)
-    if m is None or (m[3] == "fsdp2" and (m[4] or m[5] or m[6] or m[7])):
+    if m is None or (m[3] == "fsdp2" and (m[4] or m[5] or m[6] or m[7] or m[9])):
         raise SystemExit(f"error: bad row name {name!r}; expected "
-                         f"<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>], "
-                         f"e.g. pcie48-prefetch/s16+cross@llama-2-13b (net: pcie, nvlink; modes: {', '.join(MODES)}; "
-                         f"mappings: {', '.join(MAPPINGS)}; -noclip, -eager, /s and + not with fsdp2)")
-    net, cap, mode, noclip, eager, stages, mapping, model = m.groups()
-    return Row(net, int(cap), mode, bool(noclip), int(stages) if stages else None, mapping, model, bool(eager))
+                         f"<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>][~<flag>=<value>...], "
+                         f"e.g. pcie48-prefetch/s16+cross@llama-2-13b~keep_layers=-1 (net: pcie, nvlink; modes: "
+                         f"{', '.join(MODES)}; mappings: {', '.join(MAPPINGS)}; -noclip, -eager, /s, + and ~ not "
+                         f"with fsdp2)")
+    net, cap, mode, noclip, eager, stages, mapping, model, flags = m.groups()
+    pairs = tuple(tuple(f.split("=", 1)) for f in flags.split("~")[1:])
+    return Row(net, int(cap), mode, bool(noclip), int(stages) if stages else None, mapping, model, bool(eager), pairs)
 
 
 def slug(name: str) -> str:
@@ -150,6 +155,7 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
         cmd += ["--activation_offload"] if mode == "actoff" else []
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", {"cross": "planned", "sequential": "round_robin"}[mapping], "--timeline"] if mapping else []
+        cmd += [arg for flag, value in row.flags for arg in (f"--{flag}", value)]  # last: they override
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

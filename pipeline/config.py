@@ -105,6 +105,12 @@ class TrainConfig:
                                   "host memory holds one hidden state per micro-batch and stage in flight. Layers "
                                   "are not checkpointed again (keep_layers must be 0; activation_checkpointing still "
                                   "chunks the last stage's loss). Not with attention dropout.")
+    fuse_last_stage: str = _f("auto", "The last stage runs forward, loss and backward of each micro-batch back to "
+                              "back in its forward: its layers are never checkpointed or recomputed, its head and "
+                              "loss run in chunks of tokens (the logits exist for one chunk at a time) and only the "
+                              "gradient of its input waits for the schedule's backward. Exact: the same arithmetic "
+                              "as recomputing. auto = true without seq_chunks (a segment's backward needs the later "
+                              "segments'), where true is refused.", choices=COMPILE_CHOICES)
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -197,8 +203,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
     "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",
-                    "keep_layers", "activation_offload", "compile_layers", "mapping", "topology", "plan_tflops",
-                    "stagger_loads", "device", "comm_timeout_s"),
+                    "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "mapping", "topology",
+                    "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
@@ -330,6 +336,11 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
     partition_counts(cfg.partition)
     return cfg
+
+
+def fuses_last_stage(cfg: TrainConfig) -> bool:
+    """``fuse_last_stage`` resolved (``auto``: without seq_chunks)."""
+    return cfg.fuse_last_stage == "true" or (cfg.fuse_last_stage == "auto" and cfg.seq_chunks == 1)
 
 
 def partition_counts(partition: str) -> list[int] | None:

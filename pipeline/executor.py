@@ -135,7 +135,8 @@ class Executor:
     def __init__(self, rank: int, stages: dict[int, torch.nn.Module], stores: dict[int, StageStore],
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
                  grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0,
-                 num_segments: int = 1, key_cost: float = 0.0, activation_offload: bool = False):
+                 num_segments: int = 1, key_cost: float = 0.0, activation_offload: bool = False,
+                 fuse_last_stage: bool = False):
         """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
         its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
@@ -147,7 +148,11 @@ class Executor:
         (``schedule.costmodel.attention_key_cost``); each stage then runs through a
         ``SegmentStage``, which carries the keys/values between the segments of a micro-batch.
         ``activation_offload``: in training, every stage's forward builds no graph and its input
-        waits in host memory (``offload.activations``); its backward recomputes it (``_recompute``)."""
+        waits in host memory (``offload.activations``); its backward recomputes it (``_recompute``).
+        ``fuse_last_stage``: in training without segments, the last stage's forward runs its
+        backward too (``Stage.forward_backward``: nothing checkpointed or recomputed, the logits
+        made a chunk at a time) and its BACKWARD only hands the input's gradient on; the actions
+        stay where they are, so the schedule's communication and parameter movement do not change."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas
         self.start_offset_s = start_offset_s
@@ -158,6 +163,7 @@ class Executor:
         self.bounds: list[tuple[int, int]] = []
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
         self.stash = ActivationStash(device) if activation_offload else None
+        self.fuse_last_stage = fuse_last_stage
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
@@ -183,6 +189,9 @@ class Executor:
         self.grads_out: dict[Key, torch.Tensor] = {}
         # activation_offload (training only): each backward prefetches the input of this rank's next one
         self.offloading = self.stash is not None and train
+        # a segment's backward needs the later segments' (gradients of keys and values): not fusable
+        self.fusing = self.fuse_last_stage and train and self.num_segments == 1
+        self.fused_grads: dict[Key, torch.Tensor | None] = {}  # last stage: input gradients its F made
         if self.num_segments > 1:
             # Fresh runners each iteration: what they carry lives from a micro-batch's first
             # forward to its last backward, all inside this call.
@@ -198,7 +207,7 @@ class Executor:
         self.clip_coef, self.grad_norm, self.skip_step = None, None, False
         self.summed: set[int] = set()  # stages whose gradient is summed over the replicas (data parallel)
         self.has_norm = any(a.op is Op.NORM for a in actions)
-        order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD]
+        order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD and not self._fused(a.stage)]
         self.next_backward = dict(zip(order, order[1:]))
         if self.stash is not None:
             self.stash.clear()
@@ -254,9 +263,14 @@ class Executor:
         runner = self.runners[a.stage]
         return (runner.recompute_forward if recompute else runner.forward)(a.mb, a.seg, x, targets, **packed)
 
+    def _fused(self, s: int) -> bool:
+        """Whether stage ``s``'s forward runs its backward too (``fuse_last_stage``)."""
+        return self.fusing and s == self.num_stages - 1
+
     def _forward(self, a: Action) -> None:
         s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
-        self.stores[s].before_compute(backward=False, clock=self.clock)
+        fused = self._fused(s)
+        self.stores[s].before_compute(backward=fused, clock=self.clock)
         if s == 0:
             x = self._columns(self.mbs[m].input_ids, a.seg)
         else:
@@ -265,7 +279,9 @@ class Executor:
                 buf, work = self.recvs.pop((Op.RECV_F, *key))
                 work.wait()  # device-side wait with NCCL; the host blocks only with gloo
                 x = buf
-            if self.offloading:
+            if fused:
+                pass  # its backward runs now: nothing waits for it
+            elif self.offloading:
                 self.stash.save(key, x)  # stage 0 needs none: its tokens stay in self.mbs
             elif a.seg is None:  # a segment's runner makes its own input leaf
                 x.requires_grad_(True)
@@ -273,6 +289,10 @@ class Executor:
         if self.offloading:
             self._release_sent()
         start = self.clock.mark()
+        if fused:
+            self._forward_backward(a, x)
+            self.clock.span("compute", start, self.clock.mark())
+            return
         last = s == self.num_stages - 1
         # activation_offload: no graph; the backward recomputes this forward from the stashed input
         with torch.no_grad() if self.offloading else contextlib.nullcontext():
@@ -284,6 +304,17 @@ class Executor:
         if not self.offloading or (not last and crosses(self.mapping, s, s + 1)):
             self.outputs[key] = out  # offloading: only until SEND_F has sent it
         self.clock.span("compute", start, self.clock.mark())
+
+    def _forward_backward(self, a: Action, x: torch.Tensor) -> None:
+        """The fused last stage's forward, loss and backward of ``a``'s micro-batch; the
+        gradient w.r.t. its input waits for the BACKWARD action. The loss scale and the
+        normalisation ride in as the backward's scale, as through ``_run_stage``'s loss."""
+        mb = self.mbs[a.mb]
+        with self.stores[a.stage].saved_tensor_hooks():
+            loss, g = self.stages[a.stage].forward_backward(x, mb.targets, self.loss_scale / self.num_targets,
+                                                            **mb.packing())
+        self.losses.append(loss / self.num_targets)
+        self.fused_grads[(a.stage, a.mb, a.seg)] = g
 
     def _run_stage(self, a: Action, x: torch.Tensor, last: bool,
                    recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -325,6 +356,9 @@ class Executor:
         s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
         self.stores[s].before_compute(backward=True, clock=self.clock)
         last = s == self.num_stages - 1
+        if self._fused(s):
+            self._hand_on_grad(a, self.fused_grads.pop(key))
+            return
         if self.offloading:
             self._release_sent()
             # the recompute needs no gradient yet: it runs before the wait for the one sent back
@@ -350,12 +384,18 @@ class Executor:
             else:
                 torch.autograd.backward(out, grad)
             g = self.inputs.pop(key).grad if s > 0 else None
-        if s > 0:
-            if not crosses(self.mapping, s, s - 1):
-                self.local_grad[(s - 1, m, a.seg)] = g
-            else:
-                self.grads_out[key] = g
+        self._hand_on_grad(a, g)
         self.clock.span("compute", start, self.clock.mark())
+
+    def _hand_on_grad(self, a: Action, g: torch.Tensor | None) -> None:
+        """The gradient w.r.t. stage ``a.stage``'s input, to the previous stage: kept here for
+        it on this rank, else for SEND_B."""
+        if a.stage == 0:
+            return
+        if not crosses(self.mapping, a.stage, a.stage - 1):
+            self.local_grad[(a.stage - 1, a.mb, a.seg)] = g
+        else:
+            self.grads_out[(a.stage, a.mb, a.seg)] = g
 
     # --- communication ------------------------------------------------------------------
     def _send_f(self, a: Action) -> None:

@@ -27,7 +27,7 @@ keeps a ledger of what the executor and the stores hold at every action.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
 from pipeline.model import loss_chunk_tokens
@@ -107,6 +107,7 @@ class MemoryInputs:
     # seq_chunks: the lengths of a row's sequence segments (their sum is seq_len); () = whole rows.
     segments: tuple[int, ...] = ()
     activation_offload: bool = False
+    fused_last: bool = False  # fuse_last_stage (whole rows only: the executor fuses no segment)
 
     def span(self, seg: int | None) -> tuple[int, int, int]:
         """(start, end) columns of segment ``seg`` of a row (the whole row for None), and the
@@ -229,6 +230,20 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
         n = inp.span(a.seg)[2] if a.op in (Op.FORWARD, Op.BACKWARD) else tokens  # tokens of this compute
         io = d * h * n   # one hidden-state tensor of a micro-batch (segment)
         fwd_t = bwd_t = 0.0
+        if inp.fused_last and inp.stages[s].last and a.seg is None and a.op in (Op.FORWARD, Op.BACKWARD):
+            # fuse_last_stage: the forward runs the backward; the backward only hands the gradient on
+            crossing = s > 0 and crosses(inp.mapping, s, s - 1)
+            if a.op is Op.FORWARD:
+                if s in offloaded and s not in has_grad:
+                    take(inp.stages[s].numel)
+                    has_grad.add(s)
+                if inp.activation_offload:
+                    held, sent = held - sent, 0.0
+                held += io if s > 0 else 0.0  # the input's gradient (a received input freed for it)
+                note_peak(a, _fused_transient(inp, s, n) + _weight_grad_bytes(inp, s))
+            elif inp.activation_offload and crossing:
+                sent += io  # sent now, freed at the next compute
+            continue
         if inp.activation_offload and a.op in (Op.FORWARD, Op.BACKWARD):
             held, sent = held - sent, 0.0
             extra, held_delta, sent = _offloaded_compute(inp, a, io)
@@ -291,6 +306,15 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     else:
         out.host += int(stash_peak)
     return out
+
+
+def _fused_transient(inp: MemoryInputs, s: int, tokens: int) -> float:
+    """fuse_last_stage: what the last stage's forward of one micro-batch adds while it runs its
+    backward: every layer's activations (none checkpointed), the detached final hidden state's
+    gradient and the worst of a loss chunk's and a layer's backward."""
+    whole = replace(inp, checkpointing=True, activation_offload=True)  # nothing recomputed, loss chunked
+    saved, _, bwd = _per_token(whole, s)
+    return (saved + inp.dtype_bytes * inp.shape.hidden + bwd) * tokens
 
 
 def _kv_bytes(inp: MemoryInputs, s: int, tokens: int) -> float:

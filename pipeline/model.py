@@ -183,6 +183,40 @@ class Stage(nn.Module):
                 position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids`` [B, T] (default: the columns) feed the rotary embedding;
         ``segment_ids`` [B, T] (packed rows) keep attention within each segment."""
+        h = self._body(x, position_ids, segment_ids, recompute=True)
+        if not self.is_last:
+            return h
+        if targets is None:
+            return self.lm_head(self.model.norm(h))
+        return self.head_loss(h, targets)
+
+    def forward_backward(self, x: torch.Tensor, targets: torch.Tensor, grad_scale: float, *,
+                         position_ids: torch.Tensor | None = None,
+                         segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last stage's forward, loss and backward of one micro-batch, back to back (the
+        fused last stage): no layer is checkpointed, since its backward follows at once, and the
+        head and loss run in chunks of tokens, each differentiated as soon as it is computed, so
+        the logits never exist for more than a chunk and nothing is recomputed. The gradients
+        accumulate into the parameters' ``.grad`` as a backward's do, for the loss times
+        ``grad_scale``. Returns (the summed token loss, detached; the gradient w.r.t. ``x``,
+        None when ``x`` is token ids)."""
+        if not self.is_first:
+            x = x.detach().requires_grad_()
+        h = self._body(x, position_ids, segment_ids, recompute=False)
+        leaf = h.detach().requires_grad_()
+        n = loss_chunk_tokens(self.lm_head.out_features)
+        loss = torch.zeros((), device=h.device)
+        for hc, tc in zip(leaf.flatten(0, 1).split(n), targets.flatten().split(n)):
+            chunk = self._loss(hc, tc)
+            (chunk * grad_scale).backward()  # frees this chunk's logits before the next is made
+            loss += chunk.detach()
+        h.backward(leaf.grad)  # on a layerless stage h is x itself: its grad is leaf.grad
+        return loss, None if self.is_first else x.grad
+
+    def _body(self, x: torch.Tensor, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None,
+              recompute: bool) -> torch.Tensor:
+        """Embedding (first stage) and decoder layers; with ``recompute`` the first
+        ``self.recomputed`` layers are checkpointed."""
         h = self.model.embed_tokens(x) if self.is_first else x
         if len(self.model.layers):
             seq_len = h.shape[1]
@@ -190,9 +224,10 @@ class Stage(nn.Module):
                 position_ids = torch.arange(seq_len, device=h.device)[None]
             position_embeddings = self.rotary_emb(h, position_ids)
             masks = {w: self._mask(seq_len, w, h, segment_ids) for w in set(self.windows)}
+            checkpointed = self.recomputed if recompute and torch.is_grad_enabled() else 0
             for i, (layer, window) in enumerate(zip(self.model.layers.values(), self.windows)):
                 mask = masks[window]
-                if i < self.recomputed and torch.is_grad_enabled():
+                if i < checkpointed:
                     run = functools.partial(layer, attention_mask=mask, position_ids=position_ids,
                                             position_embeddings=position_embeddings)
                     h = checkpoint(run, h, use_reentrant=False)
@@ -201,11 +236,7 @@ class Stage(nn.Module):
                               position_embeddings=position_embeddings)
                 if isinstance(h, tuple):  # older transformers return (hidden_states,)
                     h = h[0]
-        if not self.is_last:
-            return h
-        if targets is None:
-            return self.lm_head(self.model.norm(h))
-        return self.head_loss(h, targets)
+        return h
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's summed token loss of the final hidden states ``h`` (a whole

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import schedule as sched
-from pipeline.config import TrainConfig, partition_counts
+from pipeline.config import TrainConfig, fuses_last_stage, partition_counts
 from pipeline.model import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
 from pipeline.programs import program_spec
 from schedule.costmodel import predict
@@ -23,16 +23,23 @@ from schedule.spec import ProgramSpec
 ASSUMED_LINK_GBPS = 25.0
 
 
-def stage_costs(hf_config, counts: list[int], seq_len: int, recompute: bool) -> list[tuple[float, float]]:
+def stage_costs(hf_config, counts: list[int], seq_len: int, recompute: bool,
+                fused_last: bool = False) -> list[tuple[float, float]]:
     """(forward, backward) FLOPs per token of each stage holding ``counts`` decoder layers.
 
     Backward is twice the forward; under checkpointing the forward runs again in backward, the
     head's too (``Stage.forward`` recomputes its loss chunks). The embedding's backward is a
-    scatter-add of the gradient rows: h additions per token, next to nothing."""
+    scatter-add of the gradient rows: h additions per token, next to nothing. ``fused_last``
+    (``fuse_last_stage``): the last stage's forward runs its backward too, recomputing nothing,
+    and its backward action computes nothing."""
     out = []
     for s, c in enumerate(counts):
         f = forward_flops_per_token(hf_config, c, s == len(counts) - 1, seq_len)
-        out.append((f, (3 if recompute else 2) * f + (hf_config.hidden_size if s == 0 else 0)))
+        embedding = hf_config.hidden_size if s == 0 else 0
+        if fused_last and s == len(counts) - 1:
+            out.append((3 * f + embedding, 0.0))
+        else:
+            out.append((f, (3 if recompute else 2) * f + embedding))
     return out
 
 
@@ -63,10 +70,11 @@ def predicted_step_time(cfg: TrainConfig, hf_config, num_ranks: int, parts: list
 def _inputs(cfg: TrainConfig, hf_config, num_ranks: int) -> tuple:
     """``_predictor``'s arguments, hashable (its answers are cached)."""
     S = cfg.num_stages
-    # A stage's FLOPs are linear in its layer count: fixed[s] + count * layer.
-    zero = stage_costs(hf_config, [0] * S, cfg.seq_length, cfg.activation_checkpointing)
-    one = stage_costs(hf_config, [1] * S, cfg.seq_length, cfg.activation_checkpointing)
-    layer = (one[1][0] - zero[1][0], one[1][1] - zero[1][1])
+    # A stage's FLOPs are linear in its layer count: fixed[s] + count * layer[s].
+    costs = functools.partial(stage_costs, hf_config, seq_len=cfg.seq_length,
+                              recompute=cfg.activation_checkpointing, fused_last=fuses_last_stage(cfg))
+    zero, one = costs([0] * S), costs([1] * S)
+    layer = tuple((f1 - f0, b1 - b0) for (f0, b0), (f1, b1) in zip(zero, one))  # per stage: the fused last is cheaper
     params = tuple(stage_num_params(hf_config, range(0), s == 0, s == S - 1) for s in range(S))
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1
     return (layer, tuple(zero), params, stage_num_params(hf_config, range(1), False, False),
@@ -75,12 +83,12 @@ def _inputs(cfg: TrainConfig, hf_config, num_ranks: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _predictor(layer: tuple[float, float], fixed: tuple[tuple[float, float], ...], params: tuple[int, ...],
+def _predictor(layer: tuple[tuple[float, float], ...], fixed: tuple[tuple[float, float], ...], params: tuple[int, ...],
                per_layer: int, spec: ProgramSpec, num_ranks: int, tokens: int, tflops: float):
     """counts -> predicted step time (``schedule.costmodel.predict``) of ``spec``'s program on
     ``num_ranks`` round-robin ranks. As the mapping planner assumes: bf16 parameters,
     ``ASSUMED_LINK_GBPS`` per GPU, each GPU under its own root (the topology is not known yet),
-    compute at ``tflops``; stage s computes ``fixed[s] + count * layer`` FLOPs a token."""
+    compute at ``tflops``; stage s computes ``fixed[s] + count * layer[s]`` FLOPs a token."""
     mapping = sched.round_robin(spec.num_stages, num_ranks)
     program = spec.build(mapping)
     gpus = list(range(num_ranks))
@@ -88,8 +96,8 @@ def _predictor(layer: tuple[float, float], fixed: tuple[tuple[float, float], ...
 
     def step_time(counts: list[int]) -> float:
         stage_bytes = [2 * (p + c * per_layer) for p, c in zip(params, counts)]
-        compute = {s: ((f + c * layer[0]) * per_s, (b + c * layer[1]) * per_s)
-                   for s, (c, (f, b)) in enumerate(zip(counts, fixed))}
+        compute = {s: ((f + c * lf) * per_s, (b + c * lb) * per_s)
+                   for s, (c, (f, b), (lf, lb)) in enumerate(zip(counts, fixed, layer))}
         return predict(program, mapping, gpus, gpus, compute, stage_bytes, ASSUMED_LINK_GBPS,
                        ASSUMED_LINK_GBPS).step_time
 
@@ -101,7 +109,7 @@ def _cost_counts(start: tuple[int, ...], *inputs) -> tuple[int, ...]:
     # Cached: the memory plan asks again for every candidate it weighs (resident stages, advice).
     layer, fixed, spec, num_ranks = inputs[0], inputs[1], inputs[4], inputs[5]
     loads = [f + b for f, b in fixed]
-    return tuple(choose_counts(list(start), sum(layer), loads, sched.round_robin(spec.num_stages, num_ranks),
+    return tuple(choose_counts(list(start), sum(layer[0]), loads, sched.round_robin(spec.num_stages, num_ranks),
                                _predictor(*inputs)))
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
-from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.model import model_key_cost, partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
@@ -55,7 +55,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=cfg.attn_implementation, cpu=device == "cpu",
                        kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
-                       segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload)
+                       segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
+                       fused_last=fuses_last_stage(cfg))
     return inp, program
 
 
@@ -147,6 +148,9 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
         return (0,) * S, f"recompute: activation_offload recomputes every stage whole in its backward, " \
                          f"0 of {sum(layers)} decoder layers checkpointed (keep_layers unused)"
     device = device_type(cfg)
+    # The fused last stage recomputes nothing: every layer of it keeps its activations (for the
+    # one micro-batch whose forward runs its backward), whatever keep_layers says.
+    fused = fuses_last_stage(cfg)
     if cfg.keep_layers >= 0:
         kept, why = [min(cfg.keep_layers, n) for n in layers], "as set"
     elif device != "cuda":
@@ -155,14 +159,14 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
         cap = auto_capacity(cfg, "keep_layers", "0 or more (layers per stage)")
         limit, mapping = AUTO_RESIDENT_FRACTION * cap, sched.round_robin(S, world_size)
         inp, program = _memory_inputs(cfg, hf_config, mapping, device, (0,) * S)
-        kept = [0] * S
+        kept = [0] * (S - 1) + [layers[-1] if fused else 0]
 
         def peak_with(s: int) -> int:
             trial = dataclasses.replace(inp, kept=tuple(k + (i == s) for i, k in enumerate(kept)))
             return estimate_rank(trial, mapping[s], program[mapping[s]]).device_peak
 
         peaks = {r: estimate_rank(inp, r, program[r]).device_peak for r in program}
-        trials = {s: peak_with(s) for s in range(S) if layers[s]}
+        trials = {s: peak_with(s) for s in range(S) if kept[s] < layers[s]}
         while True:
             fits = [(trials[s] - peaks[mapping[s]], -s) for s in trials if trials[s] <= limit]
             if not fits:
@@ -176,6 +180,9 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
                       if kept[t] < layers[t]}
         why = f"auto: estimated peak {gib(max(peaks.values()))} within {AUTO_RESIDENT_FRACTION:.0%} of " \
               f"{gib(cap)}"
+    if fused:
+        kept[-1] = layers[-1]
+        why += ", the fused last stage's all"
     line = f"recompute: {sum(kept)} of {sum(layers)} decoder layers keep their activations, per stage {kept} ({why})"
     return tuple(kept), line
 

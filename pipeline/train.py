@@ -17,7 +17,7 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
@@ -178,6 +178,11 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
         raise ConfigError("compile_layers true does not work with seq_chunks > 1 yet; use compile_layers auto "
                           "(eager with segments) or false")
+    if cfg.seq_chunks > 1 and cfg.fuse_last_stage == "true":
+        # segment j's backward needs the gradients of its keys/values from the backwards of the
+        # later segments, which have not run when its forward ends
+        raise ConfigError("fuse_last_stage true does not work with seq_chunks > 1 (a segment's backward needs the "
+                          "later segments'); use fuse_last_stage auto or false")
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
@@ -540,7 +545,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
                         hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
                         start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,
-                        key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload)
+                        key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload,
+                        fuse_last_stage=fuses_last_stage(cfg))
     scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
     return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
                 schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)

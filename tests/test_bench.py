@@ -34,18 +34,27 @@ single = _load("single_gpu_baseline")
     ("pcie24-noprefetch/s16+sequential@tiny", ("pcie", 24, "noprefetch", False, 16, "sequential", "tiny")),
 ])
 def test_parse_row_good(name, want):
-    assert tuple(bench.parse_row(name)) == (*want, False)
+    assert tuple(bench.parse_row(name)) == (*want, False, ())
 
 
 def test_parse_row_eager():
     row = bench.parse_row("pcie48-hybrid-noclip-eager/s16@llama-3b")
-    assert tuple(row) == ("pcie", 48, "hybrid", True, 16, None, "llama-3b", True)
+    assert tuple(row) == ("pcie", 48, "hybrid", True, 16, None, "llama-3b", True, ())
+
+
+def test_parse_row_flags():
+    """``~<flag>=<value>`` suffixes, in order, after the model (or alone)."""
+    row = bench.parse_row("pcie48-hybrid/s13@llama-3b~fuse_last_stage=false~keep_layers=-1")
+    assert row.model == "llama-3b" and row.flags == (("fuse_last_stage", "false"), ("keep_layers", "-1"))
+    assert bench.parse_row("pcie48-actoff~partition=layers").flags == (("partition", "layers"),)
 
 
 @pytest.mark.parametrize("name", [
     "pcie48", "pcie-prefetch", "pci48-prefetch", "pcie48-prefetch+auto", "pcie48-prefetch@llama-2-7b+cross",
     "pcie48-prefetch+cross/s16", "pcie48-prefetch/s0", "pcie48-prefetch/16", "pcie48-fsdp2/s16",
     "pcie48-fsdp2+cross", "pcie48-fsdp2-noclip", "pcie48-fsdp2-eager", "pcie48-prefetch-eager-noclip", "pcie48-prefetch/s16-noclip", "pcie48-prefetch@", "pcie48-prefetch@a/b", "pcie48-prefetch ",
+    "pcie48-fsdp2~keep_layers=1", "pcie48-prefetch~keep_layers", "pcie48-prefetch~Keep=1", "pcie48-prefetch~a=b,c",
+    "pcie48-prefetch~a=1@llama-3b",
 ])
 def test_parse_row_bad(name, capsys):
     with pytest.raises(SystemExit) as e:

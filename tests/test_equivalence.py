@@ -90,10 +90,42 @@ def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
     monkeypatch.setattr(model_mod, "checkpoint",
                         lambda fn, *a, **kw: calls.append(getattr(fn, "__name__", "")) or real(fn, *a, **kw))
-    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, activation_checkpointing=True)
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, activation_checkpointing=True,
+                   fuse_last_stage="false")
     trainer = in_process_trainer(cfg)
     history = trainer.train()
     assert calls.count("_loss") == ITERS * cfg.num_chunks * -(-cfg.batch_size // cfg.num_chunks * cfg.seq_length // 7)
+    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.parametrize("schedule,offload,checkpointing", [
+    ("1f1b", True, True), ("gpipe", False, False),
+    pytest.param("interleaved", True, False, marks=pytest.mark.slow),
+    pytest.param("gpipe", True, True, marks=pytest.mark.slow)])
+def test_fused_last_stage_matches_reference(tiny_model_dir, monkeypatch, schedule, offload, checkpointing):
+    """``fuse_last_stage``: the last stage's forward runs its loss (in chunks of 7 tokens, which
+    do not divide a micro-batch's 128) and its backward at once; nothing of it is checkpointed,
+    every token's loss is differentiated once, and the training is the same."""
+    import pipeline.model as model_mod
+
+    losses_made, checkpointed = [], []
+    real_loss, real_checkpoint = model_mod.Stage._loss, model_mod.checkpoint
+    monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
+    monkeypatch.setattr(model_mod.Stage, "_loss",
+                        lambda self, h, t: losses_made.append(t.numel()) or real_loss(self, h, t))
+    # what is checkpointed: a layer (a partial of the module) or the loss (the bound method)
+    monkeypatch.setattr(model_mod, "checkpoint", lambda fn, *a, **kw: checkpointed.append(getattr(fn, "func", fn))
+                        or real_checkpoint(fn, *a, **kw))
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_checkpointing=checkpointing,
+                   fuse_last_stage="true")
+    trainer = in_process_trainer(cfg)
+    history = trainer.train()
+    tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
+    assert losses_made == ITERS * cfg.num_chunks * ([7] * (tokens // 7) + [tokens % 7])
+    last = trainer.stages[cfg.num_stages - 1]
+    assert not any(fn in list(last.model.layers.values()) or getattr(fn, "__name__", "") == "_loss"
+                   for fn in checkpointed)
+    assert bool(checkpointed) == checkpointing  # the other stages still recompute theirs
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
@@ -208,6 +240,23 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
         return stage
 
     _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.train.build_stage", skipping))
+
+
+def test_detects_fused_loss_gradient_scaled_wrong(tiny_model_dir, monkeypatch):
+    """The fused last stage's backward must scale the loss by 1 / (predicted tokens of the
+    batch), as the normalised loss's backward does: counting only the micro-batch's is caught."""
+    from pipeline.executor import Executor
+
+    original = Executor._forward_backward
+
+    def per_microbatch(self, a, x):
+        total, self.num_targets = self.num_targets, max(1, int((self.mbs[a.mb].targets != -100).sum()))
+        try:
+            original(self, a, x)
+        finally:
+            self.num_targets = total
+
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Executor, "_forward_backward", per_microbatch))
 
 
 # --- several processes over gloo ------------------------------------------------------------------

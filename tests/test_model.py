@@ -125,3 +125,44 @@ def test_kept_layers_skip_their_recompute(monkeypatch, kept, last, expected):
     out = stage(x, torch.randint(64, (2, 8))) if last else stage(x)
     out.sum().backward()
     assert len(calls) == expected
+
+
+def fused_and_plain(arch: str, num_stages: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The last stage of ``arch`` split in ``num_stages``: its loss and every gradient (the
+    input's too) from ``Stage.forward_backward`` and from the checkpointed forward then backward,
+    both for the loss over 1/37 (a batch's normalisation)."""
+    from test_segments import make_batch, make_config, make_stages
+
+    stage = make_stages(make_config(arch, "sdpa"), num_stages)[-1].to(device, dtype)
+    stage.checkpointing, stage.recomputed = True, len(stage.model.layers)
+    ids, targets = (t.to(device) for t in make_batch(stage.lm_head.out_features))
+    x = ids if stage.is_first else torch.randn(*ids.shape, stage.lm_head.in_features, generator=torch.Generator()
+                                               .manual_seed(1)).to(device, dtype)
+    results = []
+    for fused in (False, True):
+        stage.zero_grad(set_to_none=True)
+        if fused:
+            loss, gx = stage.forward_backward(x, targets, 1 / 37)
+        else:
+            xin = x if stage.is_first else x.clone().requires_grad_()
+            loss = stage(xin, targets)
+            (loss / 37).backward()
+            gx = None if stage.is_first else xin.grad
+        results.append((loss.detach(), gx, {n: p.grad.clone() for n, p in stage.named_parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("arch,num_stages", [("llama", 1), ("llama", 2), ("qwen2_tied", 1), ("mistral", 2)])
+def test_fused_last_stage_equals_forward_then_backward(monkeypatch, arch, num_stages):
+    """``forward_backward`` (no checkpoint, the loss in chunks of 7 tokens differentiated one by
+    one) gives the loss and gradients of the checkpointed forward and its backward: for the
+    first stage too (token ids in, tied embedding and head) and for a stage fed hidden states."""
+    import pipeline.model as model_mod
+
+    monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
+    (l0, x0, g0), (l1, x1, g1) = fused_and_plain(arch, num_stages)
+    assert torch.allclose(l0, l1, rtol=1e-6), (l0, l1)
+    assert (x0 is None) == (num_stages == 1) and (x0 is None or torch.allclose(x0, x1, rtol=1e-5, atol=1e-9))
+    assert g0.keys() == g1.keys()
+    for name, g in g0.items():
+        assert torch.allclose(g, g1[name], rtol=1e-5, atol=1e-9), name

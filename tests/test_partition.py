@@ -68,6 +68,8 @@ def test_stage_costs_count_the_head_and_recompute():
     assert f0 == layer and b0 == 2 * layer + 4096  # the embedding: a lookup, a scatter-add backward
     assert f1 - f0 == 2 * (32000 * 4096 + 4096) and b1 == 2 * f1  # the head: 2*V*h a token (and the norm)
     assert stage_costs(hf, [1, 1], 4096, True)[1] == (f1, 3 * f1)  # checkpointed: the head's loss too
+    # fused last stage: its forward runs its backward, recomputing nothing; its backward is empty
+    assert stage_costs(hf, [1, 1], 4096, True, fused_last=True) == [(f0, b0 + f0), (3 * f1, 0.0)]
 
 
 @pytest.mark.parametrize("stages,ranks,schedule", [(4, 2, "interleaved"), (4, 4, "1f1b"), (2, 1, "gpipe"),

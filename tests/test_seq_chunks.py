@@ -275,6 +275,7 @@ def test_torchrun_replicas_with_segments(tiny_model_dir, tmp_path):
     (dict(seq_chunks=0), "seq_chunks (0) must be between 1 (whole rows) and seq_length (64)"),
     (dict(seq_chunks=65), "seq_chunks (65) must be between 1 (whole rows) and seq_length (64)"),
     (dict(seq_chunks=2, compile_layers="true"), "compile_layers true does not work with seq_chunks > 1 yet"),
+    (dict(seq_chunks=2, fuse_last_stage="true"), "fuse_last_stage true does not work with seq_chunks > 1"),
 ])
 def test_config_refuses(kw, needle):
     cfg = make_config(dict(seq_length=64, num_stages=2, device="cpu", **kw))
