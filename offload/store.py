@@ -830,11 +830,6 @@ class StageStore:
             return self.workers.optimizer.submit(fn, *args)
         return _done(fn(*args))
 
-    @staticmethod
-    def _result(future: Future | None) -> None:
-        if future is not None:
-            future.result()
-
     def discard_grads(self) -> None:
         """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients
         are thrown away so the next iteration does not accumulate onto them."""
