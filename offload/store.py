@@ -33,16 +33,28 @@ With ``Workers`` (offload), the host side runs off the main thread:
   once it is done. A LOAD never blocks the main thread on the optimizer: it blocks only at
   the stage's first compute (``before_compute``), where the weights are needed, so the step
   of one stage overlaps the next iteration's compute of the stages whose steps are done.
+
+Threads and streams (the table is in docs/design.md, "Who owns what"): every ``StageStore``
+field is written by the thread that built the store (the main thread, which interprets the
+action list) and only buffer contents are written elsewhere; the optimizer thread gets what it
+reads (the gradients' event, the loads it must outwait) as arguments of the task, not from the
+fields. Each stream has one producing thread: compute and offload the main thread, load the
+``Loader`` thread when the rank has ``Workers`` (every LOAD's copy, also one that need not wait,
+so that a chunk behind a step and another stage's copy never race for the stream or its
+staging buffer), the main thread without. ``MMOC_DEBUG_THREADS=1`` (or ``CHECK_THREADS``)
+asserts both rules at every stream use and field write.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Callable, Generator, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -55,6 +67,18 @@ GRAD_SLICE_NUMEL = 16 * 2**20
 # Elements a CPU step updates, and a LOAD from the masters copies, at a time (128 MiB fp32). A
 # multiple of the fused kernel's vector width, so the chunked step is bit for bit the whole one.
 MASTER_SLICE_NUMEL = 32 * 2**20
+# Debug: check the ownership rules (module docstring) at every stream use and every StageStore
+# field write, and raise an AssertionError naming both threads. Read at each check, so a test can
+# set it; off, a check costs one flag test (a StageStore field write, a Python-level __setattr__:
+# a fraction of a microsecond, a few per action).
+CHECK_THREADS = os.environ.get("MMOC_DEBUG_THREADS", "0") not in ("", "0")
+
+
+def _assert_owner(owner: threading.Thread, what: str) -> None:
+    """``CHECK_THREADS``: the calling thread must be ``owner``."""
+    if threading.current_thread() is not owner:
+        raise AssertionError(f"{what} belongs to {owner.name!r}, but {threading.current_thread().name!r} used it "
+                             "(offload/store.py, 'Threads and streams')")
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -86,7 +110,10 @@ class OptimSettings:
 
 
 class Streams:
-    """The compute stream plus side streams for loads and offloads (CUDA only)."""
+    """The compute stream plus side streams for loads and offloads (CUDA only), each with one
+    producing host thread (``producer``): the thread that made them, until ``hand_to`` gives
+    one to another. Every method that enqueues on a stream checks it under ``CHECK_THREADS``,
+    on the CPU too, where the streams are no-ops."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -97,13 +124,29 @@ class Streams:
             self.offload = torch.cuda.Stream(device, priority=0)
         self.device = device
         self._staging: torch.Tensor | None = None
-        self.staging_lock = threading.Lock()  # the main and the loader thread both issue loads
+        me = threading.current_thread()
+        self.producer: dict[str, threading.Thread] = {"compute": me, "load": me, "offload": me}
+        self._handed: set[str] = set()
+
+    def hand_to(self, which: str, thread: threading.Thread) -> None:
+        """From now on ``thread`` alone issues work on stream ``which`` (the loader takes the load
+        stream). A second, different hand-off is an error: it would give the stream two producers."""
+        if which in self._handed and self.producer[which] is not thread:
+            raise RuntimeError(f"stream {which!r} already belongs to {self.producer[which].name!r}; "
+                               f"{thread.name!r} cannot produce on it too (one Workers per Streams)")
+        self.producer[which] = thread
+        self._handed.add(which)
+
+    def _use(self, which: str) -> None:
+        if CHECK_THREADS:
+            _assert_owner(self.producer[which], f"the {which} stream")
 
     def staging(self, numel: int) -> torch.Tensor:
         """The load stream's fp32 buffer (one per rank, ``min(MASTER_SLICE_NUMEL, numel)``
-        elements for the largest stage it served): a master chunk lands here and is converted into the stage's
-        device buffer. Made, used and replaced only on the load stream, in stream order, by
-        whoever holds ``staging_lock``."""
+        elements for the largest stage it served): a master chunk lands here and is converted
+        into the stage's device buffer. Made, used and replaced only by the load stream's
+        producer, on the load stream, so stream order alone keeps one chunk's use before the next."""
+        self._use("load")
         want = min(MASTER_SLICE_NUMEL, numel)
         if self._staging is None or self._staging.numel() < want:
             with self.on("load"):
@@ -111,10 +154,13 @@ class Streams:
         return self._staging
 
     def on(self, which: str):
+        """Context: torch work of the calling thread goes to ``which`` (its producer's only)."""
+        self._use(which)
         return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
 
     def event(self, which: str, timing: bool = False):
         """An event recorded on ``which`` now (None on CPU)."""
+        self._use(which)
         if not self.cuda:
             return None
         ev = torch.cuda.Event(enable_timing=timing)
@@ -123,11 +169,13 @@ class Streams:
 
     def wait(self, which: str, event) -> None:
         """Make stream ``which`` wait for ``event`` (device-side; the host does not block)."""
+        self._use(which)
         if event is not None:
             getattr(self, which).wait_event(event)
 
     def mark(self, which: str = "compute"):
         """A point in time on ``which``: a timing event on CUDA, the wall clock on the CPU."""
+        self._use(which)
         return time_point(getattr(self, which) if self.cuda else None)
 
 
@@ -163,14 +211,92 @@ class ShardPeers(Protocol):
         ...
 
 
+class Loader:
+    """The load stream's one producer, the ``param-loader`` thread: it issues every LOAD's copy,
+    each chunk as soon as its source is written, in LOAD order, except that a load still waiting
+    for a step never delays one whose source is ready: a job is a generator that issues what it
+    can and yields where it must wait; ``poke`` says that something it waits for may have changed.
+
+    One thread for all loads, also those that need not wait (the main thread could issue those
+    itself): the staging buffer and the stream order of the chunks then need no lock, and the
+    stream has one producer to reason about (STYLE.md, habit 13). The cost is one thread
+    hand-off per LOAD (tens of microseconds): with prefetch it is hidden behind the compute
+    before the stage's; without, the copy starts that much later."""
+
+    def __init__(self, device: torch.device):
+        self._cv = threading.Condition()
+        self._jobs: list[tuple[Generator, Future]] = []  # guarded by _cv
+        self._poked = False  # guarded by _cv: run the jobs again
+        self._closing = False
+        self.thread = threading.Thread(target=self._run, args=(device,), name="param-loader", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Generator) -> Future:
+        """Queue ``job``; the future gets what it returns, or what it raised."""
+        future: Future = Future()
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("the loader is shut down: no more loads")
+            self._jobs.append((job, future))
+            self._poked = True
+            self._cv.notify()
+        return future
+
+    def poke(self, *_) -> None:
+        """Something a queued job waits for changed (a step wrote a chunk or ended; a future is done)."""
+        with self._cv:
+            self._poked = True
+            self._cv.notify()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """No more jobs; the thread ends once the queued ones have (``wait``: join it)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if wait:
+            self.thread.join()
+
+    def _run(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._poked or (self._closing and not self._jobs))
+                if not self._poked:
+                    return
+                self._poked = False
+                jobs = list(self._jobs)
+            finished = []
+            for job, future in jobs:  # outside the lock: a step's progress may poke meanwhile
+                try:
+                    next(job)  # issues what it can; yields where it must wait
+                    continue
+                except StopIteration as stop:
+                    future.set_result(stop.value)
+                except Exception as e:  # noqa: BLE001 - the compute that needs the load re-raises it
+                    future.set_exception(e)
+                finished.append(job)
+            if finished:
+                with self._cv:
+                    self._jobs = [(j, f) for j, f in self._jobs if all(j is not d for d in finished)]
+
+
+def _run_through(job: Generator):
+    """Drive a load job to its end on this thread (no loader: its sources are all written)."""
+    try:
+        next(job)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a load waits for an optimizer step, but the store has no loader thread to wait on")
+
+
 class Workers:
     """The host threads of an offloading rank: one runs the optimizer (its torch ops use the
-    cores it was pinned to), one issues loads that must wait for a step."""
+    cores it was pinned to), one issues every load (``Loader``)."""
 
     def __init__(self, optimizer: ThreadPoolExecutor, device: torch.device):
         self.optimizer = optimizer
-        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="param-loader", initializer=init)
+        self.loader = Loader(device)
 
 
 class LoadSpan(NamedTuple):
@@ -189,30 +315,33 @@ def _done(value) -> Future:
 
 
 class StepProgress:
-    """How far (in elements of the flat master) a running optimizer step has written; a LOAD
-    from the masters waits here chunk by chunk."""
+    """How far (in elements of the flat master) a running optimizer step has written. The
+    optimizer thread writes it, then calls ``notify`` (the loader's ``poke``); a LOAD from
+    the masters reads it chunk by chunk."""
 
-    def __init__(self):
-        self._cv = threading.Condition()
+    def __init__(self, notify: Callable[[], None] | None = None):
+        self._lock = threading.Lock()
         self._upto = 0
         self._closed = False
+        self._notify = notify
 
     def advance(self, upto: int) -> None:
-        with self._cv:
+        with self._lock:
             self._upto = upto
-            self._cv.notify_all()
+        if self._notify is not None:
+            self._notify()
 
     def close(self) -> None:
         """The step returned or raised: nothing more will be written."""
-        with self._cv:
+        with self._lock:
             self._closed = True
-            self._cv.notify_all()
+        if self._notify is not None:
+            self._notify()
 
-    def wait(self, upto: int) -> bool:
-        """Block until elements ``[0, upto)`` are written; False if the step ended short of that."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._upto >= upto or self._closed)
-            return self._upto >= upto
+    def written(self) -> tuple[int, bool]:
+        """(elements ``[0, upto)`` written, whether the step has ended), read together."""
+        with self._lock:
+            return self._upto, self._closed
 
 
 class BufferPool:
@@ -257,13 +386,19 @@ class StageStore:
         peer's range of the flat parameters (ZeRO-1 on host state); after each step the peers
         exchange their updated fp32 ranges (``ShardPeers.exchange``, on the optimizer thread),
         so every peer again holds all the masters. The gradient it steps from is the replicas'
-        sum (``reduce_grads``)."""
+        sum (``reduce_grads``).
+
+        The calling thread owns the store: it alone writes its fields from now on (module
+        docstring; checked under ``CHECK_THREADS``)."""
+        self._owner = threading.current_thread()
         self.module, self.device, self.dtype, self.offload = module, device, compute_dtype, offload
         # delayed update (offload only): ``work`` keeps the weights from before the last step, so
         # the next iteration computes with them while that step runs (see ``step``)
         self.delayed = delayed and offload
         self.streams, self.pool = streams, pool
         self.workers = workers if offload else None
+        if self.workers is not None:
+            streams.hand_to("load", self.workers.loader.thread)  # the load stream's one producer
         named = list(module.named_parameters())
         if tied is not None:
             named.sort(key=lambda np_: np_[0] != tied)  # stable: the tied matrix first, the rest in order
@@ -331,7 +466,15 @@ class StageStore:
         self._grads_summed = False
         self._gathered: dict | None = None  # sharded: the whole AdamW state, for the next save
         self.loaded = not offload
-        self.transfers: list[tuple[str, int, object, object]] = []  # (h2d|d2h, bytes, start, end) on CUDA
+        # (h2d|d2h, bytes, start, end) on CUDA: h2d appended by the load stream's producer, d2h
+        # by this thread, drained by this thread (a deque: append and popleft are thread-safe)
+        self.transfers: deque[tuple[str, int, object, object]] = deque()
+
+    def __setattr__(self, name: str, value) -> None:
+        # ``CHECK_THREADS``: only the thread that built the store writes its fields (module docstring)
+        if CHECK_THREADS and "_owner" in self.__dict__:
+            _assert_owner(self._owner, f"StageStore.{name}")
+        object.__setattr__(self, name, value)
 
     def _leaf_ranges(self, lo_s: int, hi_s: int) -> list[tuple[float, list[tuple[int, int]]]]:
         """The optimizer's groups (weight decay, leaf ranges of the flat master) within
@@ -377,8 +520,9 @@ class StageStore:
 
     # --- actions ------------------------------------------------------------------------
     def load(self) -> Future:
-        """LOAD: host -> device copy of the weights on the load stream. Returns a future of its
-        ``LoadSpan``; the host never blocks here (see the module docstring)."""
+        """LOAD: host -> device copy of the weights on the load stream, issued by its producer
+        (the loader thread with workers). Returns a future of its ``LoadSpan``; the host never
+        blocks here (see the module docstring)."""
         if not self.offload:
             return _done(None)
         dev, ready = self.pool.take(self.numel, self.dtype)
@@ -394,56 +538,67 @@ class StageStore:
             src, after = self.work, self._refresh_future
             if self.shard is not None and after is None:
                 after = self._step_future  # sharded: ``work`` is written by the step, after the exchange
-        if after is None or after.done() or self.workers is None:
-            self._result(after)
-            self._load_future = _done(self._copy_in(src, dev, ready))
-        else:  # the optimizer is still writing ``src``: the loader thread copies once it may
-            self._load_future = self.workers.loader.submit(self._copy_after, after, progress, src, dev, ready)
+        behind = after is not None and not after.done()  # the optimizer still writes ``src``
+        job = self._copy_in(src, dev, ready, after, progress, behind)
+        if self.workers is None:
+            self._load_future = _done(_run_through(job))
+        else:
+            if behind:
+                after.add_done_callback(self.workers.loader.poke)
+            self._load_future = self.workers.loader.submit(job)
         return self._load_future
 
-    def _copy_in(self, src: torch.Tensor, dev: torch.Tensor, ready, progress: StepProgress | None = None,
-                 after: Future | None = None) -> LoadSpan:
-        """Issue the copy of ``src`` into ``dev`` on the load stream, chunk by chunk; with
-        ``progress``, each chunk once the running step has written it. On CUDA an fp32 source
-        is converted on the device (through the staging buffer), not by the host."""
-        convert = src.dtype != dev.dtype and self.streams.cuda
+    def _copy_in(self, src: torch.Tensor, dev: torch.Tensor, ready, after: Future | None,
+                 progress: StepProgress | None, behind: bool) -> Generator[None, None, LoadSpan]:
+        """A job for the load stream's producer (``Loader``): the copy of ``src`` into ``dev``,
+        chunk by chunk, each once the optimizer has written it (``after``, the step or refresh
+        that writes ``src``, is done; with the step's ``progress``, its chunk is). It yields
+        where it must wait and returns the ``LoadSpan``; ``behind`` (the optimizer still wrote
+        ``src`` at LOAD time) puts in it when the wait was over."""
         step_done = None
-        with self.streams.on("load"):
-            self.streams.wait("load", ready)  # the buffer's previous user is done with it
-            start = self.streams.mark("load")
-            for lo in range(0, self.numel, MASTER_SLICE_NUMEL):
-                hi = min(self.numel, lo + MASTER_SLICE_NUMEL)
-                if progress is not None and not progress.wait(hi):
+        if progress is None and after is not None:
+            while not after.done():
+                yield
+            after.result()  # re-raises an optimizer error at the compute that needs it
+            step_done = time.perf_counter() if behind else None
+        self.streams.wait("load", ready)  # the buffer's previous user is done with it
+        start = self.streams.mark("load")
+        for lo in range(0, self.numel, MASTER_SLICE_NUMEL):
+            hi = min(self.numel, lo + MASTER_SLICE_NUMEL)
+            while progress is not None:
+                upto, ended = progress.written()
+                if upto >= hi:
+                    break
+                if ended:
+                    while not after.done():
+                        yield
                     after.result()  # the step failed: re-raise its error at the compute that needs it
                     raise RuntimeError(f"optimizer step of the stage with {self.names[0]} ended early")
-                # behind a step, each chunk is its own transfer: the gaps are the step's, not the link's
-                c_start = self.streams.event("load", timing=True) if progress is not None else None
-                if convert:
-                    with self.streams.staging_lock:
-                        staged = self.streams.staging(self.numel)[:hi - lo]
-                        staged.copy_(src[lo:hi], non_blocking=True)
-                        dev[lo:hi].copy_(staged)
-                else:
-                    dev[lo:hi].copy_(src[lo:hi], non_blocking=True)
-                if c_start is not None:
-                    self._note_transfer("h2d", c_start, self.streams.event("load", timing=True),
-                                        (hi - lo) * src.element_size())
-            if progress is not None:
-                step_done = time.perf_counter()
-            end = self.streams.mark("load")
+                yield
+            # behind a step, each chunk is its own transfer: the gaps are the step's, not the link's
+            self._copy_chunk(src, dev, lo, hi, timed=progress is not None)
+        if progress is not None and behind:
+            step_done = time.perf_counter()
+        end = self.streams.mark("load")
         if progress is None:
             self._note_transfer("h2d", start, end, self.numel * src.element_size())
         return LoadSpan(start, end, step_done)
 
-    def _copy_after(self, after: Future, progress: StepProgress | None, src: torch.Tensor, dev: torch.Tensor,
-                    ready) -> LoadSpan:
-        """Loader thread: copy once ``after`` (the step or the refresh that writes ``src``) is
-        done, or, with the step's ``progress``, chunk by chunk as it goes."""
-        if progress is None:
-            after.result()  # re-raises an optimizer error at the compute that needs it
-            done = time.perf_counter()
-            return self._copy_in(src, dev, ready)._replace(step_done=done)
-        return self._copy_in(src, dev, ready, progress, after)
+    def _copy_chunk(self, src: torch.Tensor, dev: torch.Tensor, lo: int, hi: int, timed: bool) -> None:
+        """Elements ``[lo, hi)`` of ``src`` into ``dev`` on the load stream (its producer only).
+        On CUDA an fp32 source is converted on the device, through the staging buffer, not by
+        the host. ``timed``: a transfer of its own in ``transfers``."""
+        with self.streams.on("load"):
+            c_start = self.streams.event("load", timing=True) if timed else None
+            if src.dtype != dev.dtype and self.streams.cuda:
+                staged = self.streams.staging(self.numel)[:hi - lo]
+                staged.copy_(src[lo:hi], non_blocking=True)
+                dev[lo:hi].copy_(staged)
+            else:
+                dev[lo:hi].copy_(src[lo:hi], non_blocking=True)
+            if c_start is not None:
+                self._note_transfer("h2d", c_start, self.streams.event("load", timing=True),
+                                    (hi - lo) * src.element_size())
 
     def before_compute(self, backward: bool, clock: Clock | None = None) -> None:
         """Called before every F/B of this stage: waits for its load (the host for the copy to be
@@ -508,7 +663,7 @@ class StageStore:
         self._bind(None, None)
         self.loaded = False
         if norm and self.workers is not None:
-            self._norm_future = self.workers.optimizer.submit(self._squared_norm)
+            self._norm_future = self.workers.optimizer.submit(self._squared_norm, self._grads_event)
 
     def _copy_out(self) -> None:
         """Slice by slice: to fp32 on the device (a transient of GRAD_SLICE_NUMEL floats on the
@@ -521,11 +676,12 @@ class StageStore:
             chunk = self.grad[lo:lo + GRAD_SLICE_NUMEL].float()  # a view when already fp32
             self.master_grad[lo:lo + GRAD_SLICE_NUMEL].copy_(chunk, non_blocking=True)
 
-    def _squared_norm(self) -> torch.Tensor:
+    def _squared_norm(self, grads_event=None) -> torch.Tensor:
         """On the optimizer thread (offload, the rank's share of the cores) or the main thread
         (resident, torchrun's one): ``vector_norm`` sums the same way for any thread count, where
-        ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently."""
-        g = self._grads_ready()
+        ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently.
+        ``grads_event``: the offloaded gradients' (``_grads_ready``)."""
+        g = self._grads_ready(grads_event)
         if self.tied_copy:
             g = g[self.tied_numel:]  # the first stage's copy of the tied gradient counts it
         return torch.linalg.vector_norm(g).square()
@@ -538,18 +694,18 @@ class StageStore:
         """{kind: (bytes, seconds)} of the transfers since the last call. Call after a device
         synchronize (reading event times needs the events to have completed)."""
         out: dict[str, tuple[int, float]] = {}
-        for kind, nbytes, start, end in self.transfers:
+        while self.transfers:
+            kind, nbytes, start, end = self.transfers.popleft()
             b, t = out.get(kind, (0, 0.0))
             out[kind] = (b + nbytes, t + start.elapsed_time(end) / 1e3)
-        self.transfers.clear()
         return out
 
-    def _grads_ready(self) -> torch.Tensor:
-        """fp32 gradients next to the master weights."""
+    def _grads_ready(self, grads_event=None) -> torch.Tensor:
+        """fp32 gradients next to the master weights; with offload, once ``grads_event`` (the
+        OFFLOAD_GRADS copy's, taken from the field by the caller's thread, the main one) is done."""
         if self.offload:
-            if self._grads_event is not None:
-                self._grads_event.synchronize()  # host sync (optimizer thread): the CPU reads the D2H copy
-                self._grads_event = None
+            if grads_event is not None:
+                grads_event.synchronize()  # host sync (optimizer or main thread): the CPU reads the D2H copy
         elif self.grad is not self.master_grad and not self._grads_summed:
             self.master_grad.copy_(self.grad)
         return self.master_grad
@@ -562,7 +718,7 @@ class StageStore:
         future, self._norm_future = self._norm_future, None
         if future is not None:
             future.result()  # host wait: the optimizer thread saw the gradients land
-        reduce(self._grads_ready())
+        reduce(self._grads_ready(self._grads_event))
         self._grads_summed = True
 
     def tied_grad(self) -> torch.Tensor:
@@ -577,7 +733,7 @@ class StageStore:
         """Squared L2 norm of this stage's gradient, fp32, on the master device (with offload a
         host wait for the optimizer thread, which takes it once the gradients are in host memory)."""
         future, self._norm_future = self._norm_future, None
-        return future.result() if future is not None else self._squared_norm()
+        return future.result() if future is not None else self._squared_norm(self._grads_event)
 
     def step(self, lr: float, clip_coef: float | None) -> Future:
         """STEP: AdamW on the masters. With workers it runs on the optimizer thread while the GPU
@@ -590,7 +746,10 @@ class StageStore:
         # here to the masters as they are before this step (the last step's result), once this
         # iteration's loads have read the weights before that.
         # sharded: the masters are whole only after the peers' exchange, which ends the step
-        progress = StepProgress() if self.offload and fused and not self.delayed and self.shard is None else None
+        progress = None
+        if self.offload and fused and not self.delayed and self.shard is None:
+            progress = StepProgress(self.workers.loader.poke if self.workers is not None else None)
+        grads_event = self._grads_event  # handed to the optimizer thread with the task, not read there
         if self.delayed:
             reads, self._work_reads = self._work_reads, []
             self._refresh_future = self._run_on_optimizer(self._refresh_work, reads)
@@ -598,7 +757,7 @@ class StageStore:
         def run() -> tuple[float, float]:
             start = time.perf_counter()
             try:
-                g = self._grads_ready()  # FIFO: after this stage's norm, if one was queued
+                g = self._grads_ready(grads_event)  # FIFO: after this stage's norm, if one was queued
                 if clip_coef is not None and not fused:
                     g.mul_(clip_coef)
                 # a fill kernel, not a copy: no host sync even where the masters are on the GPU
@@ -623,7 +782,6 @@ class StageStore:
                     self.grad.zero_()
                     if self.master_grad is not self.grad:
                         self.master_grad.zero_()
-                self._grads_summed = False
             finally:
                 if progress is not None:
                     progress.close()
@@ -631,6 +789,9 @@ class StageStore:
 
         self._progress = progress
         self._step_future = self._run_on_optimizer(run)
+        # here, not in ``run``: the field is this thread's (only a resident stage's step reads it,
+        # and that one ran already)
+        self._grads_summed = False
         return self._step_future
 
     def _fused_step_chunks(self, lr: float, grad_scale: torch.Tensor | None, progress: StepProgress) -> None:
@@ -668,11 +829,6 @@ class StageStore:
         if self.workers is not None:
             return self.workers.optimizer.submit(fn, *args)
         return _done(fn(*args))
-
-    @staticmethod
-    def _result(future: Future | None) -> None:
-        if future is not None:
-            future.result()
 
     def discard_grads(self) -> None:
         """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients

@@ -70,18 +70,14 @@ def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
         time.sleep(0.05)
         return real_kernel(*args, **kw)
 
-    real_copy_in = st._copy_in
+    real_copy_chunk = st._copy_chunk
 
-    def copy_in(src, dev, ready, progress=None, after=None):
-        class Watch:
-            def wait(self, upto):
-                ok = progress.wait(upto)
-                copied.append((upto, step_done.is_set()))
-                return ok
-        return real_copy_in(src, dev, ready, Watch() if progress is not None else None, after)
+    def copy_chunk(src, dev, lo, hi, timed):
+        copied.append((hi, step_done.is_set()))
+        real_copy_chunk(src, dev, lo, hi, timed)
 
     monkeypatch.setattr(torch, "_fused_adamw_", slow_kernel)
-    st._copy_in = copy_in
+    st._copy_chunk = copy_chunk
     _set_grads([st], seed=0)
     step = st.step(1e-2, None)
     step.add_done_callback(lambda _: step_done.set())
@@ -188,3 +184,51 @@ def test_offloaded_stage_holds_no_weights_until_loaded():
     assert all(p.numel() == 0 for p in module.parameters())
     st.load().result()  # no workers: the copy is done when load returns
     assert all(torch.equal(p, w) for p, w in zip(module.parameters(), want))
+
+
+# --- ownership (offload/store.py, "Threads and streams"; MMOC_DEBUG_THREADS=1) ----------------
+
+@pytest.mark.parametrize("dtype, delayed", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_offload_keeps_its_thread_owners(tiny_model_dir, monkeypatch, dtype, delayed):
+    """Offload with prefetch under the debug checks (the CPU streams are no-ops; the checks of
+    who issues on them and who writes the stores still run): every load goes through the loader
+    thread, no other thread writes a store's fields, and the training is the one without them."""
+    monkeypatch.setattr(store_mod, "CHECK_THREADS", True)
+    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 4096)  # loads from the masters in chunks
+    cfg = dict(dtype=dtype, use_offload=True, use_prefetch=True, resident_stages=0, delayed_update=delayed,
+               num_iterations=2)
+    checked = in_process_trainer(tiny_cfg(tiny_model_dir, **cfg))
+    copiers = set()
+    for st in checked.stores.values():
+        real = st._copy_chunk
+
+        def copy_chunk(*args, real=real, **kw):
+            copiers.add(threading.current_thread().name)
+            real(*args, **kw)
+
+        st._copy_chunk = copy_chunk
+    history = checked.train()
+    assert copiers == {"param-loader"}, copiers
+    monkeypatch.setattr(store_mod, "CHECK_THREADS", False)
+    plain = in_process_trainer(tiny_cfg(tiny_model_dir, **cfg))
+    ref = plain.train()
+    assert_same_training([h["loss"] for h in history], trainer_masters(checked),
+                         [h["loss"] for h in ref], trainer_masters(plain), rtol=0.0)
+
+
+def test_a_second_producer_on_the_load_stream_is_caught(monkeypatch):
+    """The loader thread owns the load stream: the main thread enqueueing there, or another
+    thread writing a store's field, fails under the checks and passes without them."""
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    st = _store(offload=True, workers=workers)
+    st.streams.event("load")  # unchecked
+    monkeypatch.setattr(store_mod, "CHECK_THREADS", True)
+    with pytest.raises(AssertionError, match="the load stream belongs to 'param-loader'"):
+        st.streams.event("load")
+    st.streams.event("compute")  # the main thread's
+    err = workers.optimizer.submit(setattr, st, "loaded", True).exception(timeout=10)
+    assert isinstance(err, AssertionError) and "StageStore.loaded" in str(err), err
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()
+    with pytest.raises(RuntimeError, match="already belongs to 'param-loader'"):
+        st.streams.hand_to("load", threading.current_thread())
