@@ -240,3 +240,14 @@ def test_choose_counts_stays_within_its_budget():
     counts = choose_counts([len(r) for r in start], 1.0, [0.1] + [0] * 18 + [0.6], sched.round_robin(20, 2),
                            always_better)
     assert len(calls) == 4 * 20 + 16 and sum(counts) == 40 and min(counts) >= 1
+
+
+def test_activation_offload_keeps_the_even_splits_largest_stage():
+    """activation_offload's peak is one stage's activations: the cost partition gives no stage
+    more layers than the even split's largest (llama-3b on one rank: the fused last stage would
+    take 4 of 26 layers; plain checkpointing keeps that choice)."""
+    hf = preset_config("llama-3b")
+    base = dict(model="llama-3b", schedule="1f1b", num_stages=13, num_chunks=16, batch_size=64, seq_length=512,
+                use_offload=True, activation_checkpointing=True, device="cuda", dtype="bfloat16")
+    assert max(len(p) for p in stage_layers(make_config(base), hf, 1)) == 4
+    assert max(len(p) for p in stage_layers(make_config({**base, "activation_offload": True}), hf, 1)) == 2
