@@ -200,13 +200,14 @@ def test_detects_another_microbatch_input(tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_detects_lost_gradient(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("stage", [2, 3], ids=["middle", "fused_last"])
+def test_detects_lost_gradient(tiny_model_dir, monkeypatch, stage):
     from offload.store import StageStore
 
     original = StageStore.offload_grads
 
-    def lossy(self, *args, **kw):  # stage 2's gradient never reaches the host
-        if self.module.index == 2:
+    def lossy(self, *args, **kw):  # the stage's gradient never reaches the host
+        if self.module.index == stage:
             self.grad.zero_()
         original(self, *args, **kw)
 
