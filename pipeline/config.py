@@ -110,7 +110,8 @@ class TrainConfig:
                               "loss run in chunks of tokens (the logits exist for one chunk at a time) and only the "
                               "gradient of its input waits for the schedule's backward. Exact: the same arithmetic "
                               "as recomputing. auto = true without seq_chunks (a segment's backward needs the later "
-                              "segments'), where true is refused.", choices=COMPILE_CHOICES)
+                              "segments'; true is refused there) and unless gpipe runs with activation_offload "
+                              "(each micro-batch's input gradient would wait on the GPU).", choices=COMPILE_CHOICES)
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -339,8 +340,12 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
 
 
 def fuses_last_stage(cfg: TrainConfig) -> bool:
-    """``fuse_last_stage`` resolved (``auto``: without seq_chunks)."""
-    return cfg.fuse_last_stage == "true" or (cfg.fuse_last_stage == "auto" and cfg.seq_chunks == 1)
+    """``fuse_last_stage`` resolved. ``auto``: without seq_chunks, and not under gpipe with
+    activation_offload, where every micro-batch's input gradient would wait on the device for
+    the schedule's backward, while the recomputing last stage keeps nothing there."""
+    if cfg.fuse_last_stage != "auto":
+        return cfg.fuse_last_stage == "true"
+    return cfg.seq_chunks == 1 and not (cfg.activation_offload and cfg.schedule == "gpipe")
 
 
 def partition_counts(partition: str) -> list[int] | None:

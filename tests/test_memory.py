@@ -149,8 +149,8 @@ def test_activation_offload_peak_does_not_grow_with_microbatches():
                                    sched.round_robin(16, 2), "cuda")
             assert max(r.device_peak for r in plain) > peak[n]
         assert peak[4] == peak[16] < 8 * 2**30, peak  # RoundPipe's class: 5-8 GiB per GPU
-        if schedule == "gpipe":  # every forward first: the inputs of stages 1-14 of each micro-batch wait (the
-            assert host[16] - host[4] == 12 * 14 * io  # fused last stage's runs its backward at once)
+        if schedule == "gpipe":  # every forward first: each of 15 stage inputs of each micro-batch waits
+            assert host[16] - host[4] == 12 * 15 * io  # (no fused last stage here: see fuses_last_stage)
     kept, line = resolve_kept(make_config({**base, "keep_layers": -1, "batch_size": 4, "num_chunks": 4}), hf, 2)
     assert kept == (0,) * 16 and "activation_offload" in line
 
