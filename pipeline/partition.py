@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import schedule as sched
-from pipeline.config import TrainConfig, fuses_last_stage, partition_counts
+from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
 from pipeline.model import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
 from pipeline.programs import program_spec
 from schedule.costmodel import predict
@@ -43,17 +43,24 @@ def stage_costs(hf_config, counts: list[int], seq_len: int, recompute: bool,
     return out
 
 
+def given_counts(cfg: TrainConfig, num_layers: int) -> list[int] | None:
+    """The decoder layers per stage ``cfg.partition`` gives explicitly (None for cost or layers);
+    ConfigError when they are not this run's stages and ``num_layers``."""
+    given = partition_counts(cfg.partition)
+    if given is not None and (len(given) != cfg.num_stages or sum(given) != num_layers):
+        raise ConfigError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; "
+                          f"this run has {cfg.num_stages} stages and {num_layers} layers")
+    return given
+
+
 def stage_layers(cfg: TrainConfig, hf_config, num_ranks: int) -> list[range]:
     """The decoder layers of every stage of ``cfg`` (one pipeline's, ``Resolved.replica``) on
     ``num_ranks`` ranks, stage s on rank s % num_ranks (a planned mapping only reorders the
     GPUs), by ``cfg.partition``. With checkpointing every layer counts as recomputed (the
     layers ``keep_layers`` spares are chosen after the partition)."""
     S, L = cfg.num_stages, hf_config.num_hidden_layers
-    given = partition_counts(cfg.partition)
+    given = given_counts(cfg, L)
     if given is not None:
-        if len(given) != S or sum(given) != L:
-            raise ValueError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; "
-                             f"this run has {S} stages and {L} layers")
         return layer_ranges(given)
     even = partition_layers(L, S)
     if cfg.partition == "layers" or S == 1:
@@ -119,4 +126,4 @@ def _cost_counts(start: tuple[int, ...], *inputs) -> tuple[int, ...]:
                                _predictor(*inputs)))
 
 
-__all__ = ["predicted_step_time", "stage_costs", "stage_layers"]
+__all__ = ["given_counts", "predicted_step_time", "stage_costs", "stage_layers"]

@@ -17,7 +17,7 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
+from pipeline.config import ConfigError, TrainConfig, fuses_last_stage
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
@@ -25,7 +25,7 @@ from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_m
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers, layer_windows,
                             model_flops_per_token, model_key_cost, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
-from pipeline.partition import stage_layers
+from pipeline.partition import given_counts, stage_layers
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
 from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
@@ -97,10 +97,7 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if cfg.num_stages > hf_config.num_hidden_layers + 2:
         raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
                           f"({hf_config.num_hidden_layers} + 2); use fewer stages")
-    given = partition_counts(cfg.partition)
-    if given is not None and (len(given) != cfg.num_stages or sum(given) != hf_config.num_hidden_layers):
-        raise ConfigError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; the "
-                          f"run has num_stages {cfg.num_stages} and {hf_config.num_hidden_layers} layers")
+    given_counts(cfg, hf_config.num_hidden_layers)
     types = getattr(hf_config, "layer_types", None)
     if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
