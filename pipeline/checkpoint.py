@@ -60,9 +60,11 @@ def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stage
     index, config and tokenizer. Ends with a collective (the gather), no barrier."""
     from safetensors.torch import save_file
 
+    from pipeline.model import checkpoint_tensors
+
     mine = {}
     for s, store in stores.items():
-        tensors = _cpu_copy(store)
+        tensors = checkpoint_tensors(source.config, _cpu_copy(store))
         path = out_dir / _shard_name(s, num_stages)
         save_file(tensors, str(path), metadata={"format": "pt"})
         _fsync(path)

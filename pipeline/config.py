@@ -24,7 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-ATTN_IMPLS = ("sdpa", "eager")
+ATTN_IMPLS = ("auto", "sdpa", "eager")
 PARTITIONS = ("cost", "layers")
 
 
@@ -46,7 +46,9 @@ class TrainConfig:
     embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).")
     ff_dim: int = _f(0, "Must equal the model's intermediate_size if set (0 = read from the model).")
     num_heads: int = _f(0, "Must equal the model's num_attention_heads if set (0 = read from the model).")
-    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa or eager.", choices=ATTN_IMPLS)
+    attn_implementation: str = _f("auto", "Attention kernel: sdpa, eager, or auto (sdpa where it computes the "
+                                  "family's attention; eager for soft-capped scores (Gemma 2) and attention sinks "
+                                  "(gpt-oss)).", choices=ATTN_IMPLS)
     cache_dir: str = _f(".cache", "Where the generated model and tokenizer are kept.")
     # --- data -----------------------------------------------------------------
     dataset: str = _f("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a "

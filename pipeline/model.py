@@ -8,17 +8,17 @@ safetensors (or ``.bin``) files and saving writes a shard a stage.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Architectures with the Llama layout (embed_tokens / layers / norm / lm_head, RMSNorm, RoPE).
-_ARCH_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+from models import counts, head_dim, logit_softcap, materialize_, skeleton, spec_for, tied
+from models.moe import Routing
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
@@ -69,14 +69,6 @@ def layer_ranges(counts: list[int]) -> list[range]:
     return ranges
 
 
-def _arch_classes(config):
-    prefix = _ARCH_PREFIX.get(config.model_type)
-    if prefix is None:
-        raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {', '.join(_ARCH_PREFIX)}")
-    mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    return getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RMSNorm"), getattr(mod, f"{prefix}RotaryEmbedding")
-
-
 def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
     """Additive [1, 1, T, T] mask. Needed for eager attention, where ``None`` means *non-causal*.
     With ``window``, query i sees keys i - window + 1 .. i (Hugging Face's sliding window)."""
@@ -109,25 +101,13 @@ def attend_mask(seq_len: int, device: torch.device, window: int | None = None, q
     return allowed
 
 
-def layer_windows(config) -> list[int | None]:
-    """The attention window of every decoder layer (None: full causal), as the Hugging Face model
-    of ``config.model_type`` masks it: Mistral applies ``sliding_window`` to every layer; Qwen2
-    applies it to the layers ``layer_types`` marks "sliding_attention" (``sliding_window`` is
-    already None there unless ``use_sliding_window``); Llama has no window."""
-    n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if config.model_type == "mistral":
-        return [window] * n
-    if config.model_type == "qwen2":
-        types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
-        if "sliding_attention" in types[:n] and window is None:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is None "
-                             "(set use_sliding_window and sliding_window, or make every layer full_attention)")
-        return [window if t == "sliding_attention" else None for t in types[:n]]
-    return [None] * n
+def _cache_keyword(layers: nn.ModuleDict) -> str:
+    """What a decoder layer calls its key/value cache argument: ``cache`` from transformers 5.24
+    (where ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    import inspect
+
+    forward = type(next(iter(layers.values()))).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class _Body(nn.Module):
@@ -136,14 +116,22 @@ class _Body(nn.Module):
 
 class Stage(nn.Module):
     """One pipeline stage. ``forward`` takes token ids (first stage) or hidden states and returns
-    hidden states; the last stage returns logits, or with ``targets`` the summed token loss."""
+    hidden states; the last stage returns logits, or with ``targets`` the summed token loss.
+
+    Its modules are the Hugging Face model's own (``models.skeleton``): the embedding (first
+    stage), the decoder layers ``layer_ids``, the final norm and head (last stage) and the
+    rotary embedding; what the family's model does between them (per-layer windows and rotary
+    embeddings, soft-capped logits, the routers' statistics) comes from its ``models`` spec.
+    Parameters stay on the meta device until ``build_stage`` gives them storage."""
 
     def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False,
                  kept_layers: int = 0):
         super().__init__()
-        layer_cls, norm_cls, rope_cls = _arch_classes(config)
+        spec = spec_for(config)
+        sk = skeleton(config)
+        self.config = sk.config  # the modules' own copy: its attention kernel is what they run
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
-        tie = bool(getattr(config, "tie_word_embeddings", False))
+        tie = tied(config)
         self.tied = tie and self.is_first and self.is_last
         # Tied over several stages: the first stage's embedding and the last stage's head are two
         # copies of one matrix (made equal from the embedding; the TIE action sums their gradients)
@@ -151,21 +139,32 @@ class Stage(nn.Module):
         if tie and not self.tied and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
+        self.config._attn_implementation = self.attn_implementation
         self.checkpointing = checkpointing
         # With checkpointing, the stage's last ``kept_layers`` layers keep their activations for
         # backward (no recompute): the memory plan picks them where memory allows.
         self.recomputed = max(0, len(layer_ids) - kept_layers) if checkpointing else 0
         self.model = _Body()
         if self.is_first:
-            self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.model.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in layer_ids})
-        windows = layer_windows(config)
-        self.windows = [windows[i] for i in layer_ids]
+            self.model.embed_tokens = sk.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): sk.model.layers[i] for i in layer_ids})
+        kinds = spec.layer_kinds(config)
+        self.kinds = [kinds[i] for i in layer_ids]
         if self.is_last:
-            self.model.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.model.norm = sk.model.norm
+            self.lm_head = sk.lm_head
         self.tie_weights()
-        self.rotary_emb = rope_cls(config=config)  # buffers only, not persistent
+        self.rotary_emb = sk.model.rotary_emb  # buffers only, not persistent
+        self.rope_by_layer_type = spec.rope_by_layer_type
+        # LongRoPE and dynamic NTK pick their frequencies from the largest position they are given
+        self.rope_whole_row = getattr(self.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
+        self.softcap = logit_softcap(config) if self.is_last else None
+        self.routing = Routing(spec, config, dict(zip(layer_ids, self.model.layers.values())))
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's attention window (None: full causal)."""
+        return [k.window for k in self.kinds]
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings``, one Parameter under both modules: named_parameters() (and
@@ -187,19 +186,21 @@ class Stage(nn.Module):
         if not self.is_last:
             return h
         if targets is None:
-            return self.lm_head(self.model.norm(h))
+            return self.logits(h)
         return self.head_loss(h, targets)
 
     def forward_backward(self, x: torch.Tensor, targets: torch.Tensor, grad_scale: float, *,
-                         position_ids: torch.Tensor | None = None,
-                         segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+                         extra: Callable[[], tuple[list, list]] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last stage's forward, loss and backward of one micro-batch, back to back (the
         fused last stage): no layer is checkpointed, since its backward follows at once, and the
         head and loss run in chunks of tokens, each differentiated as soon as it is computed, so
         the logits never exist for more than a chunk and nothing is recomputed. The gradients
         accumulate into the parameters' ``.grad`` as a backward's do, for the loss times
-        ``grad_scale``. Returns (the summed token loss, detached; the gradient w.r.t. ``x``,
-        None when ``x`` is token ids)."""
+        ``grad_scale``. ``extra``: called after the forward, more (root, gradient) pairs of the
+        body's backward (the routers' loss). Returns (the summed token loss, detached; the
+        gradient w.r.t. ``x``, None when ``x`` is token ids)."""
         if not self.is_first:
             x = x.detach().requires_grad_()
         h = self._body(x, position_ids, segment_ids, recompute=False)
@@ -210,32 +211,50 @@ class Stage(nn.Module):
             chunk = self._loss(hc, tc)
             (chunk * grad_scale).backward()  # frees this chunk's logits before the next is made
             loss += chunk.detach()
-        h.backward(leaf.grad)  # on a layerless stage h is x itself: its grad is leaf.grad
+        roots, grads = extra() if extra is not None else ([], [])
+        # on a layerless stage h is x itself: its grad is leaf.grad
+        torch.autograd.backward([h] + roots, [leaf.grad] + grads)
         return loss, None if self.is_first else x.grad
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: the family's embedding module (Gemma's scales it)."""
+        return self.model.embed_tokens(x)
+
+    def rope(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of ``position_ids`` for each layer type of this stage (one rotary
+        embedding for all of them, or one per type)."""
+        types = {k.layer_type for k in self.kinds}
+        if self.rope_by_layer_type:
+            return {t: self.rotary_emb(h, position_ids, t) for t in types}
+        pe = self.rotary_emb(h, position_ids)
+        return dict.fromkeys(types, pe)
+
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor, rope: dict, masks: dict, *,
+                   checkpointed: int = 0, cache=None) -> torch.Tensor:
+        """The stage's decoder layers on ``h``: layer i attends with ``masks[window]`` and the
+        ``rope`` of its layer type; the first ``checkpointed`` layers are recomputed in the
+        backward. ``cache``: the carried keys/values of a sequence segment (``pipeline.segments``)."""
+        extra = {} if cache is None else {_cache_keyword(self.model.layers): cache}
+        for i, (layer, kind) in enumerate(zip(self.model.layers.values(), self.kinds)):
+            run = functools.partial(layer, attention_mask=masks[kind.window], position_ids=position_ids,
+                                    position_embeddings=rope[kind.layer_type], **extra)
+            h = checkpoint(run, h, use_reentrant=False) if i < checkpointed else run(h)
+            if isinstance(h, tuple):  # older transformers return (hidden_states,)
+                h = h[0]
+        return h
 
     def _body(self, x: torch.Tensor, position_ids: torch.Tensor | None, segment_ids: torch.Tensor | None,
               recompute: bool) -> torch.Tensor:
         """Embedding (first stage) and decoder layers; with ``recompute`` the first
         ``self.recomputed`` layers are checkpointed."""
-        h = self.model.embed_tokens(x) if self.is_first else x
+        h = self.embed(x) if self.is_first else x
         if len(self.model.layers):
             seq_len = h.shape[1]
             if position_ids is None:
                 position_ids = torch.arange(seq_len, device=h.device)[None]
-            position_embeddings = self.rotary_emb(h, position_ids)
             masks = {w: self._mask(seq_len, w, h, segment_ids) for w in set(self.windows)}
             checkpointed = self.recomputed if recompute and torch.is_grad_enabled() else 0
-            for i, (layer, window) in enumerate(zip(self.model.layers.values(), self.windows)):
-                mask = masks[window]
-                if i < checkpointed:
-                    run = functools.partial(layer, attention_mask=mask, position_ids=position_ids,
-                                            position_embeddings=position_embeddings)
-                    h = checkpoint(run, h, use_reentrant=False)
-                else:
-                    h = layer(h, attention_mask=mask, position_ids=position_ids,
-                              position_embeddings=position_embeddings)
-                if isinstance(h, tuple):  # older transformers return (hidden_states,)
-                    h = h[0]
+            h = self.run_layers(h, position_ids, self.rope(h, position_ids), masks, checkpointed=checkpointed)
         return h
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -253,6 +272,13 @@ class Stage(nn.Module):
                 return sum(self._loss(hc, tc) for hc, tc in chunks)
             return sum(checkpoint(self._loss, hc, tc, use_reentrant=False) for hc, tc in chunks)
         return self._loss(h, targets)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's logits of the final hidden states, soft-capped where the family does."""
+        logits = self.lm_head(self.model.norm(h))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def _mask(self, seq_len: int, window: int | None, h: torch.Tensor,
               segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -274,7 +300,7 @@ class Stage(nn.Module):
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over predicted tokens of the cross-entropy (-100 targets predict nothing)."""
-        logits = self.lm_head(self.model.norm(h))
+        logits = self.logits(h)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
                                reduction="sum")
 
@@ -358,21 +384,49 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights_(stage: Stage, model_dir: Path) -> None:
-    """Read only this stage's tensors from the checkpoint (upcast to the stage's dtype)."""
+    """Read only this stage's tensors from the checkpoint (upcast to the stage's dtype); stacked
+    experts from their per-expert weights where the checkpoint keeps them so (``ExpertLayout``)."""
     files = weight_files(model_dir)
     wanted = {stage.source_name(k): p for k, p in stage.named_parameters()}
-    missing = [k for k in wanted if k not in files]
+    sources = {k: _sources(stage, k, files) for k in wanted}
+    missing = [k for k, src in sources.items() if src is None]
     if missing:
         raise KeyError(f"{model_dir}: checkpoint lacks {len(missing)} tensors of stage {stage.index}, e.g. {missing[0]}")
     by_file: dict[Path, list[str]] = {}
-    for k in wanted:
-        by_file.setdefault(files[k], []).append(k)
+    for src in sources.values():
+        for name in (n for per_expert in src for n in per_expert):
+            by_file.setdefault(files[name], []).append(name)
+    read: dict[str, torch.Tensor] = {}
+    for path, keys in by_file.items():
+        read.update(_read(path, keys))
     with torch.no_grad():
-        for path, keys in by_file.items():
-            for k, t in _read(path, keys):
-                if t.shape != wanted[k].shape:
-                    raise ValueError(f"{path.name}: {k} has shape {tuple(t.shape)}, model expects {tuple(wanted[k].shape)}")
-                wanted[k].copy_(t)
+        for k, src in sources.items():
+            parts = [torch.cat([read.pop(n) for n in per_expert]) if len(per_expert) > 1 else read.pop(per_expert[0])
+                     for per_expert in src]
+            t = parts[0] if src == [[k]] else torch.stack(parts)
+            if t.shape != wanted[k].shape:
+                raise ValueError(f"{model_dir}: {k} has shape {tuple(t.shape)}, model expects {tuple(wanted[k].shape)}")
+            wanted[k].copy_(t)
+
+
+def _sources(stage: Stage, name: str, files: dict[str, Path]) -> list[list[str]] | None:
+    """The checkpoint tensors parameter ``name`` is made of: itself, or (stacked experts) per
+    expert the weights its slice concatenates; None when the checkpoint has neither."""
+    if name in files:
+        return [[name]]
+    spec = spec_for(stage.config)
+    if spec.experts is None or spec.moe is None:
+        return None
+    src = spec.experts.sources(name, spec.moe.experts(stage.config))
+    return src if src is not None and all(n in files for per_expert in src for n in per_expert) else None
+
+
+def checkpoint_tensors(config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stage's tensors under the names its family's checkpoints use (``ExpertLayout``)."""
+    spec = spec_for(config)
+    if spec.experts is None or spec.moe is None:
+        return tensors
+    return spec.experts.to_checkpoint(tensors, spec.moe.experts(config))
 
 
 def check_tied_checkpoint(model_dir: Path) -> None:
@@ -408,12 +462,9 @@ def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_
                 seed: int, checkpointing: bool = False, kept_layers: int = 0,
                 init_device: torch.device | str = "cpu") -> Stage:
     """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random."""
-    with torch.device("meta"):
-        stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers)
-    stage = stage.to_empty(device="cpu")
+    stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers)
+    materialize_(stage, "cpu")
     stage.tie_weights()
-    _, _, rope_cls = _arch_classes(config)
-    stage.rotary_emb = rope_cls(config=config)  # meta init left its buffers empty
     if model_dir is None:
         init_weights_(stage, config, seed, init_device)
     else:
@@ -429,20 +480,14 @@ def compile_layers(stage: Stage) -> None:
         layer.compile()
 
 
-def stage_num_params(config, layer_ids: range, first: bool, last: bool) -> int:
-    """Parameter count of a stage, from the config alone (for plans and memory estimates)."""
-    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    if config.model_type == "qwen2":  # q, k and v always carry a bias, o_proj none
-        attn += (heads + 2 * kv) * head_dim
-    elif getattr(config, "attention_bias", False):  # Llama: all four projections
-        attn += (heads + 2 * kv) * head_dim + h
-    mlp = 3 * h * f + ((2 * f + h) if getattr(config, "mlp_bias", False) else 0)
-    per_layer = attn + mlp + 2 * h
-    tied = getattr(config, "tie_word_embeddings", False) and first  # one matrix for both uses
-    return len(layer_ids) * per_layer + (v * h if first else 0) + ((v * h * (not tied) + h) if last else 0)
+def stage_num_params(config, layer_ids: range, first: bool, last: bool, active: bool = False) -> int:
+    """Parameter count of a stage, from the config alone (for plans and memory estimates);
+    ``active``: a routed layer's experts count only ``top_k / num_experts`` (FLOPs)."""
+    c = counts(config)
+    per_layer = c.active if active else c.layers
+    own_head = last and not (tied(config) and first)  # one matrix for both uses
+    return sum(per_layer[i] for i in layer_ids) + (c.embed if first else 0) + \
+        ((c.head if own_head else 0) + c.norm if last else 0)
 
 
 def stage_param_counts(config, num_stages: int, parts: list[range] | None = None) -> list[int]:
@@ -452,24 +497,42 @@ def stage_param_counts(config, num_stages: int, parts: list[range] | None = None
     return [stage_num_params(config, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
 
 
+def _mean_active_layer(config) -> float:
+    c = counts(config)
+    return sum(c.active) / max(1, len(c.active))
+
+
 def model_key_cost(config) -> float:
     """A decoder layer's attention cost per (query, key) pair relative to its cost per token
-    (``schedule.costmodel.attention_key_cost``), from a Hugging Face config: what the sequence
-    segments of ``seq_chunks`` are balanced by."""
-    from schedule.costmodel import attention_key_cost
+    outside attention (``schedule.costmodel.balanced_segments``' ``key_cost``): 4 * q_dim FLOPs
+    per pair against 2 per active parameter of a layer. What the sequence segments of
+    ``seq_chunks`` are balanced by."""
+    return 4 * config.num_attention_heads * head_dim(config) / (2 * _mean_active_layer(config))
 
-    heads = config.num_attention_heads
-    return attention_key_cost(config.hidden_size, config.intermediate_size, heads,
-                              getattr(config, "num_key_value_heads", None) or heads,
-                              getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+def mean_keys(seq_len: int, window: int | None) -> float:
+    """Keys a causal query attends to on average over a row of ``seq_len`` (within ``window``)."""
+    if window is None or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def attention_flops_per_token(config, seq_len: int) -> float:
+    """Forward FLOPs per token of the attention scores and weighted sums of every decoder layer
+    (4 * q_dim per key attended: causal, and within the window on sliding layers)."""
+    q = config.num_attention_heads * head_dim(config)
+    return sum(4 * q * mean_keys(seq_len, k.window) for k in spec_for(config).layer_kinds(config))
 
 
 def forward_flops_per_token(config, num_layers: int, last: bool, seq_len: int) -> float:
-    """Forward FLOPs per token of ``num_layers`` decoder layers, and of the head when ``last``:
-    2 per parameter (matmuls) and the causal attention scores (2*T*h, half of 4*T*h). The
-    embedding is a lookup (no FLOPs), and the loss's softmax is small beside the head's 2*V*h."""
-    n = stage_num_params(config, range(num_layers), False, last)
-    return 2 * n + 2 * num_layers * seq_len * config.hidden_size
+    """Forward FLOPs per token of ``num_layers`` (average) decoder layers, and of the head when
+    ``last``: 2 per active parameter (matmuls; a routed layer's experts count top_k of them) and
+    the attention over the keys each query sees. The embedding is a lookup (no FLOPs), and the
+    loss's softmax is small beside the head's 2*V*h."""
+    L = config.num_hidden_layers
+    head = stage_num_params(config, range(0), False, True) if last else 0
+    return 2 * (num_layers * _mean_active_layer(config) + head) + \
+        num_layers * attention_flops_per_token(config, seq_len) / max(1, L)
 
 
 def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
@@ -478,7 +541,7 @@ def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
 
 
 __all__ = ["LOSS_CHUNK_BYTES", "PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask",
-           "check_tied_checkpoint", "compile_layers", "forward_flops_per_token", "init_weights_", "layer_ranges",
-           "layer_windows", "load_weights_", "loss_chunk_tokens", "model_flops_per_token", "model_key_cost",
+           "attention_flops_per_token", "check_tied_checkpoint", "checkpoint_tensors", "compile_layers", "forward_flops_per_token", "init_weights_", "layer_ranges",
+           "load_weights_", "loss_chunk_tokens", "mean_keys", "model_flops_per_token", "model_key_cost",
            "partition_layers",
            "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]

@@ -53,11 +53,19 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     program = program_spec(cfg, tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1).build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
-                       attn=cfg.attn_implementation, cpu=device == "cpu",
+                       attn=attention(cfg, hf_config), cpu=device == "cpu",
                        kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
                        segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
                        fused_last=fuses_last_stage(cfg))
     return inp, program
+
+
+def attention(cfg: TrainConfig, hf_config) -> str:
+    """The attention kernel the run uses (``train.attention_kernel`` resolved ``auto`` into the
+    model config; a config not resolved yet counts as sdpa)."""
+    if cfg.attn_implementation != "auto":
+        return cfg.attn_implementation
+    return hf_config._attn_implementation if hf_config._attn_implementation in ("eager", "sdpa") else "sdpa"
 
 
 def _segments(cfg: TrainConfig, hf_config) -> tuple[int, ...]:

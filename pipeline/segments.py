@@ -31,7 +31,6 @@ import functools
 from typing import Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from pipeline.model import Stage, additive_mask, attend_mask
 
@@ -202,7 +201,7 @@ class SegmentStage:
                              f"give it {end - start}")
         inp = None
         if stage.is_first:
-            h = stage.model.embed_tokens(x)
+            h = stage.embed(x)
         else:
             # A leaf of this segment's graph: its .grad is what the backward sends upstream.
             inp = x.detach().requires_grad_(torch.is_grad_enabled())
@@ -212,19 +211,12 @@ class SegmentStage:
         if len(stage.model.layers):
             if position_ids is None:
                 position_ids = torch.arange(start, end, device=h.device)[None]
-            position_embeddings = stage.rotary_emb(h, position_ids)
             masks = {w: self._mask(start, end, w, h, doc_ids) for w in set(stage.windows)}
-            for i, (layer, window) in enumerate(zip(stage.model.layers.values(), stage.windows)):
-                run = functools.partial(layer, attention_mask=masks[window], position_ids=position_ids,
-                                        position_embeddings=position_embeddings, past_key_values=kv_cache)
-                if i < stage.recomputed and torch.is_grad_enabled():
-                    h = checkpoint(run, h, use_reentrant=False)  # as Stage.forward: the first layers recompute
-                else:
-                    h = run(h)
-                if isinstance(h, tuple):  # older transformers return (hidden_states,)
-                    h = h[0]
+            checkpointed = stage.recomputed if torch.is_grad_enabled() else 0  # as Stage.forward
+            h = stage.run_layers(h, position_ids, self._rope(h, position_ids, start, end), masks,
+                                 checkpointed=checkpointed, cache=kv_cache)
         if stage.is_last:
-            out = stage.head_loss(h, targets) if targets is not None else stage.lm_head(stage.model.norm(h))
+            out = stage.head_loss(h, targets) if targets is not None else stage.logits(h)
         else:
             out = h
         return inp, out, kv_cache.new
@@ -259,6 +251,16 @@ class SegmentStage:
         self.carry.pop(mb, None)
         self.forwarded.pop(mb, None)
         self.backed.pop(mb, None)
+
+    def _rope(self, h: torch.Tensor, position_ids: torch.Tensor, start: int, end: int) -> dict:
+        """The segment's rotary (cos, sin). Where the family's rotary embedding picks its
+        frequencies from the largest position it is given (LongRoPE, dynamic NTK), the whole
+        row's positions are embedded and the segment's columns taken, as the unsplit row has
+        them (packed rows, whose positions restart, are refused with such embeddings)."""
+        if not self.stage.rope_whole_row:
+            return self.stage.rope(h, position_ids)
+        whole = torch.arange(self.bounds[-1][1], device=h.device)[None]
+        return {t: tuple(x[:, start:end] for x in pe) for t, pe in self.stage.rope(h, whole).items()}
 
     def _mask(self, start: int, end: int, window: int | None, h: torch.Tensor,
               doc_ids: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 import schedule as sched
+from models import UnsupportedModel, supported_types, supports_sdpa, tied
+from models.selfcheck import family_spec
 from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
@@ -22,7 +24,7 @@ from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
 from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
-from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers, layer_windows,
+from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers,
                             model_flops_per_token, model_key_cost, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
 from pipeline.partition import given_counts, stage_layers
@@ -80,9 +82,10 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         weights_dir = path
         tok = Path(cfg.tokenizer) if cfg.tokenizer else path
     hf_config = copy.deepcopy(hf_config)
-    if hf_config.model_type not in ("llama", "mistral", "qwen2"):
-        raise ConfigError(f"model {cfg.model!r} has model_type {hf_config.model_type!r}; "
-                          "supported: llama, mistral, qwen2")
+    try:
+        spec = family_spec(hf_config)
+    except UnsupportedModel as e:
+        raise ConfigError(f"model {cfg.model!r}: {e}") from None
     for key, attr in (("embedding_dim", "hidden_size"), ("ff_dim", "intermediate_size"),
                       ("num_heads", "num_attention_heads")):
         given, actual = getattr(cfg, key), getattr(hf_config, attr)
@@ -102,8 +105,8 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
     try:
-        layer_windows(hf_config)
-        if getattr(hf_config, "tie_word_embeddings", False) and weights_dir is not None:
+        spec.layer_kinds(hf_config)
+        if tied(hf_config) and weights_dir is not None:
             check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
@@ -117,11 +120,40 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if max_pos and cfg.seq_length > max_pos and not cfg.allow_long_sequences:
         raise ConfigError(f"seq_length ({cfg.seq_length}) exceeds the model's max_position_embeddings ({max_pos}); "
                           f"use seq_length <= {max_pos}, or --allow_long_sequences to train past it anyway")
-    hf_config._attn_implementation = cfg.attn_implementation
+    hf_config._attn_implementation = attention_kernel(cfg, hf_config)
+    if cfg.packing and cfg.seq_length > _rope_switch(hf_config):
+        # the frequencies of a packed row's records would follow the longest record of each call
+        raise ConfigError(f"model {cfg.model!r} picks its RoPE frequencies from the longest position it sees "
+                          f"(LongRoPE or dynamic scaling, above {_rope_switch(hf_config)} tokens); "
+                          f"packing restarts positions per record, so use seq_length <= {_rope_switch(hf_config)} "
+                          "or turn packing off")
     tok_dir = tok if (tok / "tokenizer_config.json").is_file() or (tok / "tokenizer.json").is_file() else None
     if cfg.tokenizer and tok_dir is None:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json or tokenizer_config.json in {tok}")
     return ModelSource(hf_config, weights_dir, tok_dir)
+
+
+def attention_kernel(cfg: TrainConfig, hf_config) -> str:
+    """The attention implementation a run uses: ``auto`` is sdpa where it computes the family's
+    attention, else eager; sdpa where it does not is refused."""
+    if cfg.attn_implementation == "auto":
+        return "sdpa" if supports_sdpa(hf_config) else "eager"
+    if cfg.attn_implementation == "sdpa" and not supports_sdpa(hf_config):
+        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) soft-caps its attention scores or adds "
+                          "attention sinks, which sdpa cannot compute; use attn_implementation eager (or auto)")
+    return cfg.attn_implementation
+
+
+def _rope_switch(hf_config) -> float:
+    """The position above which the model's RoPE frequencies change with the longest position
+    of a call (LongRoPE, dynamic NTK), infinity for every other rotary embedding."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # Gemma 3: one per layer type
+    switching = [r for r in ropes if r.get("rope_type", r.get("type")) in ("longrope", "dynamic")]
+    if not switching:
+        return float("inf")
+    return switching[0].get("original_max_position_embeddings") or \
+        getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
 
 
 def _read_model_config(name: str, path: Path):
@@ -140,7 +172,7 @@ def _read_model_config(name: str, path: Path):
         model_type = _json_field(path / "config.json", "model_type")
         if model_type is not None:
             raise ConfigError(f"model {name!r} has model_type {model_type!r}, which this transformers cannot "
-                              "read; supported: llama, mistral, qwen2") from None
+                              f"read; supported: {', '.join(supported_types())}") from None
         raise ConfigError(f"model {name!r}: cannot read {path / 'config.json'}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
 

@@ -5,6 +5,7 @@ equal the Hugging Face forward and pipeline training equals plain Hugging Face t
 embeddings over several stages: tests/test_tied.py)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -84,7 +85,7 @@ def _pipeline_forward(path: Path, config, x: torch.Tensor, num_stages: int, full
         for s in range(num_stages):
             stage = build_stage(config, s, num_stages, parts[s], model_dir=path, seed=0).eval()
             if full_causal:  # the bug this guards against: every layer masked plain causal
-                stage.windows = [None] * len(stage.windows)
+                stage.kinds = [dataclasses.replace(k, window=None) for k in stage.kinds]
             h = stage(h)
     return h
 

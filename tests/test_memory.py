@@ -12,7 +12,7 @@ import schedule as sched
 from conftest import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import ConfigError, make_config
 from pipeline.memory import ModelShape, layer_saved_bytes_per_token
-from pipeline.model import Stage, preset_config
+from pipeline.model import build_stage, preset_config
 
 
 def _saved_bytes(module, x, loss_fn=None) -> int:
@@ -42,7 +42,7 @@ def test_layer_formula_matches_autograd(dtype, attn):
                       num_key_value_heads=2, vocab_size=512)
     cfg._attn_implementation = attn
     b, t, layers = 2, 32, 3
-    stage = Stage(cfg, 1, 3, range(0, layers)).to(dtype)
+    stage = build_stage(cfg, 1, 3, range(0, layers), model_dir=None, seed=0).to(dtype)
     x = torch.randn(b, t, 64, dtype=dtype, requires_grad=True)
     measured = _saved_bytes(stage, x) / (b * t)
     d = torch.finfo(dtype).bits // 8

@@ -120,7 +120,8 @@ def test_kept_layers_skip_their_recompute(monkeypatch, kept, last, expected):
     monkeypatch.setattr(model_mod, "checkpoint", lambda fn, *a, **kw: calls.append(fn) or real(fn, *a, **kw))
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                       vocab_size=64)
-    stage = model_mod.Stage(cfg, 1 if last else 0, 2, range(3), checkpointing=True, kept_layers=kept)
+    stage = model_mod.build_stage(cfg, 1 if last else 0, 2, range(3), model_dir=None, seed=0, checkpointing=True,
+                                  kept_layers=kept)
     x = torch.randn(2, 8, 32, requires_grad=True) if last else torch.randint(64, (2, 8))
     out = stage(x, torch.randint(64, (2, 8))) if last else stage(x)
     out.sum().backward()

@@ -64,7 +64,7 @@ def test_choose_counts_keeps_the_start_unless_predicted_strictly_faster():
 def test_stage_costs_count_the_head_and_recompute():
     hf = preset_config("llama-2-7b")
     (f0, b0), (f1, b1) = stage_costs(hf, [1, 1], 4096, False)
-    layer = 2 * stage_num_params(hf, range(1), False, False) + 2 * 4096 * 4096
+    layer = 2 * stage_num_params(hf, range(1), False, False) + 2 * 4096 * (4096 + 1)  # keys: (T + 1) / 2 a query
     assert f0 == layer and b0 == 2 * layer + 4096  # the embedding: a lookup, a scatter-add backward
     assert f1 - f0 == 2 * (32000 * 4096 + 4096) and b1 == 2 * f1  # the head: 2*V*h a token (and the norm)
     assert stage_costs(hf, [1, 1], 4096, True)[1] == (f1, 3 * f1)  # checkpointed: the head's loss too
