@@ -1,4 +1,5 @@
-"""A tiny, randomly initialised Llama with a BPE tokenizer trained on local data.
+"""A tiny, randomly initialised model of any registered family (Llama by default) with a BPE
+tokenizer trained on local data.
 
 Tests and smoke runs need a real Hugging Face model directory without hub access. The
 model is built in a temporary sibling directory and renamed into place with a marker file
@@ -36,6 +37,7 @@ def ensure_tiny_model(
     vocab_size: int = 2048,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    family: str = "llama",
 ) -> Path:
     """Return ``path``, first building a tiny Llama model + tokenizer there if needed.
 
@@ -46,6 +48,7 @@ def ensure_tiny_model(
             the byte-level BPE tokenizer.
         num_kv_heads: key/value heads (grouped-query attention); None means ``num_heads``.
         seed: seed of the random weight initialisation.
+        family: the model_type (``models.supported_types``); its spec's tiny settings apply.
 
     Raises:
         ValueError: ``path`` holds a complete tiny model built with other settings.
@@ -62,6 +65,8 @@ def ensure_tiny_model(
         "max_position_embeddings": max_position_embeddings,
         "seed": seed,
     }
+    if family != "llama":  # markers of Llama models built before families existed stay valid
+        settings["family"] = family
     if _is_complete(path, settings):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,12 +128,18 @@ def _move_into_place(tmp: Path, path: Path, settings: dict[str, int]) -> None:
 
 def _build(out: Path, data_files: list[Path], settings: dict[str, int]) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from models import tiny_config
 
     tokenizer = _train_tokenizer(
         data_files, settings["vocab_size"], settings["max_position_embeddings"]
     )
-    config = LlamaConfig(
+    family = settings.get("family", "llama")
+    config = tiny_config(
+        family,
+        # Llama: the plain Llama-2 layout this generator has always made (the quick start's losses)
+        features=family != "llama",
         vocab_size=settings["vocab_size"],
         hidden_size=settings["hidden_size"],
         intermediate_size=settings["intermediate_size"],
@@ -136,14 +147,15 @@ def _build(out: Path, data_files: list[Path], settings: dict[str, int]) -> None:
         num_attention_heads=settings["num_heads"],
         num_key_value_heads=settings["num_kv_heads"],
         max_position_embeddings=settings["max_position_embeddings"],
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+    if family == "llama":
+        config.tie_word_embeddings = False
     torch.manual_seed(settings["seed"])
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -2,10 +2,10 @@
 (``models/spec.py``), one small module per family, the mixture-of-experts routing taps
 (``models/moe.py``) and the start-up self-check for families not registered
 (``models/selfcheck.py``). Nothing outside this package names a family."""
-from models.registry import FAMILIES, REGISTRY, UnsupportedModel, spec_for, supported_types
+from models.registry import FAMILIES, REGISTRY, UnsupportedModel, spec_for, supported_types, tiny_config
 from models.spec import (ArchSpec, LayerKind, LayerShape, MoeSpec, counts, head_dim, kv_heads, logit_softcap,
                          materialize_, skeleton, supports_sdpa, tied)
 
 __all__ = ["ArchSpec", "FAMILIES", "LayerKind", "LayerShape", "MoeSpec", "REGISTRY", "UnsupportedModel", "counts",
            "head_dim", "kv_heads", "logit_softcap", "materialize_", "skeleton", "spec_for", "supported_types",
-           "supports_sdpa", "tied"]
+           "supports_sdpa", "tied", "tiny_config"]

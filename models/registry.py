@@ -30,6 +30,18 @@ def spec_for(config) -> ArchSpec:
     return spec
 
 
+def tiny_config(model_type: str, *, features: bool = True, **sizes):
+    """A small config of ``model_type``'s family: its spec's ``tiny`` settings (the features that
+    make the family what it is, at small sizes; ``features=False``: the config class's defaults)
+    under ``sizes`` (hidden_size, vocab_size, ...)."""
+    spec = REGISTRY.get(model_type)
+    if spec is None:
+        raise UnsupportedModel(f"no tiny model for model_type {model_type!r} (registered: {', '.join(supported_types())})")
+    from models.spec import import_class
+
+    return import_class(spec.config_class)(**{**(spec.tiny if features else {}), **sizes})
+
+
 def generic_spec(config) -> ArchSpec:
     """What an unregistered family is tried as: Llama's layout with the windows its config
     describes (``layer_types`` if it has them, else ``sliding_window`` on every layer)."""
@@ -49,4 +61,5 @@ def accept(spec: ArchSpec) -> None:
         _CHECKED[t] = spec
 
 
-__all__ = ["FAMILIES", "REGISTRY", "UnsupportedModel", "accept", "generic_spec", "spec_for", "supported_types"]
+__all__ = ["FAMILIES", "REGISTRY", "UnsupportedModel", "accept", "generic_spec", "spec_for", "supported_types",
+           "tiny_config"]

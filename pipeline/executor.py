@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from offload.activations import ActivationStash
 from offload.store import StageStore, time_point
+from pipeline.router_loss import RouterLoss
 from pipeline.segments import SegmentStage, segment_bounds, segment_lengths
 from schedule.ir import Action, Op, crosses, peer_stage, tie_covers, tied_stages
 
@@ -136,7 +137,7 @@ class Executor:
                  mapping: list[int], p2p, *, device: torch.device, dtype: torch.dtype, hidden_size: int,
                  grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0,
                  num_segments: int = 1, key_cost: float = 0.0, activation_offload: bool = False,
-                 fuse_last_stage: bool = False):
+                 fuse_last_stage: bool = False, router_loss: RouterLoss | None = None):
         """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
         its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
@@ -152,7 +153,9 @@ class Executor:
         ``fuse_last_stage``: in training without segments, the last stage's forward runs its
         backward too (``Stage.forward_backward``: nothing checkpointed or recomputed, the logits
         made a chunk at a time) and its BACKWARD only hands the input's gradient on; the actions
-        stay where they are, so the schedule's communication and parameter movement do not change."""
+        stay where they are, so the schedule's communication and parameter movement do not change.
+        ``router_loss``: a mixture-of-experts model's router loss (``pipeline.router_loss``), whose
+        partial sums travel with the activations and gradients in training."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas
         self.start_offset_s = start_offset_s
@@ -164,6 +167,7 @@ class Executor:
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
         self.stash = ActivationStash(device) if activation_offload else None
         self.fuse_last_stage = fuse_last_stage
+        self.router_loss = router_loss
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
@@ -180,6 +184,11 @@ class Executor:
         ``train=False`` runs a forward-only program (``schedule.build_forward``) with autograd
         off: no graph is built and no activation is kept for a backward that never comes."""
         self.mbs, self.num_targets, self.lr, self.loss_scale = microbatches, num_targets, lr, loss_scale
+        self.training = train
+        # the router loss's sums travel (and count) in training only
+        self.routed = self.router_loss if train else None
+        if self.routed is not None:
+            self.routed.reset()
         # Keyed by (stage, micro-batch, segment); the segment is None without seq_chunks.
         self.inputs: dict[Key, torch.Tensor] = {}    # stage input (needs its grad)
         self.outputs: dict[Key, torch.Tensor] = {}   # stage output, or loss on the last stage
@@ -233,6 +242,8 @@ class Executor:
         for work, _ in self.sends:  # keep each sent tensor alive until its send completed
             work.wait()
         self.runners = {}  # every micro-batch's backward (or last forward) freed what they carried
+        if self.routed is not None:
+            self.losses += self.routed.losses
         loss = float(torch.stack(self.losses).sum()) if self.losses else None  # host sync: end of iteration
         return IterationResult(loss, self.grad_norm, self.skip_step, self.clock)
 
@@ -263,6 +274,13 @@ class Executor:
         runner = self.runners[a.stage]
         return (runner.recompute_forward if recompute else runner.forward)(a.mb, a.seg, x, targets, **packed)
 
+    @contextlib.contextmanager
+    def _routing(self, key: Key):
+        """Stage ``key[0]``'s routers record (first pass) or replay (recomputes) the routing of
+        ``key`` in training (``models.moe``); evaluation records nothing."""
+        with self.stages[key[0]].routing.pass_(key if self.training else None):
+            yield
+
     def _fused(self, s: int) -> bool:
         """Whether stage ``s``'s forward runs its backward too (``fuse_last_stage``)."""
         return self.fusing and s == self.num_stages - 1
@@ -290,13 +308,16 @@ class Executor:
             self._release_sent()
         start = self.clock.mark()
         if fused:
-            self._forward_backward(a, x)
+            with self._routing(key):
+                self._forward_backward(a, x)
             self.clock.span("compute", start, self.clock.mark())
             return
         last = s == self.num_stages - 1
         # activation_offload: no graph; the backward recomputes this forward from the stashed input
-        with torch.no_grad() if self.offloading else contextlib.nullcontext():
+        with torch.no_grad() if self.offloading else contextlib.nullcontext(), self._routing(key):
             out, loss = self._run_stage(a, x, last)
+        if self.routed is not None:
+            self.routed.forward_done(key, last, self.mbs[m].input_ids.numel())
         if last:
             self.losses.append(loss.detach())
         elif not crosses(self.mapping, s, s + 1):
@@ -309,10 +330,16 @@ class Executor:
         """The fused last stage's forward, loss and backward of ``a``'s micro-batch; the
         gradient w.r.t. its input waits for the BACKWARD action. The loss scale and the
         normalisation ride in as the backward's scale, as through ``_run_stage``'s loss."""
-        mb = self.mbs[a.mb]
+        mb, key = self.mbs[a.mb], (a.stage, a.mb, a.seg)
+        extra = None
+        if self.routed is not None:
+            def extra():  # after the forward: the router loss's totals and this stage's roots
+                self.routed.forward_done(key, True, mb.input_ids.numel())
+                return self.routed.roots(key, True, mb.input_ids.numel(), self.loss_scale)
         with self.stores[a.stage].saved_tensor_hooks():
             loss, g = self.stages[a.stage].forward_backward(x, mb.targets, self.loss_scale / self.num_targets,
-                                                            **mb.packing())
+                                                            **mb.packing(), extra=extra)
+        self.stages[a.stage].routing.release(key)
         self.losses.append(loss / self.num_targets)
         self.fused_grads[(a.stage, a.mb, a.seg)] = g
 
@@ -353,6 +380,11 @@ class Executor:
         self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
 
     def _backward(self, a: Action) -> None:
+        with self._routing((a.stage, a.mb, a.seg)):  # a checkpointed layer recomputes in here
+            self._backward_compute(a)
+        self.stages[a.stage].routing.release((a.stage, a.mb, a.seg))
+
+    def _backward_compute(self, a: Action) -> None:
         s, m, key = a.stage, a.mb, (a.stage, a.mb, a.seg)
         self.stores[s].before_compute(backward=True, clock=self.clock)
         last = s == self.num_stages - 1
@@ -379,10 +411,10 @@ class Executor:
                 grad = torch.full_like(out, self.loss_scale) / self.num_targets
             g = self.runners[s].backward(m, a.seg, grad)
         else:
-            if last:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad)
+            roots, grads = [], []
+            if self.routed is not None:
+                roots, grads = self.routed.roots(key, last, self.mbs[m].input_ids.numel(), self.loss_scale)
+            torch.autograd.backward([out] + roots, [torch.ones_like(out) if last else grad] + grads)
             g = self.inputs.pop(key).grad if s > 0 else None
         self._hand_on_grad(a, g)
         self.clock.span("compute", start, self.clock.mark())
@@ -403,18 +435,26 @@ class Executor:
         key = (a.stage, a.mb, a.seg)
         t = (self.outputs.pop(key) if self.offloading else self.outputs[key]).detach()
         self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
+        if self.routed is not None:
+            self.sends.append(self.routed.send_forward(self.p2p, key, self.mapping[peer_stage(a)]))
 
     def _send_b(self, a: Action) -> None:
         t = self.grads_out.pop((a.stage, a.mb, a.seg))
         self.sends.append((self.p2p.send(t, self.mapping[peer_stage(a)]), t))
+        if self.routed is not None:
+            self.sends.append(self.routed.send_backward(self.p2p, (a.stage, a.mb, a.seg), self.mapping[peer_stage(a)]))
 
     def _recv_f(self, a: Action) -> None:
         buf = torch.empty(self._act_shape(a.mb, a.seg), dtype=self.dtype, device=self.device)
         self.recvs[(Op.RECV_F, a.stage, a.mb, a.seg)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
+        if self.routed is not None:
+            self.routed.recv_forward(self.p2p, (a.stage, a.mb, a.seg), self.mapping[peer_stage(a)])
 
     def _recv_b(self, a: Action) -> None:
         buf = torch.empty(self._act_shape(a.mb, a.seg), dtype=self.dtype, device=self.device)
         self.recvs[(Op.RECV_B, a.stage, a.mb, a.seg)] = (buf, self.p2p.recv(buf, self.mapping[peer_stage(a)]))
+        if self.routed is not None:
+            self.routed.recv_backward(self.p2p, (a.stage, a.mb, a.seg), self.mapping[peer_stage(a)])
 
     # --- parameters and optimizer -------------------------------------------------------
     def _load(self, a: Action) -> None:

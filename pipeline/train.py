@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import schedule as sched
-from models import UnsupportedModel, supported_types, supports_sdpa, tied
+from models import UnsupportedModel, spec_for, supported_types, supports_sdpa, tied
 from models.selfcheck import family_spec
 from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams, Workers
@@ -32,6 +32,7 @@ from pipeline.placement import Placement, load_topology, local_gpus, plan_text, 
 from pipeline.programs import build_programs, program_spec
 from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
 from pipeline.resolve import Resolved, resolve
+from pipeline.router_loss import RouterLoss
 from pipeline.timeline import Timeline, write_run_timeline
 
 if TYPE_CHECKING:
@@ -110,6 +111,13 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
             check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
+    if spec.moe is not None and cfg.seq_chunks > 1:
+        # the router loss and the routing replay are per micro-batch; segments are not carried yet
+        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts; seq_chunks > 1 "
+                          "does not work with mixture-of-experts models yet (use seq_chunks 1)")
+    if spec.moe is not None and cfg.compile_layers == "true":
+        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts, whose routing "
+                          "is recorded and replayed outside the compiled graph; use compile_layers auto or false")
     dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
     if cfg.activation_offload and dropout > 0:
         # the backward's recompute would draw other dropout masks than the forward did
@@ -473,7 +481,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
     compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda"
-                                                and cfg.seq_chunks == 1)
+                                                and cfg.seq_chunks == 1 and spec_for(hf).moe is None)
     if compiled:
         log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
                  "compiles them)")
@@ -513,6 +521,15 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
     log.info(f"start-up (rank {env.rank}): stages built in {built:.1f}s, their weights, gradients "
              f"and AdamW state placed in {placed:.1f}s")
     return stages, stores, streams
+
+
+def build_router_loss(cfg: TrainConfig, hf, stages: dict, device: torch.device) -> RouterLoss | None:
+    """A mixture-of-experts model's router loss, where its config asks for it (``models.moe``)."""
+    moe = spec_for(hf).moe
+    if moe is None or moe.aux_coef(hf) == 0:
+        return None
+    routed = sum(moe.sparse(hf, i) for i in range(hf.num_hidden_layers))
+    return RouterLoss(stages, moe.experts(hf), moe.aux_coef(hf), routed, cfg.num_chunks, device)
 
 
 def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
@@ -575,7 +592,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
                         hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
                         start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,
                         key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload,
-                        fuse_last_stage=fuses_last_stage(cfg))
+                        fuse_last_stage=fuses_last_stage(cfg), router_loss=build_router_loss(cfg, hf, stages, device))
     scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
     return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
                 schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)

@@ -16,8 +16,8 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
     from pipeline.train import build_stream, resolve_model
 
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=cfg.attn_implementation,
-                                                 dtype=torch.float32)
+    impl = {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **impl)
     if cfg.num_layers:
         model.model.layers = model.model.layers[: cfg.num_layers]
         model.config.num_hidden_layers = cfg.num_layers
@@ -31,9 +31,7 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
     for it in range(cfg.num_iterations):
         batch = stream.next_batch()
         # Hugging Face's own loss: mean over every trained token of the batch, shifted inside.
-        extra = {} if batch.segment_ids is None else packed_inputs(batch, cfg.attn_implementation)
-        loss = model(input_ids=batch.input_ids, labels=batch.labels, **extra).loss
-        loss.backward()
+        loss = _loss_and_backward(model, batch, cfg)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for g in opt.param_groups:
@@ -43,6 +41,27 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
         losses.append(loss.item())
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # saved once, as the embedding
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}
+
+
+def _loss_and_backward(model, batch, cfg: TrainConfig) -> torch.Tensor:
+    """The batch's loss, its gradients accumulated. A mixture-of-experts model whose config adds
+    the router loss runs one forward per micro-batch, each token loss over the whole batch's
+    count (``num_items_in_batch``) and each router loss over the micro-batches, the pipeline's
+    definition (``pipeline.router_loss``); with one micro-batch, the plain Hugging Face loss."""
+    attn = cfg.attn_implementation if cfg.attn_implementation != "auto" else model.config._attn_implementation
+    if not getattr(model.config, "output_router_logits", False):
+        extra = {} if batch.segment_ids is None else packed_inputs(batch, attn)
+        loss = model(input_ids=batch.input_ids, labels=batch.labels, **extra).loss
+        loss.backward()
+        return loss.detach()
+    total = torch.zeros(())
+    coef, M = model.config.router_aux_loss_coef, cfg.num_chunks
+    for mb in batch.microbatches(M):
+        out = model(input_ids=mb.input_ids, labels=mb.labels, num_items_in_batch=batch.num_targets)
+        loss = out.loss - coef * (1 - 1 / M) * out.aux_loss  # Hugging Face adds coef * aux_loss whole
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 def packed_inputs(batch, attn_implementation: str) -> dict:
