@@ -12,7 +12,8 @@ def _scores(router, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
 
 def _shape(config) -> LayerShape:
     return llama_layer_shape(config, experts_per_token=config.num_experts_per_tok,
-                             num_experts=config.num_local_experts, expert_intermediate=config.intermediate_size)
+                             num_experts=config.num_local_experts, expert_intermediate=config.intermediate_size,
+                             expert_saved=7)  # clamped SwiGLU: the clamps, sigmoid and (up + 1) keep more
 
 
 SPEC = ArchSpec(

@@ -113,6 +113,9 @@ class LayerShape:
     experts_per_token: int = 0  # MoE: top-k
     num_experts: int = 0
     expert_intermediate: int = 0
+    expert_saved: int = 4     # MoE: f-wide tensors a (token, expert) pair keeps (gated SwiGLU: 4)
+    attn_softcap: bool = False  # soft-capped scores (Gemma 2, eager): one more score-sized tensor
+    fused_qkv: bool = False   # q, k, v are views of one projection's output: saving v keeps all of it
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ def kv_heads(config) -> int:
 
 def llama_layer_shape(config, **kw) -> LayerShape:
     d = head_dim(config)
+    kw.setdefault("attn_softcap", bool(getattr(config, "attn_logit_softcapping", None)))
     return LayerShape(config.hidden_size, config.num_attention_heads * d, kv_heads(config) * d,
                       config.num_attention_heads, kv_heads(config), config.intermediate_size, **kw)
 
@@ -263,6 +267,7 @@ class Counts:
     embed: int
     norm: int
     head: int
+    largest: int  # the largest parameter of a decoder layer (its gradient is a backward's transient)
 
 
 _COUNTS: dict[str, Counts] = {}
@@ -274,6 +279,7 @@ def _counts(config) -> Counts:
     spec = spec_for(config)
     sk = skeleton(config)
     layers, active = [], []
+    largest = max((p.numel() for p in sk.model.layers.parameters()), default=0)
     for i, layer in enumerate(sk.model.layers):
         total = sum(p.numel() for p in layer.parameters())
         experts = 0
@@ -284,7 +290,7 @@ def _counts(config) -> Counts:
         active.append(total - experts)
     norm = sum(p.numel() for p in sk.model.norm.parameters())
     return Counts(tuple(layers), tuple(active), sk.model.embed_tokens.weight.numel(), norm,
-                  sk.lm_head.weight.numel() + (sk.lm_head.bias.numel() if sk.lm_head.bias is not None else 0))
+                  sk.lm_head.weight.numel() + (sk.lm_head.bias.numel() if sk.lm_head.bias is not None else 0), largest)
 
 
 def counts(config) -> Counts:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
+from models import counts, spec_for
 from pipeline.model import loss_chunk_tokens
 from schedule.ir import Action, Op, crosses, offloaded_stages
 
@@ -38,35 +39,85 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes the estimate needs from a Hugging Face config."""
+    """The sizes the estimate needs from a Hugging Face config (``of``); the fields after
+    ``vocab`` describe the family's layer (``models.LayerShape``; the defaults: Llama's)."""
 
     hidden: int
     intermediate: int
     heads: int
     kv_dim: int       # num_key_value_heads * head_dim
     vocab: int
+    q_dim: int = 0    # num_attention_heads * head_dim (0: hidden)
+    kv_heads: int = 0
+    pre_norms: int = 2
+    post_norms: int = 0
+    norm_fp32_out: bool = False
+    qk_norm: str = ""
+    experts_per_token: int = 0
+    num_experts: int = 0
+    expert_intermediate: int = 0
+    expert_saved: int = 4
+    attn_softcap: bool = False
+    fused_qkv: bool = False
+    largest_layer_param: int = 0  # 0: hidden * intermediate
 
     @staticmethod
     def of(config) -> "ModelShape":
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return ModelShape(config.hidden_size, config.intermediate_size, heads, kv * head_dim, config.vocab_size)
+        L = spec_for(config).shape(config)
+        return ModelShape(L.hidden, L.intermediate, L.heads, L.kv_dim, config.vocab_size, L.q_dim, L.kv_heads,
+                          L.pre_norms, L.post_norms, L.norm_fp32_out, L.qk_norm, L.experts_per_token, L.num_experts,
+                          L.expert_intermediate, L.expert_saved, L.attn_softcap, L.fused_qkv,
+                          counts(config).largest)
+
+    @property
+    def q(self) -> int:
+        return self.q_dim or self.hidden
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's intermediate width a token passes through (a routed token: its experts')."""
+        return self.experts_per_token * self.expert_intermediate if self.experts_per_token else self.intermediate
+
+    @property
+    def largest(self) -> int:
+        return self.largest_layer_param or self.hidden * self.intermediate
 
 
 def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa") -> float:
     """Bytes autograd keeps per token for one decoder layer (``d``: compute dtype size).
 
-    Two RMSNorms save an fp32 copy of their input, the rsqrt and the normalised input (8h + 8 +
-    2dh); q/k/v and gate/up share their input (2dh); attention keeps rotated q and k, v, its
-    output and the log-sum-exp (dh + 2d*kv + dh + 4*heads); the MLP keeps gate, up, silu(gate)
-    and their product (4df). Eager attention keeps the fp32 softmax (heads * seq_len a token)
-    and unscaled copies of its inputs instead of the log-sum-exp.
+    The attention's and the MLP's projections save their inputs (2dh). An RMSNorm saves an fp32
+    copy of its input, its rsqrt and the normalised input (4n + 4 + dn; a (1 + w) norm that
+    multiplies in float32, Gemma's, 4n for the last), per head for per-head q/k norms. Attention
+    keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads); a gated
+    MLP keeps gate, up, their activation and product (4df). A routed token keeps, per expert it
+    goes to, its gathered input and weighted output (2dh) and the expert's f-wide tensors, and the
+    router its probabilities (twice: the routing and the router loss's). Eager attention keeps the
+    fp32 softmax (heads * seq_len a token) and unscaled copies of its inputs instead of the
+    log-sum-exp.
     """
-    h, f = m.hidden, m.intermediate
-    saved = 8 * h + 8 + 6 * d * h + 2 * d * m.kv_dim + 4 * m.heads + 4 * d * f
+    h, q, kv = m.hidden, m.q, m.kv_dim
+
+    def norm(n: int, groups: int = 1) -> float:
+        return 4 * n + 4 * groups + (4 * n if m.norm_fp32_out else d * n)
+
+    saved = 2 * d * h + (m.pre_norms + m.post_norms) * norm(h)
+    if m.qk_norm == "head":
+        saved += norm(q, m.heads) + norm(kv, m.kv_heads or m.heads)
+    elif m.qk_norm == "all":
+        saved += norm(q) + norm(kv)
+    saved += 2 * d * q + 2 * d * kv + 4 * m.heads
+    if m.fused_qkv and attn != "eager":  # sdpa saves v, a view that keeps the fused q/k/v output alive
+        saved += d * (q + kv)
+    if m.experts_per_token:
+        k, E = m.experts_per_token, m.num_experts
+        saved += 2 * (4 + d) * E + k * (2 * d * h + m.expert_saved * d * m.expert_intermediate + 24)
+    else:
+        saved += 4 * d * m.intermediate
     if attn == "eager":
-        saved += 4 * m.heads * seq_len + 4 * h - 4 * m.heads + (d * h if d < 4 else 0)
+        saved += 4 * m.heads * seq_len + 4 * q - 4 * m.heads + (d * q if d < 4 else 0)
+        if m.attn_softcap:  # tanh(scores / c) * c keeps a score-sized tensor more
+            saved += d * m.heads * seq_len
     return saved
 
 
@@ -125,7 +176,7 @@ def _weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
     """Autograd computes a weight's gradient as a new tensor, then adds it into ``.grad``: the
     largest weight of the stage is a transient of its backward."""
     m, st = inp.shape, inp.stages[s]
-    largest = m.hidden * m.intermediate if st.num_layers else 0
+    largest = m.largest if st.num_layers else 0
     if st.first or st.last:
         largest = max(largest, m.vocab * m.hidden)
     return largest * inp.dtype_bytes
@@ -135,7 +186,7 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
     """(saved from F to B, transient during F, transient during B) per token of stage ``s``
     (of segment ``seg``'s tokens, which attend to ``end`` keys)."""
     m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
-    h, f, V = m.hidden, m.intermediate, m.vocab
+    h, f, V = m.hidden, m.mlp_width, m.vocab
     start, end, tokens = inp.span(seg)
     layer = layer_saved_bytes_per_token(m, d, end, inp.attn)
     kept = inp.kept_layers(s)
@@ -344,7 +395,7 @@ def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, 
     tokens = inp.span(a.seg)[2]
     full, fwd_t, bwd_t = _per_token(inp, s, a.seg)
     if a.op is Op.FORWARD:
-        layer_work = 4 * inp.dtype_bytes * inp.shape.intermediate if st.num_layers else 0
+        layer_work = 4 * inp.dtype_bytes * inp.shape.mlp_width if st.num_layers else 0
         transient = max(fwd_t, layer_work) * tokens + (io if s > 0 else 0)
         local_in = s > 0 and not crosses(inp.mapping, s, s - 1)
         out = io if not st.last else 0.0

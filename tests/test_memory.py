@@ -12,6 +12,7 @@ import schedule as sched
 from conftest import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import ConfigError, make_config
 from pipeline.memory import ModelShape, layer_saved_bytes_per_token
+from models import FAMILIES, supports_sdpa, tiny_config
 from pipeline.model import build_stage, preset_config
 
 
@@ -33,22 +34,32 @@ def _saved_bytes(module, x, loss_fn=None) -> int:
     return sum(seen.values())
 
 
+FAMILY_TYPES = [spec.model_types[0] for spec in FAMILIES]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_formula_matches_autograd(dtype, attn):
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512)
+@pytest.mark.parametrize("family", FAMILY_TYPES)
+def test_layer_formula_matches_autograd(family, dtype, attn):
+    """The activation model of every family (``models.LayerShape``) against what autograd
+    saves for three of its decoder layers (routed layers included)."""
+    cfg = tiny_config(family, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if attn == "sdpa" and not supports_sdpa(cfg):
+        pytest.skip(f"{family} runs eager attention only")
     cfg._attn_implementation = attn
     b, t, layers = 2, 32, 3
     stage = build_stage(cfg, 1, 3, range(0, layers), model_dir=None, seed=0).to(dtype)
     x = torch.randn(b, t, 64, dtype=dtype, requires_grad=True)
-    measured = _saved_bytes(stage, x) / (b * t)
+    with stage.routing.pass_((1, 0, None)):  # a training pass: the routers' statistics too
+        measured = _saved_bytes(stage, x) / (b * t)
     d = torch.finfo(dtype).bits // 8
     formula = layers * layer_saved_bytes_per_token(ModelShape.of(cfg), d, t, attn)
-    # the formula leaves out RoPE's cos/sin (per position, not per token: a few bytes a token here)
-    assert abs(measured - formula) <= 0.03 * formula, (measured, formula)
+    # The formula leaves out RoPE's cos/sin (per position, not per token: a few bytes a token
+    # here). Phi-3's sdpa runs the CPU's math kernel (it keeps the scores, as eager does; the
+    # GPU kernels do not), so the formula is under the CPU measurement by up to 5% there.
+    tolerance = 0.05 if (family, attn) == ("phi3", "sdpa") else 0.03
+    assert abs(measured - formula) <= tolerance * formula, (measured, formula)
 
 
 def _static_bytes(trainer) -> int:
