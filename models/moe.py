@@ -62,8 +62,6 @@ class Routing:
         self.key: Key | None = None
         self.routes: dict[tuple[Key, int], torch.Tensor] = {}
         self.stats: dict[Key, RouterStats] = {}
-        # A test's mutation hook: called with (layer, recorded indices) on a replay.
-        self.replay_hook = None
         for i, router in self.routers.items():
             router.forward = self._wrap(i, router, router.forward)
 
@@ -97,13 +95,17 @@ class Routing:
             if recorded is None:
                 self.routes[(self.key, i)] = indices.detach()
             else:
-                indices = recorded if self.replay_hook is None else self.replay_hook(i, recorded)
+                indices = self.replay(i, recorded)
             scores = self.moe.scores(router, logits, indices)
             if self.aux:
                 self._note(i, logits, first=recorded is None)
             return logits, scores, indices
 
         return routed
+
+    def replay(self, layer: int, recorded: torch.Tensor) -> torch.Tensor:
+        """The routing a later pass of ``layer`` under the same key takes: the first pass's."""
+        return recorded
 
     def _note(self, i: int, logits: torch.Tensor, first: bool) -> None:
         """One routed layer's share of the router loss, as ``load_balancing_loss_func`` reads

@@ -39,7 +39,11 @@ def tiny_config(model_type: str, *, features: bool = True, **sizes):
         raise UnsupportedModel(f"no tiny model for model_type {model_type!r} (registered: {', '.join(supported_types())})")
     from models.spec import import_class
 
-    return import_class(spec.config_class)(**{**(spec.tiny if features else {}), **sizes})
+    settings = {**(spec.tiny if features else {}), **sizes}
+    pattern = settings.get("layer_types")
+    if pattern and "num_hidden_layers" in settings:  # the pattern repeated over the layers asked for
+        settings["layer_types"] = [pattern[i % len(pattern)] for i in range(settings["num_hidden_layers"])]
+    return import_class(spec.config_class)(**settings)
 
 
 def generic_spec(config) -> ArchSpec:

@@ -79,8 +79,9 @@ def check(config, spec: ArchSpec) -> str:
                     p.add_(torch.randn_like(p) * 0.1)
         x = torch.randint(0, VOCAB, (BATCH, SEQ))
         hf.train()
-        ref_loss = hf(input_ids=x, labels=x).loss
-        ref_loss.backward()
+        loss = hf(input_ids=x, labels=x).loss
+        loss.backward()
+        ref_loss = loss.detach()
         ref = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
     except Exception as e:  # noqa: BLE001 - any failure of the family's own model refuses it
         return f"its Hugging Face model does not build or train from the shrunk config ({_first_line(e)})"
