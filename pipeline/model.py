@@ -30,14 +30,30 @@ PRESETS: dict[str, dict] = {
                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048),
     "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
+    # Qwen3-4B's shapes (per-head q/k norms, GQA 32/8, head_dim 128, a tied 152K vocabulary)
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True),
+    # A small Qwen3-MoE (Qwen3-30B-A3B's layer with 64 of its 128 experts, 12 layers): 4.3B
+    # parameters, 1.0B active; the router loss on
+    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                            output_router_logits=True, router_aux_loss_coef=0.001, tie_word_embeddings=False),
 }
 
 
 def preset_config(name: str):
-    from transformers import LlamaConfig
+    """The Hugging Face config of preset ``name`` (random weights; Llama unless it names a family)."""
+    from models import tiny_config
 
-    return LlamaConfig(**PRESETS[name], rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    settings = dict(PRESETS[name])
+    family = settings.pop("model_type", "llama")
+    if family == "llama":
+        settings.update(rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return tiny_config(family, features=False, **settings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def partition_layers(num_layers: int, num_stages: int) -> list[range]:
