@@ -331,11 +331,11 @@ class Executor:
         gradient w.r.t. its input waits for the BACKWARD action. The loss scale and the
         normalisation ride in as the backward's scale, as through ``_run_stage``'s loss."""
         mb, key = self.mbs[a.mb], (a.stage, a.mb, a.seg)
-        extra = None
-        if self.routed is not None:
-            def extra():  # after the forward: the router loss's totals and this stage's roots
-                self.routed.forward_done(key, True, mb.input_ids.numel())
-                return self.routed.roots(key, True, mb.input_ids.numel(), self.loss_scale)
+        def router_roots():  # after the forward: the router loss's totals and this stage's roots
+            self.routed.forward_done(key, True, mb.input_ids.numel())
+            return self.routed.roots(key, True, mb.input_ids.numel(), self.loss_scale)
+
+        extra = router_roots if self.routed is not None else None
         with self.stores[a.stage].saved_tensor_hooks():
             loss, g = self.stages[a.stage].forward_backward(x, mb.targets, self.loss_scale / self.num_targets,
                                                             **mb.packing(), extra=extra)

@@ -10,17 +10,26 @@ from pipeline.config import TrainConfig
 from pipeline.optim import lr_at
 
 
-def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
+                    compute_dtype: torch.dtype = torch.float32) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``compute_dtype`` bfloat16: Hugging Face mixed-precision training, as the pipeline does it
+    and as fine-tuning recipes do: a bf16 copy of the model computes, its gradients go to float32
+    master weights, which AdamW steps and copies back (``device`` cuda for the GPU tests)."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.train import build_stream, resolve_model
 
     torch.manual_seed(cfg.seed)
     impl = {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **impl)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **impl).to(device)
     if cfg.num_layers:
         model.model.layers = model.model.layers[: cfg.num_layers]
         model.config.num_hidden_layers = cfg.num_layers
+    compute = model
+    if compute_dtype != torch.float32:
+        import copy
+
+        compute = copy.deepcopy(model).to(compute_dtype)
     stream, _ = build_stream(cfg, resolve_model(cfg))
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -29,36 +38,48 @@ def reference_train(cfg: TrainConfig, model_dir: Path) -> tuple[list[float], dic
                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     losses = []
     for it in range(cfg.num_iterations):
-        batch = stream.next_batch()
+        batch = stream.next_batch().to(device) if device != "cpu" else stream.next_batch()
         # Hugging Face's own loss: mean over every trained token of the batch, shifted inside.
-        loss = _loss_and_backward(model, batch, cfg)
+        loss = _loss_and_backward(compute, batch, cfg, accumulate=compute is not model)
+        if compute is not model:
+            for master, p in zip(model.parameters(), compute.parameters()):
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         for g in opt.param_groups:
             g["lr"] = lr_at(it, cfg)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if compute is not model:
+            with torch.no_grad():
+                for master, p in zip(model.parameters(), compute.parameters()):
+                    p.copy_(master)
         losses.append(loss.item())
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # saved once, as the embedding
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in tied}
 
 
-def _loss_and_backward(model, batch, cfg: TrainConfig) -> torch.Tensor:
+def _loss_and_backward(model, batch, cfg: TrainConfig, accumulate: bool = False) -> torch.Tensor:
     """The batch's loss, its gradients accumulated. A mixture-of-experts model whose config adds
-    the router loss runs one forward per micro-batch, each token loss over the whole batch's
-    count (``num_items_in_batch``) and each router loss over the micro-batches, the pipeline's
+    the router loss, and ``accumulate`` (gradient accumulation, as mixed-precision recipes run
+    it), run one forward per micro-batch, each token loss over the whole batch's count
+    (``num_items_in_batch``) and each router loss over the micro-batches, the pipeline's
     definition (``pipeline.router_loss``); with one micro-batch, the plain Hugging Face loss."""
     attn = cfg.attn_implementation if cfg.attn_implementation != "auto" else model.config._attn_implementation
-    if not getattr(model.config, "output_router_logits", False):
+    if not accumulate and not getattr(model.config, "output_router_logits", False):
         extra = {} if batch.segment_ids is None else packed_inputs(batch, attn)
         loss = model(input_ids=batch.input_ids, labels=batch.labels, **extra).loss
         loss.backward()
         return loss.detach()
-    total = torch.zeros(())
-    coef, M = model.config.router_aux_loss_coef, cfg.num_chunks
+    total = torch.zeros((), device=batch.input_ids.device)
+    coef, M = getattr(model.config, "router_aux_loss_coef", 0.0), cfg.num_chunks
     for mb in batch.microbatches(M):
-        out = model(input_ids=mb.input_ids, labels=mb.labels, num_items_in_batch=batch.num_targets)
-        loss = out.loss - coef * (1 - 1 / M) * out.aux_loss  # Hugging Face adds coef * aux_loss whole
+        extra = {} if mb.segment_ids is None else packed_inputs(mb, attn)
+        out = model(input_ids=mb.input_ids, labels=mb.labels, num_items_in_batch=batch.num_targets, **extra)
+        loss = out.loss
+        if getattr(out, "aux_loss", None) is not None:  # Hugging Face adds coef * aux_loss whole
+            loss = loss - coef * (1 - 1 / M) * out.aux_loss
         loss.backward()
         total += loss.detach()
     return total
