@@ -126,25 +126,38 @@ def start_ballast(cap_gb: float) -> subprocess.Popen:
 
 
 def build_hf_model(model_name: str, seq_length: int):
-    """The random-weight preset in bf16, initialised on GPU 0 (fast) and moved to the host, where
-    RoundPipe keeps it."""
+    """The random-weight preset (``pipeline.model.PRESETS``: Llama, Qwen3, Qwen3-MoE shapes) in
+    bf16, initialised on GPU 0 (fast) and moved to the host, where RoundPipe keeps it; RoundPipe
+    picks its sequential preset by the model's class."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from fsdp2_baseline import llama_config
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from pipeline.model import preset_config
 
-    config = llama_config(model_name)
+    config = preset_config(model_name)
     config.use_cache = False
+    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda:0"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     torch.set_default_dtype(default_dtype)
     model = model.to("cpu")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # RoundPipe counts this process's reserved memory as available
     return model, config
+
+
+def active_params(model_name: str) -> int:
+    """The parameters a token runs through (a routed layer's experts: top_k of them): what the
+    model FLOP rate counts, as for this project's rows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from pipeline.model import preset_config, stage_num_params
+
+    config = preset_config(model_name)
+    return stage_num_params(config, range(config.num_hidden_layers), True, True, active=True)
 
 
 def main() -> None:
@@ -162,15 +175,21 @@ def main() -> None:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     hf_model, config = build_hf_model(args.model, args.seq_length)
-    n_params = sum(p.numel() for p in hf_model.parameters())
+    n_params = active_params(args.model)
+
+    import importlib
 
     import roundpipe
-    import roundpipe.models.llama as rp_llama
     from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
     from roundpipe.device import device_list
     from roundpipe.optim import Adam
 
-    rp_llama.create_causal_mask = keyword_adapter(rp_llama.create_causal_mask, {"input_embeds": "inputs_embeds"})
+    renames = {"input_embeds": "inputs_embeds", "past_key_values": "cache"}
+    for preset in ("llama", "qwen3", "qwen3_moe"):
+        module = importlib.import_module(f"roundpipe.models.{preset}")
+        for fn in ("create_causal_mask", "create_sliding_window_causal_mask"):
+            if hasattr(module, fn):
+                setattr(module, fn, keyword_adapter(getattr(module, fn), renames))
     num_gpus = len(device_list)
     model = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
                                     model_run_config=RoundPipeRunConfig(recompute_grain=args.recompute_grain))

@@ -209,7 +209,10 @@ def _parameters_on_meta():
     def on_meta(module, name, param):
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if param.ndim == 1 and (bool((param == 1).all()) or bool((param == 0).all())):
+                meta.constant_init = float(param.detach()[0]) if param.numel() else 0.0  # 1, or (1 + w)'s 0
+            module._parameters[name] = meta
 
     nn.Module.register_parameter = on_meta
     try:
@@ -242,11 +245,15 @@ def _quiet_transformers():
 
 def materialize_(module: nn.Module, device: torch.device | str = "cpu") -> None:
     """Give every meta parameter of ``module`` uninitialised storage on ``device`` (loading or a
-    seeded init fills it next); buffers stay as they are."""
+    seeded init fills it next); buffers stay as they are. A vector its module made constant (a
+    norm's ones, a (1 + w) norm's zeros) keeps that value as ``constant_init``."""
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None and p.device.type == "meta":
-                sub._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                if hasattr(p, "constant_init"):
+                    new.constant_init = p.constant_init
+                sub._parameters[name] = new
 
 
 def submodule(root: nn.Module, path: str) -> nn.Module | None:

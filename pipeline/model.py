@@ -177,6 +177,14 @@ class Stage(nn.Module):
         self.softcap = logit_softcap(config) if self.is_last else None
         self.routing = Routing(spec, config, dict(zip(layer_ids, self.model.layers.values())))
 
+    def buffers_to(self, device: torch.device | str) -> None:
+        """The modules' buffers (rotary frequencies, Gemma's embedding scale) to ``device``; the
+        parameters are the store's to place."""
+        for module in self.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(device)
+
     @property
     def windows(self) -> list[int | None]:
         """Each layer's attention window (None: full causal)."""
@@ -332,15 +340,18 @@ def loss_chunk_tokens(vocab: int) -> int:
 
 
 def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu") -> None:
-    """Random init as Hugging Face does (normal(0, initializer_range), norms 1), seeded per
-    tensor name so every partition of the model gets the same weights. Drawing on a GPU is
-    much faster for 7B-class presets (the numbers then differ from a CPU draw)."""
+    """Random init as Hugging Face does (normal(0, initializer_range); norms as their module makes
+    them: 1, or 0 for a (1 + w) norm; biases 0), seeded per tensor name so every partition of the
+    model gets the same weights. Drawing on a GPU is much faster for 7B-class presets (the
+    numbers then differ from a CPU draw)."""
     std = config.initializer_range
     for name, p in stage.named_parameters():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + _stable_hash(stage.source_name(name)))
         with torch.no_grad():
-            if p.ndim == 1:
-                p.fill_(1.0)
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.ndim == 1 and hasattr(p, "constant_init"):
+                p.fill_(p.constant_init)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device) * std)
 

@@ -496,7 +496,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing,
                                 kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device)
-            stage.rotary_emb.to(device)
+            stage.buffers_to(device)
             if compiled:
                 compile_layers(stage)
             t1 = time.perf_counter()
