@@ -147,7 +147,7 @@ def our_rows(rows_json: dict, gpus: int, tokens_per_step: int) -> list[dict]:
         if r.get("status") != "ok":
             out.append({"system": f"mmoc-pipe {r['row']}", "status": r.get("status")})
             continue
-        n = sweep.MODEL_PARAMS.get(r.get("model") or "llama-2-7b")
+        n = sweep.model_params(r.get("model") or "llama-2-7b")
         out.append({"system": f"mmoc-pipe {r['row']}", "status": "ok",
                     "config": offload_bench.describe(r) or "-", "exact": "delayed" not in r["row"],
                     "step_time_s": r["step_time_s"], "peak_allocated_gib": r.get("peak_allocated_gb"),

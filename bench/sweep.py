@@ -21,7 +21,21 @@ import os
 from pathlib import Path
 
 # Parameter counts of the presets (LlamaForCausalLM, untied lm_head), the N of 6*N*tokens.
-MODEL_PARAMS = {"llama-3b": 3_426_473_600, "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320}
+def model_params(name: str) -> int | None:
+    """The active parameters of preset ``name`` (``pipeline.model.PRESETS``; a routed layer's
+    experts count top_k of them): the N of every row's model FLOP rate; None for another name."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from pipeline.model import PRESETS, preset_config, stage_num_params
+
+    if name not in PRESETS:
+        return None
+    config = preset_config(name)
+    return stage_num_params(config, range(config.num_hidden_layers), True, True, active=True)
 
 
 def model_tflops_per_gpu(num_params: int, tokens_per_step: int, step_s: float, num_gpus: int) -> float:
