@@ -115,3 +115,16 @@ def test_readme_peer_ratios_come_from_one_bench_run():
         word = word.strip()
         assert word in PEER_WORDS, f"README quotes {ratio}x {word!r}: a ratio names one of {list(PEER_WORDS)}"
         assert abs(float(ratio) - rows[PEER_WORDS[word]] / ours) < 0.006, (ratio, word, rows[PEER_WORDS[word]] / ours)
+
+
+def test_every_family_is_documented():
+    """docs/models.md has a row per registered model_type and the README names every family."""
+    from models import FAMILIES
+
+    models_md = (ROOT / "docs" / "models.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for spec in FAMILIES:
+        for model_type in spec.model_types:
+            assert f"| `{model_type}` |" in models_md, model_type
+        name = spec.family.split(" (")[0].split(" /")[0]
+        assert name in readme, name
