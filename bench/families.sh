@@ -1,31 +1,53 @@
 #!/usr/bin/env bash
 # One device call (one GPU): the families issue's rows. Qwen3-4B's shapes and a small Qwen3-MoE
 # (presets qwen3-4b, qwen3-moe-small; random weights) on the short-sequence job (batch 64 x 512,
-# bf16 with fp32 AdamW, activation checkpointing, clipping 1.0, a 48 GiB cap): this project's
-# hybrid row, then RoundPipe's Qwen3 / Qwen3-MoE preset, back to back per model, each in
-# bench/peer_session.sh (one table per model: OUT/<model>/peers.md, model TFLOP/s = 6 x active
-# parameters x tokens / s). First, if GPU_TESTS=1, the families' bf16 GPU test.
+# bf16 with fp32 AdamW, activation checkpointing, clipping 1.0, a 48 GiB cap): per model, this
+# project's hybrid row (bench/offload_bench.py), then RoundPipe's Qwen3 / Qwen3-MoE preset
+# (bench/peers.py), back to back; one table per model in OUT/<model>/peers.md (model TFLOP/s =
+# 6 x active parameters x tokens / s). First, if GPU_TESTS=1, the families' bf16 GPU test, while
+# RoundPipe's CPU Adam compiles in the background.
 #   OUT=... bash bench/families.sh        (project root, .whl carried: wheels.sh + peer_wheels.sh)
-# Environment (defaults in brackets): MODELS [qwen3-4b,qwen3-moe-small], STAGES [qwen3-4b=12,
-# qwen3-moe-small=6], MODEL_S [240: each model's session], OURS_BUDGET_S [110],
-# RP_POINTS [async:8,sync:8], GPU_TESTS [1], TESTS_S [150].
+# Environment (defaults in brackets): MODELS [qwen3-4b,qwen3-moe-small], OURS [1: this project's
+# rows], STAGES [qwen3-4b=12 qwen3-moe-small=6], OURS_S [150: a row's budget], RP_S [150: RoundPipe's
+# budget per model], RP_POINTS [async:8,sync:8], GPU_TESTS [1], TESTS_S [120].
 set -u
 out=${OUT:-/tmp/out}; t0=$(date +%s); mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl-site .whl/*.whl \
   >"$out/install.log" 2>&1 || tail -5 "$out/install.log"
 export PYTHONPATH=$PWD/.whl-site:${PYTHONPATH:-}
+export PATH=$PWD/.whl-site/bin:$PATH   # ninja, for RoundPipe's JIT build
+# RoundPipe's package import starts its GPU threads: load its Adam builder by path, in the background.
+( timeout 150 python3 - >"$out/jit_roundpipe.log" 2>&1 <<'PY'
+import importlib.util, os
+root = importlib.util.find_spec("roundpipe").submodule_search_locations[0]
+spec = importlib.util.spec_from_file_location("rp_optim_builder", os.path.join(root, "optim", "optim_builder.py"))
+builder = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(builder)
+builder.load_optim_function("adam")
+print("roundpipe adam ready")
+PY
+) &
+jit=$!
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  timeout "${TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_families.py -x >"$out/gpu_tests.log" 2>&1
+  timeout "${TESTS_S:-120}" python3 -m pytest -q -m gpu tests/test_families.py -p no:logging >"$out/gpu_tests.log" 2>&1
   echo "gpu tests rc $? at $(( $(date +%s) - t0 ))s: $(tail -n 1 "$out/gpu_tests.log")"
+  grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log"
 fi
+wait $jit; tail -n 1 "$out/jit_roundpipe.log"
 declare -A stages=([qwen3-4b]=12 [qwen3-moe-small]=6)
 for kv in ${STAGES:-}; do stages[${kv%%=*}]=${kv#*=}; done
 for model in $(echo "${MODELS:-qwen3-4b,qwen3-moe-small}" | tr , ' '); do
-  GPUS=1 OURS_ROWS="pcie48-hybrid/s${stages[$model]}@$model" OURS_BUDGET_S=${OURS_BUDGET_S:-110} \
-    BENCH_ARGS="--schedule 1f1b --model $model" PEERS=roundpipe PEER_BUDGETS=roundpipe=$(( ${MODEL_S:-240} - ${OURS_BUDGET_S:-110} - 15 )) \
-    PEERS_ARGS="--model $model --roundpipe_points ${RP_POINTS:-async:8,sync:8}" JIT_TIMEOUT_S=60 \
-    timeout $(( ${MODEL_S:-240} + 20 )) bash bench/peer_session.sh "$out/$model" "${MODEL_S:-240}" >"$out/$model.log" 2>&1
+  mkdir -p "$out/$model"
+  if [ "${OURS:-1}" = 1 ]; then
+    python3 bench/offload_bench.py --gpus 1 --model "$model" --rows "pcie48-hybrid/s${stages[$model]}@$model" \
+      --schedule 1f1b --iterations 4 --warmup 2 --budget_s "${OURS_S:-150}" --row_timeout_s "${OURS_S:-150}" \
+      --out "$out/$model/bench" >"$out/$model/ours.log" 2>&1
+  fi
+  python3 bench/peers.py --gpus 1 --out "$out/$model" --ours "$out/$model/bench" --budget_s "${RP_S:-150}" \
+    --peers roundpipe --peer_budgets "roundpipe=${RP_S:-150}" --model "$model" \
+    --roundpipe_points "${RP_POINTS:-async:8,sync:8}" >"$out/$model/peers.log" 2>&1
   echo "== $model done at $(( $(date +%s) - t0 ))s"
-  cat "$out/$model/peers.md" 2>/dev/null || tail -n 20 "$out/$model.log"
+  cat "$out/$model/peers.md" 2>/dev/null || tail -n 20 "$out/$model/peers.log"
 done
+tar czf "$out/families.tgz" -C "$out" --exclude='*.pt' --exclude='*.safetensors' . 2>/dev/null

@@ -69,6 +69,7 @@ def _impls(family: str) -> list[str]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()  # resident masters live on the GPU
     return float((a - b).norm() / b.norm())
 
 
