@@ -147,6 +147,12 @@ def build_hf_model(model_name: str, seq_length: int):
     model = model.to("cpu")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # RoundPipe counts this process's reserved memory as available
+    # RoundPipe 0.1.1's Qwen3 and gpt-oss presets read each layer's attention_type, which
+    # transformers 4 set on the decoder layer and 5 keeps only in config.layer_types.
+    types = getattr(config, "layer_types", None)
+    for i, layer in enumerate(model.model.layers):
+        if types and not hasattr(layer, "attention_type"):
+            layer.attention_type = types[i]
     return model, config
 
 
