@@ -19,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from models import counts, head_dim, logit_softcap, materialize_, skeleton, spec_for, tied
 from models.moe import Routing
+from pipeline import attention
+from pipeline.attention import AttnMask, attend_mask
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
@@ -105,18 +107,6 @@ def segment_attend_mask(segment_ids: torch.Tensor, window: int | None = None) ->
     return (attend_mask(segment_ids.shape[1], segment_ids.device, window) & same)[:, None]
 
 
-def attend_mask(seq_len: int, device: torch.device, window: int | None = None, q_start: int = 0) -> torch.Tensor:
-    """Boolean [T - q_start, T], True where query i (of positions ``q_start..T-1``) may attend key
-    j (of ``0..T-1``): j <= i, and j > i - window with a window (transformers'
-    ``sliding_window_causal_mask_function``). ``q_start`` > 0: the queries of a sequence segment."""
-    q = torch.arange(q_start, seq_len, device=device)[:, None]
-    k = torch.arange(seq_len, device=device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed &= k > q - window
-    return allowed
-
-
 def _cache_keyword(layers: nn.ModuleDict) -> str:
     """What a decoder layer calls its key/value cache argument: ``cache`` from transformers 5.24
     (where ``past_key_values`` is deprecated), ``past_key_values`` before."""
@@ -155,7 +145,10 @@ class Stage(nn.Module):
         if tie and not self.tied and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
-        self.config._attn_implementation = self.attn_implementation
+        # sdpa runs through pipeline.attention: the same sdpa for a plain causal row, and on a GPU
+        # kernels without a score matrix for segments, windows and packed rows
+        self.config._attn_implementation = attention.register() if self.attn_implementation == "sdpa" \
+            else self.attn_implementation
         self.checkpointing = checkpointing
         # With checkpointing, the stage's last ``kept_layers`` layers keep their activations for
         # backward (no recompute): the memory plan picks them where memory allows.
@@ -305,22 +298,23 @@ class Stage(nn.Module):
         return logits
 
     def _mask(self, seq_len: int, window: int | None, h: torch.Tensor,
-              segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The attention mask of layers with ``window`` (None: full causal), within segments if given."""
+              segment_ids: torch.Tensor | None = None):
+        """The attention mask of layers with ``window`` (None: full causal), within segments if
+        given: None for a plain causal row under sdpa (its causal kernel), an ``AttnMask`` for
+        sdpa with a window or packed rows (``pipeline.attention`` picks the kernel), the additive
+        mask for eager (where None would mean no mask at all)."""
         if self.attn_implementation == "flash_attention_2":
             if segment_ids is not None:
                 raise ValueError("packed rows need an explicit mask: use attn_implementation sdpa or eager")
             return None  # the layer hands its own sliding_window to the kernel
+        if self.attn_implementation == "sdpa":
+            mask = AttnMask(0, seq_len, window, segment_ids)
+            return None if mask.plain else mask.prepare(h.device)
         if window is not None and window >= seq_len:
             window = None  # a window covering the sequence masks nothing more than causality
         if segment_ids is not None:
-            allowed = segment_attend_mask(segment_ids, window)  # sdpa: True = attend
-            return allowed if self.attn_implementation == "sdpa" else additive_mask(allowed, h.dtype)
-        if self.attn_implementation == "sdpa":
-            # None makes sdpa run its causal kernel; a window needs the explicit boolean mask
-            # (what transformers' sdpa_mask builds: True = attend).
-            return None if window is None else attend_mask(seq_len, h.device, window)[None, None]
-        return causal_mask(seq_len, h.dtype, h.device, window)  # eager: None would mean non-causal
+            return additive_mask(segment_attend_mask(segment_ids, window), h.dtype)
+        return causal_mask(seq_len, h.dtype, h.device, window)
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over predicted tokens of the cross-entropy (-100 targets predict nothing)."""

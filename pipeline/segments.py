@@ -32,7 +32,8 @@ from typing import Sequence
 
 import torch
 
-from pipeline.model import Stage, additive_mask, attend_mask
+from pipeline.attention import AttnMask, attend_mask
+from pipeline.model import Stage, additive_mask
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -263,11 +264,14 @@ class SegmentStage:
         return {t: tuple(x[:, start:end] for x in pe) for t, pe in self.stage.rope(h, whole).items()}
 
     def _mask(self, start: int, end: int, window: int | None, h: torch.Tensor,
-              doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """The explicit mask of a segment (never None: sdpa's causal kernel would align the
-        diagonal to the top left of the [T, end] scores, and eager reads None as no mask)."""
-        allowed = segment_allowed(start, end, window, h.device, doc_ids)
-        return allowed if self.stage.attn_implementation == "sdpa" else additive_mask(allowed, h.dtype)
+              doc_ids: torch.Tensor | None):
+        """The mask of a segment: for sdpa an ``AttnMask`` (queries ``start..end-1`` over keys
+        ``0..end-1``: ``pipeline.attention`` runs it through a kernel with the causal triangle
+        aligned to the bottom right on a GPU, the explicit mask on the CPU); for eager the
+        explicit additive mask (eager reads None as no mask)."""
+        if self.stage.attn_implementation == "sdpa":
+            return AttnMask(start, end, window, None if doc_ids is None else doc_ids[:, :end]).prepare(h.device)
+        return additive_mask(segment_allowed(start, end, window, h.device, doc_ids), h.dtype)
 
 
 def kv_gradients(new: dict[int, KV], carry: dict[int, list[KV | None]], seg: int) -> tuple[list, list]:
