@@ -115,6 +115,11 @@ class TrainConfig:
                               "as recomputing. auto = true without seq_chunks (a segment's backward needs the later "
                               "segments'; true is refused there) and unless gpipe runs with activation_offload "
                               "(each micro-batch's input gradient would wait on the GPU).", choices=COMPILE_CHOICES)
+    tiled_mlp: str = _f("auto", "Run each decoder layer's MLP in tiles of tokens (one tile's intermediate tensor at "
+                        "most 256 MiB), each recomputed in its backward: a long row's MLP intermediates then exist "
+                        "for one tile at a time. Exact; costs one more MLP forward. auto = true only where the "
+                        "memory plan does not fit without it (with a GPU or gpu_memory_gb; false without). Not for "
+                        "mixture-of-experts layers.", choices=COMPILE_CHOICES)
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -207,7 +212,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
     "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",
-                    "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "mapping", "topology",
+                    "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
+                    "topology",
                     "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),

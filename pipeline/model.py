@@ -21,6 +21,7 @@ from models import counts, head_dim, logit_softcap, materialize_, skeleton, spec
 from models.moe import Routing
 from pipeline import attention
 from pipeline.attention import AttnMask, attend_mask
+from pipeline.tiled import tile_mlps
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
@@ -131,7 +132,7 @@ class Stage(nn.Module):
     Parameters stay on the meta device until ``build_stage`` gives them storage."""
 
     def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False,
-                 kept_layers: int = 0):
+                 kept_layers: int = 0, mlp_tile_tokens: int = 0):
         super().__init__()
         spec = spec_for(config)
         sk = skeleton(config)
@@ -169,6 +170,13 @@ class Stage(nn.Module):
         self.rope_whole_row = getattr(self.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
         self.softcap = logit_softcap(config) if self.is_last else None
         self.routing = Routing(spec, config, dict(zip(layer_ids, self.model.layers.values())))
+        # A long row's MLP in tiles of tokens, each recomputed in the backward (pipeline.tiled)
+        self.mlp_tile_tokens = mlp_tile_tokens
+        if mlp_tile_tokens:
+            if self.routing.routers:
+                raise ValueError("tiled MLPs of routed (mixture-of-experts) layers are not supported: the routing "
+                                 "replay is recorded per pass, not per tile")
+            tile_mlps(self.model.layers.values(), mlp_tile_tokens)
 
     def buffers_to(self, device: torch.device | str) -> None:
         """The modules' buffers (rotary frequencies, Gemma's embedding scale) to ``device``; the
@@ -481,9 +489,10 @@ def _read(path: Path, keys: list[str]):
 
 def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
                 seed: int, checkpointing: bool = False, kept_layers: int = 0,
-                init_device: torch.device | str = "cpu") -> Stage:
-    """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random."""
-    stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers)
+                init_device: torch.device | str = "cpu", mlp_tile_tokens: int = 0) -> Stage:
+    """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random;
+    ``mlp_tile_tokens`` > 0: its MLPs run in tiles of that many tokens (``pipeline.tiled``)."""
+    stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers, mlp_tile_tokens)
     materialize_(stage, "cpu")
     stage.tie_weights()
     if model_dir is None:

@@ -33,6 +33,7 @@ from pipeline.programs import build_programs, program_spec
 from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
 from pipeline.resolve import Resolved, resolve
 from pipeline.router_loss import RouterLoss
+from pipeline.tiled import mlp_tile_tokens
 from pipeline.timeline import Timeline, write_run_timeline
 
 if TYPE_CHECKING:
@@ -111,6 +112,9 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
             check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
+    if spec.moe is not None and cfg.tiled_mlp == "true":
+        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts, whose routing "
+                          "replay is recorded per pass, not per MLP tile; use tiled_mlp auto or false")
     if spec.moe is not None and cfg.seq_chunks > 1:
         # the router loss and the routing replay are per micro-batch; segments are not carried yet
         raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts; seq_chunks > 1 "
@@ -210,6 +214,10 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if not 1 <= cfg.seq_chunks <= cfg.seq_length:
         raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
                           f"({cfg.seq_length}): each of a row's segments needs at least one token")
+    if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
+        # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
+        raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
+                          "(eager with tiles) or false")
     if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
         # The carried keys/values pass through a Python cache object the compiled layer cannot
         # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
@@ -481,7 +489,11 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
     compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda"
-                                                and cfg.seq_chunks == 1 and spec_for(hf).moe is None)
+                                                and cfg.seq_chunks == 1 and spec_for(hf).moe is None
+                                                and cfg.tiled_mlp != "true")
+    tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
+    if tile:
+        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
     if compiled:
         log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
                  "compiles them)")
@@ -495,7 +507,8 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             # checkpointed (recomputed) a second time inside that recompute
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing,
-                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device)
+                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device,
+                                mlp_tile_tokens=tile)
             stage.buffers_to(device)
             if compiled:
                 compile_layers(stage)
