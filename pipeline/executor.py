@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from offload.activations import ActivationStash
+from offload.kv import CarriedKV
 from offload.store import StageStore, time_point
 from pipeline.router_loss import RouterLoss
 from pipeline.segments import SegmentStage, segment_bounds, segment_lengths
@@ -166,6 +167,8 @@ class Executor:
         self.bounds: list[tuple[int, int]] = []
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
         self.stash = ActivationStash(device) if activation_offload else None
+        # seq_chunks with activation_offload: the carried keys/values wait in host memory too
+        self.kv_host = CarriedKV(device) if activation_offload and num_segments > 1 else None
         self.fuse_last_stage = fuse_last_stage
         self.router_loss = router_loss
         self._handlers = {
@@ -209,7 +212,8 @@ class Executor:
             self.bounds = segment_bounds(lengths)
             # activation_offload: a segment's forward keeps only its carried keys/values, and its
             # backward recomputes it (``_recompute``)
-            self.runners = {s: SegmentStage(stage, lengths, recompute=self.offloading)
+            self.runners = {s: SegmentStage(stage, lengths, recompute=self.offloading,
+                                            kv_host=self.kv_host if self.offloading else None)
                             for s, stage in self.stages.items()}
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
@@ -220,6 +224,8 @@ class Executor:
         self.next_backward = dict(zip(order, order[1:]))
         if self.stash is not None:
             self.stash.clear()
+        if self.kv_host is not None:
+            self.kv_host.clear()
         self.clock = StepClock(self.device.type == "cuda")
         if train and self.start_offset_s > 0:
             # The host is in step with the device here (the last iteration ended with a
@@ -366,8 +372,12 @@ class Executor:
         key = (a.stage, a.mb, a.seg)
         x = self.stash.restore(key) if a.stage > 0 else self._columns(self.mbs[a.mb].input_ids, a.seg)
         nxt = self.next_backward.get(key)
-        if nxt is not None and nxt[0] > 0:
-            self.stash.prefetch(nxt)  # nothing if its forward has not run yet
+        if nxt is not None:
+            if nxt[0] > 0:
+                self.stash.prefetch(nxt)  # nothing if its forward has not run yet
+            if nxt[2] is not None:
+                # its stage's carried keys/values (nothing if they are on the device already)
+                self.runners[nxt[0]].prefetch(nxt[1])
         if a.stage > 0 and a.seg is None:  # a segment's runner makes its own input leaf
             x.requires_grad_(True)
             self.inputs[key] = x
