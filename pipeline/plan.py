@@ -17,6 +17,7 @@ from pipeline.optim import compute_dtype
 from pipeline.partition import predicted_step_time, stage_layers
 from pipeline.programs import program_spec
 from pipeline.segments import segment_lengths
+from pipeline.tiled import mlp_tile_tokens
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
@@ -56,8 +57,15 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        attn=attention(cfg, hf_config), cpu=device == "cpu",
                        kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
                        segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
-                       fused_last=fuses_last_stage(cfg))
+                       fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device))
     return inp, program
+
+
+def _tile_tokens(cfg: TrainConfig, hf_config, device: str) -> int:
+    """Tokens per MLP tile with ``tiled_mlp: true`` (0 untiled; auto counts as untiled until resolved)."""
+    if cfg.tiled_mlp != "true":
+        return 0
+    return mlp_tile_tokens(ModelShape.of(hf_config).intermediate, dtype_bytes(cfg, device))
 
 
 def attention(cfg: TrainConfig, hf_config) -> str:
@@ -217,6 +225,8 @@ def _alternatives(cfg: TrainConfig, num_layers: int) -> list[tuple[str, TrainCon
         alts.append(("activation_checkpointing: true", dataclasses.replace(cfg, activation_checkpointing=True)))
     if not cfg.activation_offload:
         alts.append(("activation_offload: true", dataclasses.replace(cfg, activation_offload=True, keep_layers=0)))
+    if cfg.tiled_mlp != "true" and cfg.compile_layers != "true":
+        alts.append(("tiled_mlp: true", dataclasses.replace(cfg, tiled_mlp="true")))
     if not cfg.use_offload:
         alts.append(("use_offload: true", dataclasses.replace(cfg, use_offload=True)))
     if cfg.batch_size % (cfg.num_chunks * 2) == 0:
