@@ -40,8 +40,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # --- model ----------------------------------------------------------------
     model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
-                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, qwen3-4b, qwen3-moe-small), or 'generated' (small "
-                    "Llama made locally on first use).")
+                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, qwen3-4b, qwen3-moe-small), or 'generated' "
+                    "(small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
     num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")
     embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).")
@@ -68,7 +68,9 @@ class TrainConfig:
                            "split (the bundled validation file for dataset: sample).")
     eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).")
     # --- parallelism ----------------------------------------------------------
-    num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages).")
+    num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages). -1 = auto "
+                         "(with a GPU or gpu_memory_gb): the fewest whose memory plan fits, with seq_chunks and "
+                         "tiled_mlp if those are auto too (--plan says the longest row that fits).")
     data_parallel: int = _f(1, "Replicas of the pipeline: the processes form data_parallel pipelines of "
                             "processes / data_parallel ranks each; each replica runs num_chunks / data_parallel of "
                             "the global batch's micro-batches and the replicas sum their gradients before the step. "
@@ -81,7 +83,10 @@ class TrainConfig:
                          "and pipeline (micro-batch, segment) pairs; a stage holds a few segments' activations "
                          "instead of whole sequences (exact: each segment attends to the earlier segments' keys and "
                          "values, which stay on the device until the micro-batch's backward). For long seq_length; "
-                         "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows.")
+                         "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows; "
+                         "-1 = auto (with a GPU or gpu_memory_gb): whole rows if the memory plan fits them, else "
+                         "the fewest segments that fit. With activation_offload the carried keys and values wait "
+                         "in host memory between a stage's forwards and its backwards.")
     partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
                         "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
                         "the even split unless another is predicted at least 0.1% faster), layers (as even as possible, "

@@ -19,7 +19,7 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig, fuses_last_stage
+from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch
@@ -30,7 +30,7 @@ from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
 from pipeline.partition import given_counts, stage_layers
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
-from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
+from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_config, replica_share, shard_peers
 from pipeline.resolve import Resolved, resolve
 from pipeline.router_loss import RouterLoss
 from pipeline.tiled import mlp_tile_tokens
@@ -203,17 +203,20 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     """Checks that need no files: they run on every rank before anything is loaded.
     ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
     P = check_replicas(cfg, world_size)  # data_parallel: the ranks of one pipeline
-    if cfg.num_stages < 1 or cfg.num_stages % P:
+    if cfg.num_stages != -1 and (cfg.num_stages < 1 or cfg.num_stages % P):
         per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
         raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
-                          f"processes{per} ({P}); e.g. num_stages={P * 2}")
+                          f"processes{per} ({P}), or -1 (auto); e.g. num_stages={P * 2}")
+    if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
+        raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
+                          f"number, not -1 (auto)")
     if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
         raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
     if cfg.seq_length < 2:
         raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
-    if not 1 <= cfg.seq_chunks <= cfg.seq_length:
+    if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
         raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
-                          f"({cfg.seq_length}): each of a row's segments needs at least one token")
+                          f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
     if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
         # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
         raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
@@ -233,7 +236,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
-    per_rank = cfg.num_stages // P
+    per_rank = cfg.num_stages // P if cfg.num_stages > 0 else 0
     if cfg.delayed_update:
         # Each of these would see or save the weights between the two that the delay keeps apart.
         clash = [name for name, on in (("use_offload off", not cfg.use_offload),
@@ -244,7 +247,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         if clash:
             raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
                               f"checkpoints or resume; got {', '.join(clash)}")
-    if not -1 <= cfg.resident_stages <= per_rank:
+    if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
         raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
                           f"(the stages per process)")
     if cfg.keep_layers < -1:
@@ -797,6 +800,8 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size,
                            resolved.kept)
     text += "".join(f"\n{line}" for line in resolved.lines)
+    if plan_mod.device_type(cfg) == "cuda" and plan_mod.gpu_capacity(cfg) is not None:
+        text += "\n" + plan_mod.longest_row_line(replica_config(whole), source.config, world_size)
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
