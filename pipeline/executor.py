@@ -30,6 +30,31 @@ class ActionError(RuntimeError):
     waits for it); the message names the rank, the action and the peer."""
 
 
+class OutOfMemory(ActionError):
+    """An action ran out of GPU memory. ``train`` turns it into one line with the plan's figure;
+    the attributes are what it says: the action, the bytes asked for and what was held."""
+
+    def __init__(self, rank: int, action: Action, text: str, error: BaseException, device: torch.device):
+        self.rank, self.action, self.text = rank, str(action), text
+        self.tried = _tried_bytes(str(error))
+        cuda = device.type == "cuda"
+        self.allocated = torch.cuda.memory_allocated(device) if cuda else 0
+        self.reserved = torch.cuda.memory_reserved(device) if cuda else 0
+        self.peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+        super().__init__(f"rank {rank}: action {action} ({text}) ran out of GPU memory: "
+                         f"{str(error).splitlines()[0] if str(error) else type(error).__name__}")
+
+
+def _tried_bytes(message: str) -> int | None:
+    """The allocation torch's out-of-memory message names ("Tried to allocate 3.15 GiB"), in bytes."""
+    import re
+
+    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", message)
+    if m is None:
+        return None
+    return int(float(m[1]) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(m[2]))
+
+
 _OP_WORDS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_F: "send activation",
              Op.RECV_F: "receive activation", Op.SEND_B: "send gradient", Op.RECV_B: "receive gradient",
              Op.LOAD: "load", Op.DROP: "drop", Op.OFFLOAD_GRADS: "offload gradients", Op.NORM: "gradient-norm all-reduce",
@@ -240,6 +265,8 @@ class Executor:
                     self.timeline.begin(action)
                 try:
                     self._handlers[action.op](action)
+                except torch.OutOfMemoryError as e:  # before RuntimeError: it is one
+                    raise OutOfMemory(self.rank, action, describe(action, self.mapping), e, self.device) from e
                 except RuntimeError as e:  # a gloo/NCCL timeout or a dead peer surfaces in some wait
                     raise ActionError(f"rank {self.rank}: action {action} ({describe(action, self.mapping)}) "
                                       f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e

@@ -436,6 +436,35 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     raise ConfigError(f"this configuration does not fit: it {need}{hint} (see main.py --plan)")
 
 
+def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
+                       kept: tuple[int, ...] | None = None) -> str:
+    """One line for a run that ran out of GPU memory although the plan accepted it: the action
+    and what it asked for (``executor.OutOfMemory``), the plan's peak for that rank, and the single
+    changes whose plans leave the margin the run lacked."""
+    a = assess(cfg, hf_config, mapping, kept)
+    rank = next((r for r in a.ranks if r.rank == err.rank), a.worst)
+    tried = err.tried or 0
+    need = err.allocated + tried
+    cap = f" of a {gib(a.gpu)} cap" if a.gpu else ""
+    text = (f"rank {err.rank} ran out of GPU memory in action {err.action} ({err.text}): it asked for "
+            f"{gib(tried) if err.tried is not None else 'more'} with {gib(err.allocated)} allocated and "
+            f"{gib(err.reserved)} reserved{cap}; the plan's peak for this rank was {gib(rank.device_peak)} "
+            f"(during {rank.at})")
+    if err.reserved - err.allocated >= tried > 0:
+        text += f"; {gib(err.reserved - err.allocated)} were reserved but free in pieces too small (fragmentation: " \
+                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+    short = max(0, need - rank.device_peak)  # at least what the plan left out
+    limit = USABLE_FRACTION * a.gpu - short if a.gpu else None
+    tips = []
+    for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
+        peak = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size)).worst.device_peak
+        if limit is not None and peak <= limit:
+            tips.append((peak, f"{label} (plan {gib(peak)})"))
+    tips = [t for _, t in sorted(tips, reverse=True)[:3]]  # the ones that change least first
+    return text + ("; to leave that margin, try " + "; or ".join(tips) if tips else
+                   "; no single change leaves that margin: use a shorter seq_length or more GPUs")
+
+
 def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
            kept: tuple[int, ...] | None = None) -> str:
     """The text ``--plan`` prints."""
@@ -474,5 +503,6 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "check_fits", "longest_row", "memory_plan", "partition_line", "report",
+__all__ = ["Assessment", "advice", "assess", "check_fits", "longest_row", "memory_plan", "out_of_memory_line",
+           "partition_line", "report",
            "resolve_kept", "resolve_long_rows", "resolve_resident"]

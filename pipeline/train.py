@@ -22,8 +22,8 @@ from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
-from pipeline.executor import Executor, MicroBatch
-from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
+from pipeline.executor import Executor, MicroBatch, OutOfMemory
+from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, TrainingError, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers,
                             model_flops_per_token, model_key_cost, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
@@ -833,7 +833,13 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     one, size = resolved.replica, resolved.pipeline_size
     check_fits(one, source.config, sched.round_robin(one.num_stages, size), size, resolved.kept)
     trainer = Trainer(cfg, env, source, resolved)
-    history = trainer.train()
+    try:
+        history = trainer.train()
+    except OutOfMemory as e:  # one line with the plan's figure and what to change, not a traceback
+        from pipeline.plan import out_of_memory_line
+
+        raise TrainingError(out_of_memory_line(e, one, source.config, sched.round_robin(one.num_stages, size), size,
+                                               resolved.kept)) from None
     cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already
