@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "mmoc_sdpa"
 KERNELS = ("causal", "lower_right", "flex", "reference")
@@ -114,8 +115,10 @@ class AttnMask:
                 return allowed
 
             rows = None if doc is None else doc.shape[0]
+            # compiled: the block mask is made block by block (uncompiled, create_block_mask
+            # evaluates the mask over every (query, key) pair first: a score-sized tensor)
             self._block[key] = create_block_mask(mask_mod, rows, None, self.kv_len - start, self.kv_len,
-                                                 device=device)
+                                                 device=device, _compile=device.type == "cuda")
         return self._block[key]
 
 
@@ -151,8 +154,6 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """The attention function a stage's layers call (registered as ``NAME``): query [B, H, Tq, D],
     key and value [B, Hkv, Tk, D] (after RoPE; the carried keys in front of a segment's own).
     Returns the output [B, Tq, H, D] and no weights, as Hugging Face's sdpa function does."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if not isinstance(attention_mask, AttnMask):  # a tensor or None: what Hugging Face's sdpa does
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
