@@ -97,7 +97,7 @@ class ModelShape:
 
 
 def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa", *, tiled: bool = False,
-                                pad: float = 1.0) -> float:
+                                pad: float = 1.0, compiled: bool = False) -> float:
     """Bytes autograd keeps per token for one decoder layer (``d``: compute dtype size).
 
     The attention's and the MLP's projections save their inputs (2dh). An RMSNorm saves an fp32
@@ -111,8 +111,19 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
     router its probabilities (twice: the routing and the router loss's). Eager attention keeps the
     fp32 softmax (heads * seq_len a token) and unscaled copies of its inputs instead of the
     log-sum-exp.
+
+    ``compiled`` (``compile_layers``, a dense layer under sdpa): inductor's partition of the
+    layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
+    norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
+    gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
+    ``tests/test_memory.py``.
     """
     h, q, kv = m.hidden, m.q, m.kv_dim
+    if compiled and not m.experts_per_token and attn != "eager":
+        norms = (m.pre_norms + m.post_norms) * (2 * d * h + 4)
+        if m.qk_norm:
+            norms += d * (q + kv) + 4 * (m.heads + (m.kv_heads or m.heads))
+        return norms + (2 * d * q + 2 * d * kv) * pad + 4 * m.heads + (0 if tiled else 3 * d * m.intermediate)
 
     def norm(n: int, groups: int = 1) -> float:
         return 4 * n + 4 * groups + (4 * n if m.norm_fp32_out else d * n)
@@ -177,6 +188,7 @@ class MemoryInputs:
     activation_offload: bool = False
     fused_last: bool = False  # fuse_last_stage (whole rows only: the executor fuses no segment)
     mlp_tile_tokens: int = 0  # tiled_mlp: tokens per MLP tile (0: untiled)
+    compiled: bool = False    # compile_layers: inductor's graphs keep less than eager autograd
 
     @property
     def kernels(self) -> bool:
@@ -219,7 +231,7 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
     h, f, V = m.hidden, m.mlp_width, m.vocab
     start, end, tokens = inp.span(seg)
     tiled = inp.mlp_tile_tokens > 0 and not m.experts_per_token
-    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=_head_pad(inp))
+    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=_head_pad(inp), compiled=inp.compiled)
     kept = inp.kept_layers(s)
     # activation_offload: the backward's recompute of the stage checkpoints no layer again
     layer_ckpt = inp.checkpointing and not inp.activation_offload

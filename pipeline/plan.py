@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
-from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
+from models import spec_for
+from pipeline.config import ConfigError, TrainConfig, compiles_layers, fuses_last_stage, partition_counts
 from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.model import model_key_cost, partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
@@ -57,7 +58,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        attn=attention(cfg, hf_config), cpu=device == "cpu",
                        kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
                        segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
-                       fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device))
+                       fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
+                       compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None))
     return inp, program
 
 

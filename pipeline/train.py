@@ -19,7 +19,7 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
+from pipeline.config import ConfigError, TrainConfig, compiles_layers, fuses_last_stage, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
 from pipeline.executor import Executor, MicroBatch, OutOfMemory
@@ -491,9 +491,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                              initargs=(cpus,)), device)
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
-    compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda"
-                                                and cfg.seq_chunks == 1 and spec_for(hf).moe is None
-                                                and cfg.tiled_mlp != "true")
+    compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
     tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
     if tile:
         log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
