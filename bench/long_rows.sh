@@ -18,17 +18,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 { nvidia-smi; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; git rev-parse HEAD 2>/dev/null; } > "$out/versions.txt" 2>&1
 case "${ROWS:-roundpipe}" in *roundpipe*)
-  # RoundPipe's package import starts its GPU threads: load its Adam builder by path
-  ( timeout 240 python3 - >"$out/jit_roundpipe.log" 2>&1 <<'PY'
-import importlib.util, os
-root = importlib.util.find_spec("roundpipe").submodule_search_locations[0]
-spec = importlib.util.spec_from_file_location("rp_optim_builder", os.path.join(root, "optim", "optim_builder.py"))
-builder = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(builder)
-builder.load_optim_function("adam")
-print("roundpipe adam ready")
-PY
-  ) & ;;
+  ( timeout 240 python3 bench/roundpipe_adam.py >"$out/jit_roundpipe.log" 2>&1 ) & ;;
 esac
 left=$(( total - ($(date +%s) - t0) - 15 ))  # 15 s for the table and the transfer back
 rows=()
