@@ -17,17 +17,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   >"$out/install.log" 2>&1 || tail -5 "$out/install.log"
 export PYTHONPATH=$PWD/.whl-site:${PYTHONPATH:-}
 export PATH=$PWD/.whl-site/bin:$PATH   # ninja, for RoundPipe's JIT build
-# RoundPipe's package import starts its GPU threads: load its Adam builder by path, in the background.
-( timeout 150 python3 - >"$out/jit_roundpipe.log" 2>&1 <<'PY'
-import importlib.util, os
-root = importlib.util.find_spec("roundpipe").submodule_search_locations[0]
-spec = importlib.util.spec_from_file_location("rp_optim_builder", os.path.join(root, "optim", "optim_builder.py"))
-builder = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(builder)
-builder.load_optim_function("adam")
-print("roundpipe adam ready")
-PY
-) &
+# RoundPipe's CPU Adam, built in the background (bench/roundpipe_adam.py)
+( timeout 150 python3 bench/roundpipe_adam.py >"$out/jit_roundpipe.log" 2>&1 ) &
 jit=$!
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   # -k: an in-process trainer takes SIGTERM as "stop after this step", so timeout must be able to kill

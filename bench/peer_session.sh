@@ -41,16 +41,7 @@ jit=${JIT_TIMEOUT_S:-150}
 ( timeout "$jit" python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('deepspeed cpu_adam ready')" \
     >"$out/jit_deepspeed.log" 2>&1; echo "rc $?" >>"$out/jit_deepspeed.log" ) &
 j1=$!
-# RoundPipe's package import starts its GPU threads and reads free GPU memory: load the builder by path.
-( timeout "$jit" python3 - >"$out/jit_roundpipe.log" 2>&1 <<'PY'
-import importlib.util, os
-root = importlib.util.find_spec("roundpipe").submodule_search_locations[0]
-spec = importlib.util.spec_from_file_location("rp_optim_builder", os.path.join(root, "optim", "optim_builder.py"))
-builder = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(builder)
-builder.load_optim_function("adam")
-print("roundpipe adam ready")
-PY
+( timeout "$jit" python3 bench/roundpipe_adam.py >"$out/jit_roundpipe.log" 2>&1
   echo "rc $?" >>"$out/jit_roundpipe.log" ) &
 j2=$!
 wait $j1 $j2

@@ -40,8 +40,8 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # --- model ----------------------------------------------------------------
     model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
-                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, qwen3-4b, qwen3-moe-small), or 'generated' (small "
-                    "Llama made locally on first use).")
+                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, qwen3-4b, qwen3-moe-small), or 'generated' "
+                    "(small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
     num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")
     embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).")
@@ -68,7 +68,9 @@ class TrainConfig:
                            "split (the bundled validation file for dataset: sample).")
     eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).")
     # --- parallelism ----------------------------------------------------------
-    num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages).")
+    num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages). -1 = auto "
+                         "(with a GPU or gpu_memory_gb): the fewest whose memory plan fits, with seq_chunks and "
+                         "tiled_mlp if those are auto too (--plan says the longest row that fits).")
     data_parallel: int = _f(1, "Replicas of the pipeline: the processes form data_parallel pipelines of "
                             "processes / data_parallel ranks each; each replica runs num_chunks / data_parallel of "
                             "the global batch's micro-batches and the replicas sum their gradients before the step. "
@@ -81,7 +83,10 @@ class TrainConfig:
                          "and pipeline (micro-batch, segment) pairs; a stage holds a few segments' activations "
                          "instead of whole sequences (exact: each segment attends to the earlier segments' keys and "
                          "values, which stay on the device until the micro-batch's backward). For long seq_length; "
-                         "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows.")
+                         "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows; "
+                         "-1 = auto (with a GPU or gpu_memory_gb): whole rows if the memory plan fits them, else "
+                         "the fewest segments that fit. With activation_offload the carried keys and values wait "
+                         "in host memory between a stage's forwards and its backwards.")
     partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
                         "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
                         "the even split unless another is predicted at least 0.1% faster), layers (as even as possible, "
@@ -115,6 +120,11 @@ class TrainConfig:
                               "as recomputing. auto = true without seq_chunks (a segment's backward needs the later "
                               "segments'; true is refused there) and unless gpipe runs with activation_offload "
                               "(each micro-batch's input gradient would wait on the GPU).", choices=COMPILE_CHOICES)
+    tiled_mlp: str = _f("auto", "Run each decoder layer's MLP in tiles of tokens (one tile's intermediate tensor at "
+                        "most 256 MiB), each recomputed in its backward: a long row's MLP intermediates then exist "
+                        "for one tile at a time. Exact; costs one more MLP forward. auto = true only where the "
+                        "memory plan does not fit without it (with a GPU or gpu_memory_gb; false without). Not for "
+                        "mixture-of-experts layers.", choices=COMPILE_CHOICES)
     mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
                       "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                       "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
@@ -207,7 +217,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
     "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",
-                    "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "mapping", "topology",
+                    "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
+                    "topology",
                     "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),
@@ -340,6 +351,15 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
     partition_counts(cfg.partition)
     return cfg
+
+
+def compiles_layers(cfg: TrainConfig, device_type: str, routed: bool) -> bool:
+    """``compile_layers`` resolved for a run on ``device_type`` (``routed``: a mixture-of-experts
+    model). ``auto``: on a GPU, for whole rows with untiled MLPs and no routed layers (the
+    carried keys/values of segments, the checkpointed tiles and the routing replay stay eager)."""
+    if cfg.compile_layers != "auto":
+        return cfg.compile_layers == "true"
+    return device_type == "cuda" and cfg.seq_chunks == 1 and cfg.tiled_mlp != "true" and not routed
 
 
 def fuses_last_stage(cfg: TrainConfig) -> bool:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from offload.activations import ActivationStash
+from offload.kv import CarriedKV
 from offload.store import StageStore, time_point
 from pipeline.router_loss import RouterLoss
 from pipeline.segments import SegmentStage, segment_bounds, segment_lengths
@@ -27,6 +28,31 @@ Key = tuple[int, int, "int | None"]  # (stage, micro-batch, segment): what the e
 class ActionError(RuntimeError):
     """An action failed (a peer that died or hangs shows up as a timeout in the action that
     waits for it); the message names the rank, the action and the peer."""
+
+
+class OutOfMemory(ActionError):
+    """An action ran out of GPU memory. ``train`` turns it into one line with the plan's figure;
+    the attributes are what it says: the action, the bytes asked for and what was held."""
+
+    def __init__(self, rank: int, action: Action, text: str, error: BaseException, device: torch.device):
+        self.rank, self.action, self.text = rank, str(action), text
+        self.tried = _tried_bytes(str(error))
+        cuda = device.type == "cuda"
+        self.allocated = torch.cuda.memory_allocated(device) if cuda else 0
+        self.reserved = torch.cuda.memory_reserved(device) if cuda else 0
+        self.peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+        super().__init__(f"rank {rank}: action {action} ({text}) ran out of GPU memory: "
+                         f"{str(error).splitlines()[0] if str(error) else type(error).__name__}")
+
+
+def _tried_bytes(message: str) -> int | None:
+    """The allocation torch's out-of-memory message names ("Tried to allocate 3.15 GiB"), in bytes."""
+    import re
+
+    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", message)
+    if m is None:
+        return None
+    return int(float(m[1]) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(m[2]))
 
 
 _OP_WORDS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_F: "send activation",
@@ -166,6 +192,8 @@ class Executor:
         self.bounds: list[tuple[int, int]] = []
         self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
         self.stash = ActivationStash(device) if activation_offload else None
+        # seq_chunks with activation_offload: the carried keys/values wait in host memory too
+        self.kv_host = CarriedKV(device) if activation_offload and num_segments > 1 else None
         self.fuse_last_stage = fuse_last_stage
         self.router_loss = router_loss
         self._handlers = {
@@ -209,7 +237,8 @@ class Executor:
             self.bounds = segment_bounds(lengths)
             # activation_offload: a segment's forward keeps only its carried keys/values, and its
             # backward recomputes it (``_recompute``)
-            self.runners = {s: SegmentStage(stage, lengths, recompute=self.offloading)
+            self.runners = {s: SegmentStage(stage, lengths, recompute=self.offloading,
+                                            kv_host=self.kv_host if self.offloading else None)
                             for s, stage in self.stages.items()}
         self.sends: list[tuple[object, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
@@ -220,6 +249,8 @@ class Executor:
         self.next_backward = dict(zip(order, order[1:]))
         if self.stash is not None:
             self.stash.clear()
+        if self.kv_host is not None:
+            self.kv_host.clear()
         self.clock = StepClock(self.device.type == "cuda")
         if train and self.start_offset_s > 0:
             # The host is in step with the device here (the last iteration ended with a
@@ -234,6 +265,8 @@ class Executor:
                     self.timeline.begin(action)
                 try:
                     self._handlers[action.op](action)
+                except torch.OutOfMemoryError as e:  # before RuntimeError: it is one
+                    raise OutOfMemory(self.rank, action, describe(action, self.mapping), e, self.device) from e
                 except RuntimeError as e:  # a gloo/NCCL timeout or a dead peer surfaces in some wait
                     raise ActionError(f"rank {self.rank}: action {action} ({describe(action, self.mapping)}) "
                                       f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
@@ -366,8 +399,12 @@ class Executor:
         key = (a.stage, a.mb, a.seg)
         x = self.stash.restore(key) if a.stage > 0 else self._columns(self.mbs[a.mb].input_ids, a.seg)
         nxt = self.next_backward.get(key)
-        if nxt is not None and nxt[0] > 0:
-            self.stash.prefetch(nxt)  # nothing if its forward has not run yet
+        if nxt is not None:
+            if nxt[0] > 0:
+                self.stash.prefetch(nxt)  # nothing if its forward has not run yet
+            if nxt[2] is not None:
+                # its stage's carried keys/values (nothing if they are on the device already)
+                self.runners[nxt[0]].prefetch(nxt[1])
         if a.stage > 0 and a.seg is None:  # a segment's runner makes its own input leaf
             x.requires_grad_(True)
             self.inputs[key] = x

@@ -23,10 +23,23 @@ keeps a ledger of what the executor and the stores hold at every action.
   recomputes its stage whole, so one stage's full activations of one micro-batch (segment) are
   its transient; sent tensors are released at the next compute (once their sends are done).
   With sequence segments the carried keys/values (and their gradients) stay on the device from
-  a segment's forward to its backward.
+  a segment's forward to its backward; on a GPU they wait in host memory between a stage's
+  forwards of a micro-batch and its backwards (``offload.kv``), the next backward's brought back
+  during the one before.
+* **Long rows** (issue 28). On a GPU sdpa computes every pass without a score matrix
+  (``pipeline.attention``): a layer's attention allocates flash's padded copies of q, k, v and
+  the output (head dimension to a multiple of 8) and in its backward an fp32 query-gradient
+  accumulator and the padded gradients; a segment concatenates its keys/values behind the carried
+  ones. A tiled MLP (``pipeline.tiled``) keeps no intermediate from forward to backward and
+  allocates one tile's in either. A layer's backward peaks in its MLP phase (everything saved)
+  or its attention phase (the MLP side's saved tensors freed by then), whichever is higher.
+* **Not counted**: the CUDA context, NCCL and cuBLAS workspaces and the caching allocator's
+  fragmentation, which the 10% of the GPU the fit check leaves free covers (``plan.USABLE_FRACTION``;
+  main.py turns on expandable segments, where a freed block serves an allocation of any size).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
@@ -83,20 +96,34 @@ class ModelShape:
         return self.largest_layer_param or self.hidden * self.intermediate
 
 
-def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa") -> float:
+def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa", *, tiled: bool = False,
+                                pad: float = 1.0, compiled: bool = False) -> float:
     """Bytes autograd keeps per token for one decoder layer (``d``: compute dtype size).
 
     The attention's and the MLP's projections save their inputs (2dh). An RMSNorm saves an fp32
     copy of its input, its rsqrt and the normalised input (4n + 4 + dn; a (1 + w) norm that
     multiplies in float32, Gemma's, 4n for the last), per head for per-head q/k norms. Attention
-    keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads); a gated
-    MLP keeps gate, up, their activation and product (4df). A routed token keeps, per expert it
+    keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads; ``pad``:
+    flash pads the head dimension to a multiple of 8 and keeps the padded copies); a gated MLP
+    keeps gate, up, their activation and product (4df), tiled (``pipeline.tiled``) only its input,
+    which the projections' 2dh counts already. A routed token keeps, per expert it
     goes to, its gathered input and weighted output (2dh) and the expert's f-wide tensors, and the
     router its probabilities (twice: the routing and the router loss's). Eager attention keeps the
     fp32 softmax (heads * seq_len a token) and unscaled copies of its inputs instead of the
     log-sum-exp.
+
+    ``compiled`` (``compile_layers``, a dense layer under sdpa): inductor's partition of the
+    layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
+    norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
+    gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
+    ``tests/test_memory.py``.
     """
     h, q, kv = m.hidden, m.q, m.kv_dim
+    if compiled and not m.experts_per_token and attn != "eager":
+        norms = (m.pre_norms + m.post_norms) * (2 * d * h + 4)
+        if m.qk_norm:
+            norms += d * (q + kv) + 4 * (m.heads + (m.kv_heads or m.heads))
+        return norms + (2 * d * q + 2 * d * kv) * pad + 4 * m.heads + (0 if tiled else 3 * d * m.intermediate)
 
     def norm(n: int, groups: int = 1) -> float:
         return 4 * n + 4 * groups + (4 * n if m.norm_fp32_out else d * n)
@@ -106,13 +133,13 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
         saved += norm(q, m.heads) + norm(kv, m.kv_heads or m.heads)
     elif m.qk_norm == "all":
         saved += norm(q) + norm(kv)
-    saved += 2 * d * q + 2 * d * kv + 4 * m.heads
+    saved += (2 * d * q + 2 * d * kv) * pad + 4 * m.heads
     if m.fused_qkv and attn != "eager":  # sdpa saves v, a view that keeps the fused q/k/v output alive
         saved += d * (q + kv)
     if m.experts_per_token:
         k, E = m.experts_per_token, m.num_experts
         saved += 2 * (4 + d) * E + k * (2 * d * h + m.expert_saved * d * m.expert_intermediate + 24)
-    else:
+    elif not tiled:
         saved += 4 * d * m.intermediate
     if attn == "eager":
         saved += 4 * m.heads * seq_len + 4 * q - 4 * m.heads + (d * q if d < 4 else 0)
@@ -138,6 +165,7 @@ class RankMemory:
     host: int = 0
     at: str = ""                                   # the action during which the peak occurs
     parts: dict[str, int] = field(default_factory=dict)
+    host_parts: dict[str, int] = field(default_factory=dict)  # parameters, stash, carried_kv (GPU runs)
 
 
 @dataclass(frozen=True)
@@ -159,6 +187,20 @@ class MemoryInputs:
     segments: tuple[int, ...] = ()
     activation_offload: bool = False
     fused_last: bool = False  # fuse_last_stage (whole rows only: the executor fuses no segment)
+    mlp_tile_tokens: int = 0  # tiled_mlp: tokens per MLP tile (0: untiled)
+    compiled: bool = False    # compile_layers: inductor's graphs keep less than eager autograd
+
+    @property
+    def kernels(self) -> bool:
+        """Attention through kernels without a score matrix (``pipeline.attention`` on a GPU):
+        sdpa on a GPU; the CPU runs segments, windows and packed rows through explicit masks."""
+        return self.attn == "sdpa" and not self.cpu
+
+    @property
+    def kv_offload(self) -> bool:
+        """seq_chunks with activation_offload on a GPU: the carried keys/values wait in host
+        memory between a stage's forwards of a micro-batch and its backwards (``offload.kv``)."""
+        return self.activation_offload and bool(self.segments) and not self.cpu
 
     def span(self, seg: int | None) -> tuple[int, int, int]:
         """(start, end) columns of segment ``seg`` of a row (the whole row for None), and the
@@ -188,7 +230,8 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
     m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
     h, f, V = m.hidden, m.mlp_width, m.vocab
     start, end, tokens = inp.span(seg)
-    layer = layer_saved_bytes_per_token(m, d, end, inp.attn)
+    tiled = inp.mlp_tile_tokens > 0 and not m.experts_per_token
+    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=_head_pad(inp), compiled=inp.compiled)
     kept = inp.kept_layers(s)
     # activation_offload: the backward's recompute of the stage checkpoints no layer again
     layer_ckpt = inp.checkpointing and not inp.activation_offload
@@ -207,10 +250,19 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
         saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
     fwd = bwd = 0.0
     if st.num_layers:
-        # backward of one layer: the MLP's three f-wide gradients and a few h-wide ones; a
+        mlp_fwd, mlp_bwd = _mlp_work(inp, tokens)
+        attn_fwd, attn_bwd = _attention_work(inp, start, end)
+        # backward of one layer: a few h-wide gradients and the worst of its two phases: the
+        # MLP's (three f-wide gradients, or a tile's recompute and gradients) with everything
+        # still saved, then the attention kernel's workspace, by when the MLP side's saved
+        # tensors (its input, the norm before it, untiled its intermediates) are freed; a
         # recomputed layer's saved tensors are made again first.
-        bwd = 3 * d * f + 4 * d * h + (layer if recomputed else 0)
-        fwd = 4 * d * f if recomputed else 0  # the MLP of the layer being run
+        mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
+            (0 if tiled or m.experts_per_token else 4 * d * f)
+        bwd = 4 * d * h + max(mlp_bwd, attn_bwd - mlp_side) + (layer if recomputed else 0)
+        # forward of one layer: the MLP's intermediates where nothing keeps them (a checkpointed
+        # layer, a tile), the attention kernel's padded copies (and a segment's keys concatenated)
+        fwd = max(mlp_fwd if recomputed or tiled else 0, attn_fwd)
     if st.last:
         upcast = 4 * V if d < 4 else 0
         # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a time
@@ -223,6 +275,47 @@ def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float
             saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
             bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
     return saved, fwd, bwd
+
+
+def _head_pad(inp: MemoryInputs) -> float:
+    """How much bigger flash keeps q, k, v and the output: the head dimension padded to a multiple
+    of 8 (Llama-3B's 100 to 104); 1 where no flash kernel runs (the CPU, float32, eager)."""
+    if not inp.kernels or inp.dtype_bytes >= 4:
+        return 1.0
+    hd = inp.shape.q // max(1, inp.shape.heads)
+    return -(-hd // 8) * 8 / hd
+
+
+def _mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
+    """Per token of a pass of ``tokens``: the MLP's intermediates while one layer's forward runs
+    (gate, up, activation, product) and its backward's (three f-wide gradients); tiled, one
+    tile's: its recompute's four tensors and three gradients in the backward."""
+    d, f = inp.dtype_bytes, inp.shape.mlp_width
+    if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token or tokens <= inp.mlp_tile_tokens:
+        return 4 * d * f, 3 * d * f
+    share = inp.mlp_tile_tokens / tokens
+    return 4 * d * f * share, 7 * d * f * share
+
+
+def _attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, float]:
+    """Per query token of a pass whose queries are columns ``start..end-1`` over keys
+    ``0..end-1``: what a layer's attention allocates beyond the saved tensors, in the forward and
+    in the backward. On a GPU (flash): the padded copies of q, k, v and the output (head dimension
+    to a multiple of 8), and in the backward flash's fp32 query-gradient accumulator, the padded
+    q, k, v gradients (keys expanded to the query heads with GQA) and the output gradient padded;
+    a segment's keys/values concatenated with the carried ones (``end`` columns) in the forward
+    and their gradient in the backward. The CPU's explicit-mask kernels are not modelled here
+    (the layer formula and the CPU check cover them)."""
+    m, d = inp.shape, inp.dtype_bytes
+    keys = end / max(1, end - start)  # keys per query token
+    concat = 2 * d * m.kv_dim * keys if start > 0 else 0.0
+    if not inp.kernels:
+        return concat, concat
+    pad = _head_pad(inp)
+    padded = pad > 1
+    fwd = (d * pad * (2 * m.q + 2 * m.kv_dim * keys) if padded else 0.0) + concat
+    bwd = 4 * m.q * pad + d * pad * (2 * m.q + 2 * m.q * keys) + concat
+    return fwd, bwd
 
 
 def _param_bytes_resident(numel: int, d: int) -> int:
@@ -244,6 +337,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     out = RankMemory(rank)
     offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
     out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+    out.host_parts = {"parameters": out.host}
     params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
     if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
         params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
@@ -267,6 +361,11 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     per_mb: dict[tuple[int, int, int | str | None], float] = {}  # by (stage, micro-batch, segment)
     stashed = stash_peak = 0.0  # activation_offload: stage inputs in host memory
     sent = 0.0                  # activation_offload: sent tensors, released at the next compute
+    kv_host: dict[tuple[int, int], float] = {}  # kv_offload: carried keys/values in host memory by (stage, mb)
+    kv_host_peak = 0.0
+    # kv_offload: each backward starts bringing back the next backward's carried keys/values
+    order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD]
+    next_backward = dict(zip(order, order[1:]))
 
     def note_peak(a: Action, transient: float) -> None:
         """What the device holds at action ``a``, plus its ``transient``: a new peak is kept with its parts."""
@@ -301,13 +400,18 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             held += held_delta + sent
             carried = 0.0  # seq_chunks: this segment's carried keys/values, freed after its backward
             if a.seg is not None:
-                # The forward keeps its keys/values on the device for the later segments and its
-                # own recompute (only its input goes to the host); the backward adds the gradients
-                # of the earlier segments' keys/values.
+                # The forward keeps its keys/values on the device for the later segments (the last
+                # segment's nothing attends to); the backward adds the gradients of the earlier
+                # segments' keys/values. kv_offload: after the micro-batch's last forward here
+                # they wait in host memory; a backward brings them back (the one before it
+                # started their copy) and they leave the device segment by segment.
                 if a.op is Op.FORWARD:
-                    per_mb[(s, a.mb, a.seg)] = _kv_bytes(inp, s, n)
+                    last = a.seg == len(inp.segments) - 1
+                    per_mb[(s, a.mb, a.seg)] = 0.0 if last else _kv_bytes(inp, s, n)
                     saved += per_mb[(s, a.mb, a.seg)]
                 else:
+                    for key in {(s, a.mb), next_backward.get((s, a.mb, a.seg), (None, None))[:2]}:
+                        saved += kv_host.pop(key, 0.0)  # back on the device (its own, or prefetched)
                     carried = per_mb.pop((s, a.mb, a.seg))
                     saved += _kv_grads_change(inp, a, per_mb)
             if a.op is Op.BACKWARD and s in offloaded and s not in has_grad:
@@ -318,6 +422,11 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 stash_peak = max(stash_peak, stashed)
             note_peak(a, extra + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
             saved -= carried
+            if inp.kv_offload and a.op is Op.FORWARD and a.seg == len(inp.segments) - 1:
+                moved = sum(v for (st_, mb_, sg), v in per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
+                kv_host[(s, a.mb)] = moved
+                saved -= moved
+                kv_host_peak = max(kv_host_peak, sum(kv_host.values()))
             continue
         if a.op is Op.LOAD:
             take(inp.stages[s].numel)
@@ -355,8 +464,17 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
         out.host += out.device_peak
         out.device_peak = 0
     else:
-        out.host += int(stash_peak)
+        # pinned host blocks are rounded up to a power of two by torch's caching host allocator
+        out.host_parts.update(stash=int(stash_peak), carried_kv=int(_pinned(kv_host_peak, inp) if kv_host_peak else 0))
+        out.host += out.host_parts["stash"] + out.host_parts["carried_kv"]
     return out
+
+
+def _pinned(total: float, inp: MemoryInputs) -> float:
+    """Host bytes the pinned allocator takes for ``total`` bytes of carried keys/values, held as
+    one block per layer and segment (each rounded up to a power of two)."""
+    block = 2 * inp.dtype_bytes * inp.shape.kv_dim * inp.micro_batch * max(inp.segments) / 2
+    return total * 2 ** math.ceil(math.log2(block)) / block
 
 
 def _fused_transient(inp: MemoryInputs, s: int, tokens: int) -> float:
@@ -395,7 +513,8 @@ def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, 
     tokens = inp.span(a.seg)[2]
     full, fwd_t, bwd_t = _per_token(inp, s, a.seg)
     if a.op is Op.FORWARD:
-        layer_work = 4 * inp.dtype_bytes * inp.shape.mlp_width if st.num_layers else 0
+        start, end, _ = inp.span(a.seg)  # a forward without a graph: one layer's working set at a time
+        layer_work = max(_mlp_work(inp, tokens)[0], _attention_work(inp, start, end)[0]) if st.num_layers else 0
         transient = max(fwd_t, layer_work) * tokens + (io if s > 0 else 0)
         local_in = s > 0 and not crosses(inp.mapping, s, s - 1)
         out = io if not st.last else 0.0

@@ -19,6 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from models import counts, head_dim, logit_softcap, materialize_, skeleton, spec_for, tied
 from models.moe import Routing
+from pipeline import attention
+from pipeline.attention import AttnMask, attend_mask
+from pipeline.tiled import tile_mlps
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
@@ -30,6 +33,9 @@ PRESETS: dict[str, dict] = {
                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048),
     "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
+    # Llama-3-8B's shapes (GQA, 128K vocabulary): what RoundPipe's long-sequence figures are for
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     # Qwen3-4B's shapes (per-head q/k norms, GQA 32/8, head_dim 128, a tied 152K vocabulary)
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -105,18 +111,6 @@ def segment_attend_mask(segment_ids: torch.Tensor, window: int | None = None) ->
     return (attend_mask(segment_ids.shape[1], segment_ids.device, window) & same)[:, None]
 
 
-def attend_mask(seq_len: int, device: torch.device, window: int | None = None, q_start: int = 0) -> torch.Tensor:
-    """Boolean [T - q_start, T], True where query i (of positions ``q_start..T-1``) may attend key
-    j (of ``0..T-1``): j <= i, and j > i - window with a window (transformers'
-    ``sliding_window_causal_mask_function``). ``q_start`` > 0: the queries of a sequence segment."""
-    q = torch.arange(q_start, seq_len, device=device)[:, None]
-    k = torch.arange(seq_len, device=device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed &= k > q - window
-    return allowed
-
-
 def _cache_keyword(layers: nn.ModuleDict) -> str:
     """What a decoder layer calls its key/value cache argument: ``cache`` from transformers 5.24
     (where ``past_key_values`` is deprecated), ``past_key_values`` before."""
@@ -141,7 +135,7 @@ class Stage(nn.Module):
     Parameters stay on the meta device until ``build_stage`` gives them storage."""
 
     def __init__(self, config, index: int, num_stages: int, layer_ids: range, checkpointing: bool = False,
-                 kept_layers: int = 0):
+                 kept_layers: int = 0, mlp_tile_tokens: int = 0):
         super().__init__()
         spec = spec_for(config)
         sk = skeleton(config)
@@ -155,7 +149,10 @@ class Stage(nn.Module):
         if tie and not self.tied and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
-        self.config._attn_implementation = self.attn_implementation
+        # sdpa runs through pipeline.attention: the same sdpa for a plain causal row, and on a GPU
+        # kernels without a score matrix for segments, windows and packed rows
+        self.config._attn_implementation = attention.register() if self.attn_implementation == "sdpa" \
+            else self.attn_implementation
         self.checkpointing = checkpointing
         # With checkpointing, the stage's last ``kept_layers`` layers keep their activations for
         # backward (no recompute): the memory plan picks them where memory allows.
@@ -176,6 +173,13 @@ class Stage(nn.Module):
         self.rope_whole_row = getattr(self.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
         self.softcap = logit_softcap(config) if self.is_last else None
         self.routing = Routing(spec, config, dict(zip(layer_ids, self.model.layers.values())))
+        # A long row's MLP in tiles of tokens, each recomputed in the backward (pipeline.tiled)
+        self.mlp_tile_tokens = mlp_tile_tokens
+        if mlp_tile_tokens:
+            if self.routing.routers:
+                raise ValueError("tiled MLPs of routed (mixture-of-experts) layers are not supported: the routing "
+                                 "replay is recorded per pass, not per tile")
+            tile_mlps(self.model.layers.values(), mlp_tile_tokens)
 
     def buffers_to(self, device: torch.device | str) -> None:
         """The modules' buffers (rotary frequencies, Gemma's embedding scale) to ``device``; the
@@ -305,22 +309,23 @@ class Stage(nn.Module):
         return logits
 
     def _mask(self, seq_len: int, window: int | None, h: torch.Tensor,
-              segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The attention mask of layers with ``window`` (None: full causal), within segments if given."""
+              segment_ids: torch.Tensor | None = None):
+        """The attention mask of layers with ``window`` (None: full causal), within segments if
+        given: None for a plain causal row under sdpa (its causal kernel), an ``AttnMask`` for
+        sdpa with a window or packed rows (``pipeline.attention`` picks the kernel), the additive
+        mask for eager (where None would mean no mask at all)."""
         if self.attn_implementation == "flash_attention_2":
             if segment_ids is not None:
                 raise ValueError("packed rows need an explicit mask: use attn_implementation sdpa or eager")
             return None  # the layer hands its own sliding_window to the kernel
+        if self.attn_implementation == "sdpa":
+            mask = AttnMask(0, seq_len, window, segment_ids)
+            return None if mask.plain else mask.prepare(h.device)
         if window is not None and window >= seq_len:
             window = None  # a window covering the sequence masks nothing more than causality
         if segment_ids is not None:
-            allowed = segment_attend_mask(segment_ids, window)  # sdpa: True = attend
-            return allowed if self.attn_implementation == "sdpa" else additive_mask(allowed, h.dtype)
-        if self.attn_implementation == "sdpa":
-            # None makes sdpa run its causal kernel; a window needs the explicit boolean mask
-            # (what transformers' sdpa_mask builds: True = attend).
-            return None if window is None else attend_mask(seq_len, h.device, window)[None, None]
-        return causal_mask(seq_len, h.dtype, h.device, window)  # eager: None would mean non-causal
+            return additive_mask(segment_attend_mask(segment_ids, window), h.dtype)
+        return causal_mask(seq_len, h.dtype, h.device, window)
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over predicted tokens of the cross-entropy (-100 targets predict nothing)."""
@@ -487,9 +492,10 @@ def _read(path: Path, keys: list[str]):
 
 def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
                 seed: int, checkpointing: bool = False, kept_layers: int = 0,
-                init_device: torch.device | str = "cpu") -> Stage:
-    """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random."""
-    stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers)
+                init_device: torch.device | str = "cpu", mlp_tile_tokens: int = 0) -> Stage:
+    """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random;
+    ``mlp_tile_tokens`` > 0: its MLPs run in tiles of that many tokens (``pipeline.tiled``)."""
+    stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers, mlp_tile_tokens)
     materialize_(stage, "cpu")
     stage.tie_weights()
     if model_dir is None:

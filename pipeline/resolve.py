@@ -1,8 +1,9 @@
 """A run's settings with every automatic choice made, once.
 
 ``resolve`` is pure: from the configuration, the number of processes and the model's config it
-decides what ``-1 = auto`` leaves open (the resident stages, then the layers that keep their
-activations, both from the memory plan of one replica's pipeline), keeps a resumed checkpoint's
+decides what ``-1 = auto`` leaves open (for long rows the stages, sequence segments and tiled
+MLPs; then the resident stages and the layers that keep their activations, all from the memory
+plan of one replica's pipeline), keeps a resumed checkpoint's
 layers per stage, and says so in log lines.
 Training runs it on rank 0 (auto reads that rank's GPU) and broadcasts the result; ``--plan``
 and a ``Trainer`` built directly (tests) run it themselves. Everything after it reads the
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from pipeline.config import TrainConfig, partition_counts
 from pipeline.partition import stage_layers
-from pipeline.plan import resolve_kept, resolve_resident
+from pipeline.plan import resolve_kept, resolve_long_rows, resolve_resident
 from pipeline.replicas import replica_config
 
 
@@ -46,11 +47,15 @@ def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int]
     """``saved_parts``: the decoder layers per stage of the checkpoint the run resumes from
     (``checkpoint.saved_partition``), kept where they fit."""
     size = world_size // cfg.data_parallel
+    long_rows = ""
+    if -1 in (cfg.num_stages, cfg.seq_chunks) or cfg.tiled_mlp == "auto":
+        one, long_rows = resolve_long_rows(replica_config(cfg), hf_config, size)
+        cfg = dataclasses.replace(cfg, num_stages=one.num_stages, seq_chunks=one.seq_chunks, tiled_mlp=one.tiled_mlp)
     cfg, partition = resume_partition(cfg, hf_config, size, saved_parts)
     one, resident = resolve_resident(replica_config(cfg), hf_config, size)
     kept, recompute = resolve_kept(one, hf_config, size)
     return Resolved(dataclasses.replace(cfg, resident_stages=one.resident_stages), kept, size,
-                    tuple(line for line in (partition, resident, recompute) if line))
+                    tuple(line for line in (long_rows, partition, resident, recompute) if line))
 
 
 def resume_partition(cfg: TrainConfig, hf_config, size: int, saved: list[int] | None) -> tuple[TrainConfig, str]:

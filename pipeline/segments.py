@@ -32,7 +32,8 @@ from typing import Sequence
 
 import torch
 
-from pipeline.model import Stage, additive_mask, attend_mask
+from pipeline.attention import AttnMask, attend_mask
+from pipeline.model import Stage, additive_mask
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -109,21 +110,29 @@ class SegmentStage:
             micro-batch is cut the same way.
         recompute: ``activation_offload``: ``forward`` (called without a graph) keeps only the
             carried keys/values, and ``recompute_forward`` runs the segment again with a graph
-            right before its ``backward``. The carried keys/values stay where they were made
-            (the device) until the micro-batch's backward of segment 0.
+            right before its ``backward``.
+        kv_host: with ``recompute``, where the carried keys/values wait between the micro-batch's
+            last forward at this stage and its first backward (``offload.kv.CarriedKV``: pinned
+            host memory; ``prefetch`` starts their copy back). None: they stay on the device
+            until the micro-batch's backward of segment 0.
 
     Per micro-batch it keeps each layer's carried keys/values of the segments forwarded so far
     (leaves whose ``.grad`` collects the later segments' gradients), and per (micro-batch,
     segment) what the backward needs: the input leaf, the output and the segment's own
-    keys/values in the graph. The backward of segment 0 frees the micro-batch's state.
+    keys/values in the graph. The backward of segment 0 frees the micro-batch's state. The last
+    segment's keys/values are not carried: no later segment attends to them.
     """
 
-    def __init__(self, stage: Stage, lengths: Sequence[int], *, recompute: bool = False):
+    def __init__(self, stage: Stage, lengths: Sequence[int], *, recompute: bool = False, kv_host=None):
         if stage.attn_implementation not in ("eager", "sdpa"):
             raise ValueError(f"sequence segments need attn_implementation eager or sdpa (an explicit mask over "
                              f"the carried keys), got {stage.attn_implementation!r}")
+        if kv_host is not None and not recompute:
+            raise ValueError("carried keys/values go to host memory only with recompute (activation_offload): a "
+                             "forward with a graph keeps them in its attention's saved tensors anyway")
         self.stage = stage
         self.recompute = recompute
+        self.kv_host = kv_host
         self.lengths = list(lengths)
         self.bounds = segment_bounds(self.lengths)
         self.carry: dict[int, dict[int, list[KV | None]]] = {}  # mb -> layer -> per segment
@@ -160,9 +169,14 @@ class SegmentStage:
         # ``recompute`` the forward runs without a graph but the leaves still take gradients:
         # the later segments' backwards run (recomputed) before this segment's.
         grad = torch.is_grad_enabled() or self.recompute
+        last = seg == self.num_segments - 1
         for layer, (k, v) in new.items():
-            carry.setdefault(layer, []).append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
+            carry.setdefault(layer, []).append(
+                None if last else (k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
         self.forwarded[mb] = seg + 1
+        if last and self.kv_host is not None:
+            # Nothing reads them until this micro-batch's backwards here: to host memory meanwhile
+            self.kv_host.offload(self._kv_key(mb), [t for kvs in carry.values() for kv in kvs if kv for t in kv])
         if torch.is_grad_enabled() and not self.recompute:
             self.saved[(mb, seg)] = (inp, out, new)
         elif seg == self.num_segments - 1 and not self.recompute:
@@ -181,9 +195,11 @@ class SegmentStage:
         if not self.recompute:
             raise RuntimeError("recompute_forward needs a SegmentStage made with recompute=True")
         self._check_backward_order(mb, seg)
+        self._restore(mb)
         inp, out, new = self._pass(mb, seg, x, targets, position_ids, doc_ids)
         for layer, (k, _) in new.items():
-            leaf = self.carry[mb][layer][seg][0]
+            carried = self.carry[mb][layer][seg]
+            leaf = carried[0] if carried is not None else k  # the last segment carries none
             if leaf.shape != k.shape:
                 raise RuntimeError(f"recompute of micro-batch {mb} segment {seg}: layer {layer} made keys of shape "
                                    f"{tuple(k.shape)}, its first forward {tuple(leaf.shape)}")
@@ -228,6 +244,7 @@ class SegmentStage:
         the earlier segments' key/value gradients; returns the gradient of the segment's input
         (None on the first stage)."""
         self._check_backward_order(mb, seg)
+        self._restore(mb)
         inp, out, new = self.saved.pop((mb, seg))
         roots, grads = [out], [grad_output if grad_output is not None else torch.ones_like(out)]
         roots_kv, grads_kv = kv_gradients(new, self.carry[mb], seg)
@@ -247,7 +264,22 @@ class SegmentStage:
                                f"of segments {seg + 1}..{self.num_segments - 1} done; the next backward is "
                                f"segment {expected}")
 
+    def prefetch(self, mb: int) -> None:
+        """Start bringing micro-batch ``mb``'s carried keys/values back from host memory for its
+        backwards here (nothing without ``kv_host``, or when they are back already)."""
+        if self.kv_host is not None:
+            self.kv_host.prefetch(self._kv_key(mb))
+
+    def _restore(self, mb: int) -> None:
+        if self.kv_host is not None:
+            self.kv_host.restore(self._kv_key(mb))
+
+    def _kv_key(self, mb: int) -> tuple[int, int]:
+        return self.stage.index, mb
+
     def _free(self, mb: int) -> None:
+        if self.kv_host is not None:
+            self.kv_host.forget(self._kv_key(mb))
         self.carry.pop(mb, None)
         self.forwarded.pop(mb, None)
         self.backed.pop(mb, None)
@@ -263,11 +295,14 @@ class SegmentStage:
         return {t: tuple(x[:, start:end] for x in pe) for t, pe in self.stage.rope(h, whole).items()}
 
     def _mask(self, start: int, end: int, window: int | None, h: torch.Tensor,
-              doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """The explicit mask of a segment (never None: sdpa's causal kernel would align the
-        diagonal to the top left of the [T, end] scores, and eager reads None as no mask)."""
-        allowed = segment_allowed(start, end, window, h.device, doc_ids)
-        return allowed if self.stage.attn_implementation == "sdpa" else additive_mask(allowed, h.dtype)
+              doc_ids: torch.Tensor | None):
+        """The mask of a segment: for sdpa an ``AttnMask`` (queries ``start..end-1`` over keys
+        ``0..end-1``: ``pipeline.attention`` runs it through a kernel with the causal triangle
+        aligned to the bottom right on a GPU, the explicit mask on the CPU); for eager the
+        explicit additive mask (eager reads None as no mask)."""
+        if self.stage.attn_implementation == "sdpa":
+            return AttnMask(start, end, window, None if doc_ids is None else doc_ids[:, :end]).prepare(h.device)
+        return additive_mask(segment_allowed(start, end, window, h.device, doc_ids), h.dtype)
 
 
 def kv_gradients(new: dict[int, KV], carry: dict[int, list[KV | None]], seg: int) -> tuple[list, list]:
@@ -277,6 +312,8 @@ def kv_gradients(new: dict[int, KV], carry: dict[int, list[KV | None]], seg: int
     every later query's window)."""
     roots, grads = [], []
     for layer, (k, v) in new.items():
+        if carry[layer][seg] is None:  # the last segment: nothing later attended to it
+            continue
         leaf_k, leaf_v = carry[layer][seg]
         for t, leaf in ((k, leaf_k), (v, leaf_v)):
             if leaf.grad is not None:

@@ -19,20 +19,21 @@ from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_curren
 from offload.store import BufferPool, StageStore, Streams, Workers
 from pipeline import checkpoint, faults
 from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig, fuses_last_stage
+from pipeline.config import ConfigError, TrainConfig, compiles_layers, fuses_last_stage, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
 from pipeline.evaluate import build_eval_batches, evaluate
-from pipeline.executor import Executor, MicroBatch
-from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
+from pipeline.executor import Executor, MicroBatch, OutOfMemory
+from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, TrainingError, device_stats, peak_memory, write_results
 from pipeline.model import (PRESETS, build_stage, check_tied_checkpoint, compile_layers,
                             model_flops_per_token, model_key_cost, preset_config)
 from pipeline.optim import LossScaler, compute_dtype, lr_at, optim_settings
 from pipeline.partition import given_counts, stage_layers
 from pipeline.placement import Placement, load_topology, local_gpus, plan_text, resolve_placement
 from pipeline.programs import build_programs, program_spec
-from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_share, shard_peers
+from pipeline.replicas import GradSync, Layout, check_replicas, layout, replica_config, replica_share, shard_peers
 from pipeline.resolve import Resolved, resolve
 from pipeline.router_loss import RouterLoss
+from pipeline.tiled import mlp_tile_tokens
 from pipeline.timeline import Timeline, write_run_timeline
 
 if TYPE_CHECKING:
@@ -111,6 +112,9 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
             check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
+    if spec.moe is not None and cfg.tiled_mlp == "true":
+        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts, whose routing "
+                          "replay is recorded per pass, not per MLP tile; use tiled_mlp auto or false")
     if spec.moe is not None and cfg.seq_chunks > 1:
         # the router loss and the routing replay are per micro-batch; segments are not carried yet
         raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts; seq_chunks > 1 "
@@ -199,17 +203,24 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     """Checks that need no files: they run on every rank before anything is loaded.
     ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
     P = check_replicas(cfg, world_size)  # data_parallel: the ranks of one pipeline
-    if cfg.num_stages < 1 or cfg.num_stages % P:
+    if cfg.num_stages != -1 and (cfg.num_stages < 1 or cfg.num_stages % P):
         per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
         raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
-                          f"processes{per} ({P}); e.g. num_stages={P * 2}")
+                          f"processes{per} ({P}), or -1 (auto); e.g. num_stages={P * 2}")
+    if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
+        raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
+                          f"number, not -1 (auto)")
     if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
         raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
     if cfg.seq_length < 2:
         raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
-    if not 1 <= cfg.seq_chunks <= cfg.seq_length:
+    if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
         raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
-                          f"({cfg.seq_length}): each of a row's segments needs at least one token")
+                          f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
+    if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
+        # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
+        raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
+                          "(eager with tiles) or false")
     if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
         # The carried keys/values pass through a Python cache object the compiled layer cannot
         # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
@@ -225,7 +236,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
-    per_rank = cfg.num_stages // P
+    per_rank = cfg.num_stages // P if cfg.num_stages > 0 else 0
     if cfg.delayed_update:
         # Each of these would see or save the weights between the two that the delay keeps apart.
         clash = [name for name, on in (("use_offload off", not cfg.use_offload),
@@ -236,7 +247,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         if clash:
             raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
                               f"checkpoints or resume; got {', '.join(clash)}")
-    if not -1 <= cfg.resident_stages <= per_rank:
+    if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
         raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
                           f"(the stages per process)")
     if cfg.keep_layers < -1:
@@ -480,8 +491,10 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                              initargs=(cpus,)), device)
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
-    compiled = cfg.compile_layers == "true" or (cfg.compile_layers == "auto" and device.type == "cuda"
-                                                and cfg.seq_chunks == 1 and spec_for(hf).moe is None)
+    compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
+    tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
+    if tile:
+        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
     if compiled:
         log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
                  "compiles them)")
@@ -495,7 +508,8 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             # checkpointed (recomputed) a second time inside that recompute
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing,
-                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device)
+                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device,
+                                mlp_tile_tokens=tile)
             stage.buffers_to(device)
             if compiled:
                 compile_layers(stage)
@@ -784,6 +798,8 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
     text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size,
                            resolved.kept)
     text += "".join(f"\n{line}" for line in resolved.lines)
+    if plan_mod.device_type(cfg) == "cuda" and plan_mod.gpu_capacity(cfg) is not None:
+        text += "\n" + plan_mod.longest_row_line(replica_config(whole), source.config, world_size)
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
@@ -815,7 +831,13 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     one, size = resolved.replica, resolved.pipeline_size
     check_fits(one, source.config, sched.round_robin(one.num_stages, size), size, resolved.kept)
     trainer = Trainer(cfg, env, source, resolved)
-    history = trainer.train()
+    try:
+        history = trainer.train()
+    except OutOfMemory as e:  # one line with the plan's figure and what to change, not a traceback
+        from pipeline.plan import out_of_memory_line
+
+        raise TrainingError(out_of_memory_line(e, one, source.config, sched.round_robin(one.num_stages, size), size,
+                                               resolved.kept)) from None
     cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already

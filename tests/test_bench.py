@@ -318,3 +318,51 @@ def test_peer_run_status_tells_the_budget_from_other_kills():
     assert peers.run_status(-9, True) == "killed (budget)"
     assert peers.run_status(-9, False) == "killed by signal 9"  # e.g. the OOM killer, inside the budget
     assert peers.run_status(1, False) == "failed (rc 1)"
+
+
+# --- bench/long_rows.py ------------------------------------------------------------------------------
+def test_long_rows_names_budgets_and_table():
+    lr = _load("long_rows")
+    assert lr.parse_row("ours@131072") == ("ours", 131072, None)
+    assert lr.parse_row("ours@32768/seg8") == ("ours", 32768, "seg8")
+    for bad in ("roundpipe@65536/seg4", "ours@64k", "deepspeed@16384"):
+        with pytest.raises(SystemExit):
+            lr.parse_row(bad)
+    assert all(lr.parse_row(r) for r in lr.DEFAULT_ROWS.split(","))
+    # a row's estimate: start-up and every step; longer rows measure one step after the warm-up
+    assert lr.iterations(16384) == (1, 2) and lr.iterations(131072) == (1, 1)
+    assert lr.estimate_s("ours", 131072, False) == lr.START_S["ours"] + 2 * lr.STEP_S["ours"][131072]
+    assert lr.estimate_s("ours", 262144, False) > lr.estimate_s("ours", 131072, False)
+    args = argparse.Namespace(smoke=False, model="llama-3b", cap_gb=24.0)
+    flags = lr.our_flags(args, 65536, "seg8")
+    assert flags[flags.index("--seq_chunks") + 1] == "8" and flags[flags.index("--num_stages") + 1] == "-1"
+    assert lr.our_flags(args, 65536, None)[lr.our_flags(args, 65536, None).index("--seq_chunks") + 1] == "-1"
+    assert lr.status_of(-9, "...\n[killed: past its time limit of 90s]\n") == "killed (time limit)"
+    assert lr.status_of(2, "error: rank 0 ran out of GPU memory in action 3B0") == "OOM"
+    rows = [{"row": "ours@131072", "status": "ok", "step_time_s": 50.0, "tokens_per_s": 2621.4, "tflops": 200.0,
+             "peak_gib": 21.0, "plan_gib": 20.0, "num_stages": 26, "seq_chunks": 1, "tiled_mlp": "true",
+             "compute_s": 45.0, "load_wait_s": 1.0, "offload_wait_s": 2.0, "optimizer_wait_s": 1.5},
+            {"row": "fsdp2@65536", "status": "OOM"}]
+    text = lr.table(rows)
+    assert "| ours@131072 | ok | 50.00 | 2621 | 200.0 | 21.00 | 20.00 | +5.0% | stages 26, seq_chunks 1, tiled true" in text
+    assert "| fsdp2@65536 | OOM | - |" in text
+
+
+@pytest.mark.slow
+def test_long_rows_smoke_runs_on_the_cpu(tmp_path):
+    """The bench's plumbing end to end on a CPU: this project's rows through main.py (whole rows
+    and segments), FSDP2 on gloo, RoundPipe skipped; the JSON and the table written."""
+    import json
+    import subprocess
+
+    from conftest import env_without_dist
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/long_rows.py"), "--smoke", "--out", str(tmp_path),
+                           "--rows", "ours@128,ours@256/seg4,fsdp2@128,roundpipe@128"], cwd=ROOT,
+                          env=env_without_dist(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["row"]: r for r in json.loads((tmp_path / "long_rows.json").read_text())["rows"]}
+    assert [rows[r]["status"] for r in ("ours@128", "ours@256/seg4", "fsdp2@128")] == ["ok"] * 3, rows
+    assert rows["ours@256/seg4"]["seq_chunks"] == 4 and rows["ours@128"]["step_time_s"] > 0
+    assert rows["roundpipe@128"]["status"] == "skipped (needs CUDA)"
+    assert "| ours@256/seg4 | ok |" in (tmp_path / "long_rows.md").read_text()

@@ -62,6 +62,42 @@ def test_layer_formula_matches_autograd(family, dtype, attn):
     assert abs(measured - formula) <= tolerance * formula, (measured, formula)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tiled", [("llama", False), ("llama", True), ("qwen3", False)])
+def test_compiled_layer_formula_matches_autograd(family, tiled):
+    """compile_layers: what inductor's partition of a layer keeps (each norm's input, output and
+    rsqrt, q/k/v/output, the MLP's gate, up and product), against the saved tensors of a compiled
+    bf16 layer on the CPU (the partition is the same graph a GPU compiles; flash's padding of the
+    head dimension is the GPU's own, ``pad`` in the formula); and a tiled MLP's eager layer."""
+    torch._dynamo.reset()
+    cfg = tiny_config(family, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    stage = build_stage(cfg, 1, 3, range(1, 2), model_dir=None, seed=0, mlp_tile_tokens=128 if tiled else 0)
+    stage = stage.to(torch.bfloat16)
+    layer = next(iter(stage.model.layers.values()))
+    t = 512
+    x = torch.randn(1, t, 256, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(t)[None]
+    pe = next(iter(stage.rope(x, pos).values()))
+    if not tiled:
+        layer.compile()
+    cos_sin = {pe[0].untyped_storage().data_ptr(), pe[1].untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in cos_sin and ptr not in {p.untyped_storage().data_ptr() for p in layer.parameters()}:
+            seen[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    measured = sum(seen.values()) / t
+    formula = layer_saved_bytes_per_token(ModelShape.of(cfg), 2, t, compiled=not tiled, tiled=tiled)
+    assert abs(measured - formula) <= 0.03 * formula, (measured, formula)
+
+
 def _static_bytes(trainer) -> int:
     """Buffers that exist before training: the stores' flat buffers and AdamW's state (made at
     start-up, so no allocation of it happens on the optimizer thread, which the profiler does

@@ -163,7 +163,10 @@ def test_fused_last_stage_equals_forward_then_backward(monkeypatch, arch, num_st
     monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
     (l0, x0, g0), (l1, x1, g1) = fused_and_plain(arch, num_stages)
     assert torch.allclose(l0, l1, rtol=1e-6), (l0, l1)
-    assert (x0 is None) == (num_stages == 1) and (x0 is None or torch.allclose(x0, x1, rtol=1e-5, atol=1e-9))
+    # relative to each tensor's norm: element-wise, a gradient entry near zero differs by more
+    # than 1e-5 of itself between the two summation orders (seen on an AMD CPU)
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+    assert (x0 is None) == (num_stages == 1) and (x0 is None or rel(x0, x1) < 1e-5)
     assert g0.keys() == g1.keys()
     for name, g in g0.items():
-        assert torch.allclose(g, g1[name], rtol=1e-5, atol=1e-9), name
+        assert rel(g, g1[name]) < 1e-5, (name, rel(g, g1[name]))

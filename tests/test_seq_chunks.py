@@ -331,7 +331,7 @@ def test_memory_plan_counts_segments_with_activation_offload(schedule):
         acts = max(r.parts["activations"] for r in ranks)
         assert (acts == 0) if k == 1 else (0 < acts <= 2 * whole_kv), (k, acts, whole_kv)
         peaks.append(worst)
-        hosts.add(ranks[1].host)  # stage 1's inputs in the stash, in segments or whole
+        hosts.add(ranks[1].host_parts["stash"])  # stage 1's inputs in the stash, in segments or whole
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.6 * peaks[0], peaks
     assert len(hosts) == 1 or schedule != "gpipe", hosts  # gpipe: every input stashed before any backward
     text = report(_plan_cfg(schedule=schedule, seq_chunks=4, activation_offload=True), hf, round_robin(4, 4), 4)
