@@ -8,6 +8,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.optim import lr_at
+from tolerance import assert_close
 
 
 def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
@@ -118,7 +119,4 @@ def assert_same_training(losses, params, ref_losses, ref_params, rtol: float = 1
     assert len(losses) == len(ref_losses), (len(losses), len(ref_losses))
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {i}: loss {a!r} vs reference {b!r}"
-    assert sorted(params) == sorted(ref_params), sorted(set(params) ^ set(ref_params))
-    for k, ref in ref_params.items():
-        diff = (params[k].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
-        assert diff <= rtol, f"{k}: relative difference {diff:.3e} > {rtol}"
+    assert_close(params, ref_params, rtol)

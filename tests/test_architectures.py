@@ -16,6 +16,7 @@ import torch
 from pipeline.config import ConfigError, make_config
 from pipeline.model import build_stage, partition_layers, stage_num_params
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from tolerance import assert_close, rel_err
 
 WINDOW = 32
 SEQ = 96  # three windows: a mask that ignores the window shows in every layer past position 32
@@ -99,7 +100,7 @@ def test_stage_forward_equals_hf(models_root, arch, num_stages, impl):
     x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
-    torch.testing.assert_close(_pipeline_forward(path, hf.config, x, num_stages), ref, rtol=1e-5, atol=1e-5)
+    assert_close(_pipeline_forward(path, hf.config, x, num_stages), ref, 1e-5, "logits")
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -112,8 +113,8 @@ def test_the_window_is_what_makes_it_equal(models_root, arch, impl):
     with torch.no_grad():
         ref = hf(x).logits
     full = _pipeline_forward(path, hf.config, x, 2, full_causal=True)
-    assert not torch.allclose(full[:, WINDOW:], ref[:, WINDOW:], atol=1e-4)
-    torch.testing.assert_close(full[:, :WINDOW], ref[:, :WINDOW], rtol=1e-5, atol=1e-5)  # inside one window: same
+    assert rel_err(full[:, WINDOW:], ref[:, WINDOW:]) > 1e-2
+    assert_close(full[:, :WINDOW], ref[:, :WINDOW], 1e-5, "logits")  # inside one window: same
 
 
 def test_stage_param_counts(models_root):

@@ -19,6 +19,7 @@ from conftest import ROOT, env_without_dist
 from pipeline.config import ConfigError, make_config
 from pipeline.replicas import Layout, check_replicas, replica_config, replica_share
 from pipeline.train import check_config
+from reference import assert_same_training
 from runs import tiny_cfg, cli_flags, run_torchrun
 
 RTOL = 1e-6  # only the order of two float32 sums differs (micro-batch gradients, replica losses)
@@ -106,13 +107,7 @@ def _one_pipeline(model_dir: str, save_dir: str, offload: bool):
 
 
 def _assert_same(got, want):
-    (losses, params), (ref_losses, ref_params) = got, want
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= RTOL * abs(b), f"step {i}: loss {a!r} vs one pipeline {b!r}"
-    assert len(losses) == len(ref_losses) and sorted(params) == sorted(ref_params)
-    for k, ref in ref_params.items():
-        diff = (params[k] - ref).norm() / ref.norm().clamp_min(1e-12)
-        assert diff <= RTOL, f"{k}: relative difference {diff:.3e} > {RTOL}"
+    assert_same_training(*got, *want, rtol=RTOL)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import json
 import torch
 
 from runs import tiny_cfg, cli_flags, reference_result, run_torchrun
+from tolerance import assert_close
 
 
 def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
@@ -27,7 +28,7 @@ def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
     trained.load_state_dict(ref_params)  # ordinary training's result
     x = torch.randint(3, saved.config.vocab_size, (2, 32))
     with torch.no_grad():
-        torch.testing.assert_close(saved(x).logits, trained(x).logits, rtol=1e-4, atol=1e-4)
+        assert_close(saved(x).logits, trained(x).logits, 1e-4, "logits")
 
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert sorted(params) == sorted(saved.state_dict())

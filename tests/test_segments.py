@@ -22,6 +22,7 @@ import pipeline.segments as segments
 from pipeline.model import build_stage
 from pipeline.segments import SegmentStage, segment_bounds
 from schedule.costmodel import balanced_segments
+from tolerance import assert_close, rel_err as rel
 
 SEQ = 96
 WINDOW = 32  # sliding layers: a window shorter than the sequence, crossing segment boundaries
@@ -118,10 +119,6 @@ def run_segments(stage, x, targets, lengths, *, positions=None, shift_labels=Fal
     return loss, grads_of(stage)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def noise_floor(stage, x, targets, ref) -> dict[str, float]:
     """Per parameter, 4x the relative distance of the float32 unsplit gradient from the float64
     one (at least ``TOL``): how far two correct float32 summation orders may differ."""
@@ -212,7 +209,7 @@ def test_forward_only_logits_equal():
         full = stage(x)
         parts = [runner.forward(0, j, x[:, a:b]) for j, (a, b) in enumerate(segment_bounds(lengths))]
     assert not runner.carry  # nothing kept for a backward
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert_close(torch.cat(parts, dim=1), full, 1e-5, "logits")
 
 
 def test_two_stages_by_hand():
