@@ -23,6 +23,7 @@ from models import FAMILIES, supports_sdpa, tiny_config
 from pipeline.model import build_stage, partition_layers
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from runs import cli_flags, run_torchrun, tiny_cfg
+from tolerance import rel_err as _rel
 
 FAMILY_TYPES = [spec.model_types[0] for spec in FAMILIES]
 SIZES = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512,
@@ -66,11 +67,6 @@ def _hf(path: Path, impl: str):
 
 def _impls(family: str) -> list[str]:
     return ["eager", "sdpa"] if supports_sdpa(tiny_config(family, num_hidden_layers=4)) else ["eager"]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float().cpu(), b.detach().float().cpu()  # resident masters live on the GPU
-    return float((a - b).norm() / b.norm())
 
 
 def _stages_forward(config, path: Path, x: torch.Tensor, num_stages: int, mutate=None) -> torch.Tensor:
