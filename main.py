@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if env.rank == 0:
         print(start_line(cfg, path, env), flush=True)
-    # The rendezvous waits inside C++, where Python's Ctrl-C handler cannot run: a rank whose
-    # peer left on Ctrl-C would wait there for the whole comm_timeout_s. Ctrl-C ends it at once.
-    handler = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # The rendezvous waits inside C++, where Python's signal handlers cannot run: a rank whose
+    # peer left on Ctrl-C would wait there for the whole comm_timeout_s. Ctrl-C (and SIGTERM,
+    # the launcher's death included) ends it at once.
+    handlers = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
     init_distributed(env, pick_device(cfg.device, env), timeout_s=cfg.comm_timeout_s)
-    signal.signal(signal.SIGINT, handler)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
     try:
         train(cfg, env)
     except (ConfigError, DataError, TrainingError) as e:
@@ -112,10 +114,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from pipeline import orphans  # the standard library only
+
+    worker = "TORCHELASTIC_RUN_ID" in os.environ
+    if worker:  # a torchrun worker must not outlive its launcher
+        orphans.watch()
     try:
         code = main()
     except KeyboardInterrupt:
         code = _interrupted()
+    if worker:
+        orphans.report()  # a worker stopped because its launcher died says so
     # Everything is written, flushed and closed and the process group is destroyed; leave without
     # the interpreter's teardown, where gloo's C++ threads can abort the process at exit
     # ("terminate called without an active exception") and turn a finished run into a failed one.

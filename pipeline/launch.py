@@ -7,8 +7,11 @@ training ends the step and saves a checkpoint, one before it leaves with one lin
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+
+from pipeline.orphans import LAUNCHER_PID_ENV
 
 
 def main(argv: list[str]) -> int:
@@ -16,6 +19,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers stop when this process dies
     try:
         torchrun(argv)
     except SignalException as e:

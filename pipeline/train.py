@@ -17,7 +17,7 @@ from models import UnsupportedModel, spec_for, supported_types, supports_sdpa, t
 from models.selfcheck import family_spec
 from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams, Workers
-from pipeline import checkpoint, faults
+from pipeline import checkpoint, faults, orphans
 from pipeline.comm import P2P
 from pipeline.config import ConfigError, TrainConfig, compiles_layers, fuses_last_stage, partition_counts
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, gather_objects, pick_device
@@ -738,7 +738,8 @@ class Trainer:
             if self.stopped_by or (every and ((it + 1) % every == 0 or it + 1 == cfg.num_iterations)):
                 self.save_checkpoint(it + 1)
             if self.stopped_by:
-                r.log.info(f"stopped by {faults.signal_name(self.stopped_by)} after step {it + 1}, checkpoint "
+                why = " (its launcher died)" if orphans.launcher_gone() else ""
+                r.log.info(f"stopped by {faults.signal_name(self.stopped_by)}{why} after step {it + 1}, checkpoint "
                            f"saved; continue with --resume latest")
                 break
         r.executor.finish()

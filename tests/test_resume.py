@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +328,45 @@ def test_a_hung_peer_stops_the_run_with_the_stalled_action(tiny_model_dir, tmp_p
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 150
     assert re.search(r"rank 0: action \S+ \(.*\) failed", err), err[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a reparented worker may wait for a PID 1 that does not reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "pipeline.launch"])
+def test_workers_stop_when_their_launcher_is_killed(tiny_model_dir, tmp_path, launcher):
+    """kill -9 of torchrun's agent (or of train.sh's launcher, torchrun in-process) forwards no
+    signal: the workers see it themselves (parent-death signal), finish the step, save a whole
+    checkpoint, say why and exit within seconds."""
+    cfg = tiny_cfg(tiny_model_dir, num_iterations=10_000, num_stages=2, save_dir=str(tmp_path / "run"),
+                   lr_schedule="constant", warmup_iterations=0)
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node=2", str(ROOT / "main.py"),
+           "--config", "", *cli_flags(cfg)]
+    proc = _Launched(cmd, env_without_dist())
+    try:
+        proc.wait_for_line(r"^step +2/", timeout=240)
+        workers = _worker_pids(proc.pid)
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(_alive(w) for w in workers) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        stopped_in = time.monotonic() - t0
+    finally:
+        for pid in _worker_pids(proc.pid) + (workers if "workers" in dir() else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert stopped_in < 10, (stopped_in, err[-3000:])
+    for rank in (0, 1):
+        assert f"[rank {rank}] warning: the launcher (pid {proc.pid}) has died; this worker stops" in err, err[-3000:]
+    step = int(re.search(r"stopped by SIGTERM \(its launcher died\) after step (\d+), checkpoint saved", out).group(1))
+    root = tmp_path / "run" / checkpoint.CHECKPOINTS
+    assert sorted(p.name for p in root.iterdir()) == [f"step_{step:08d}"]  # nothing half-written beside it
+    assert checkpoint.validate_checkpoint(root / f"step_{step:08d}") is None
