@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     # a setting of the user's wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from data import DataError
+    from pipeline import orphans
     from pipeline.config import ConfigError, parse_args
     from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
     from pipeline.metrics import TrainingError
+    from pipeline.preflight import check_save_dir, hold_save_dir
     from pipeline.train import check_config, check_files, plan, train
 
     env = DistEnv.from_environ()
@@ -80,11 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         check_config(cfg, env.world_size)
         # Files too (model, tokenizer, data, save_dir), on every rank alike, before any process
         # group exists: a direct torchrun launch then fails as train.sh's --check_only does.
-        check_files(cfg)
+        check_files(cfg, rank0=env.rank == 0)
+        if mode == "check":
+            return 0
+        if env.rank == 0:
+            # The run's one writer from here until this process ends; under the lock, what
+            # save_dir holds is checked again (another run may have finished there meanwhile).
+            hold_save_dir(cfg.save_dir, launcher_pid=orphans.launcher_pid())
+            check_save_dir(cfg, test_lock=False)
     except (ConfigError, DataError) as e:
         return _fail(env, str(e))
-    if mode == "check":
-        return 0
     if env.rank == 0:
         print(start_line(cfg, path, env), flush=True)
     # The rendezvous waits inside C++, where Python's signal handlers cannot run: a rank whose

@@ -174,7 +174,8 @@ class TrainConfig:
                                 "non-finite steps are applied).")
     # --- output ---------------------------------------------------------------
     save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
-                       "holds an earlier run is refused unless resume or overwrite is set.")
+                       "holds an earlier run is refused unless resume or overwrite is set; one that a live run "
+                       "writes is refused whatever is set (rank 0 holds save_dir/.lock while it runs).")
     overwrite: bool = _f(False, "Start afresh in a save_dir that holds an earlier run, replacing its model, "
                          "metrics and results (its checkpoints stay until pruned by keep_checkpoints).")
     save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model.")
@@ -194,7 +195,8 @@ class TrainConfig:
     keep_checkpoints: int = _f(3, "Keep the newest K complete checkpoints; older ones are deleted once a newer "
                                "one is complete.")
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
-                     "start fresh) or a checkpoint directory; empty = start from the model.")
+                     "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
+                     "again) or a checkpoint directory; empty = start from the model.")
     # --- launch ---------------------------------------------------------------
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
     nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU).")

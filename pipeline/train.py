@@ -269,11 +269,13 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"({cfg.keep_checkpoints}) >= 1")
 
 
-def check_files(cfg: TrainConfig) -> None:
+def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
     """Checks that read files (model, tokenizer, data, save_dir): run before any process group
     exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
-    Rank 0 builds the generated model later, on first use: until then only its data is checked."""
+    Rank 0 builds the generated model later, on first use: until then only its data is checked.
+    ``rank0``: this process also tests save_dir's lock (the other ranks would find their own run's)."""
     from data import SAMPLE_TRAIN, check_first_records, load_records
+    from pipeline.preflight import check_save_dir
 
     generated_missing = (cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)) and \
         not (_generated_model_dir(cfg) / "config.json").is_file()
@@ -299,27 +301,7 @@ def check_files(cfg: TrainConfig) -> None:
     if cfg.dataset != "synthetic":
         records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
         check_first_records(records, cfg.dataset)
-    _check_save_dir(cfg)
-
-
-# What a run leaves in save_dir; any of them means save_dir holds an earlier run.
-_RUN_OUTPUTS = ("model", "metrics.jsonl", "results.json", "params.pt", checkpoint.CHECKPOINTS)
-
-
-def _check_save_dir(cfg: TrainConfig) -> None:
-    out = Path(cfg.save_dir)
-    found = [name for name in _RUN_OUTPUTS if (out / name).exists()]
-    if cfg.save_results and Path(cfg.save_results).exists() and not found:
-        found = [cfg.save_results]
-    if found and not (cfg.resume or cfg.overwrite):
-        raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); continue it with "
-                          "--resume latest, write elsewhere with --save_dir, or replace it with --overwrite")
-    probe = out
-    while not probe.exists() and probe != probe.parent:  # the directory that will hold save_dir
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"save_dir {str(out)!r} is not writable ({probe} is not a writable directory); "
-                          "give another --save_dir")
+    check_save_dir(cfg, test_lock=rank0)
 
 
 # --- data -------------------------------------------------------------------------------------

@@ -33,6 +33,13 @@ def _one_error(proc: subprocess.CompletedProcess, needle: str) -> str:
     return lines[0]
 
 
+def refused_before_launch(proc: subprocess.CompletedProcess, needle: str) -> str:
+    """train.sh's refusal: one error line, exit 2, and no worker started (no start line, no launcher)."""
+    line = _one_error(proc, needle)
+    assert "run: " not in proc.stdout and "launcher:" not in proc.stderr, (line, proc.stdout[-2000:])
+    return line
+
+
 @pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])
 @pytest.mark.slow
 def test_help(cmd):
@@ -125,9 +132,13 @@ def test_save_dir_with_an_earlier_run(tiny_model_dir, tmp_path):
     (run / "model").mkdir(parents=True)
     (run / "metrics.jsonl").write_text("{}\n")
     base = ["--model", str(tiny_model_dir), "--save_dir", str(run)]
-    _one_error(_check(base), f"save_dir '{run}' holds an earlier run (model, metrics.jsonl); continue it with "
-                             "--resume latest, write elsewhere with --save_dir, or replace it with --overwrite")
+    _one_error(_check(base), f"save_dir '{run}' holds an earlier run (model, metrics.jsonl); it has no checkpoint "
+                             "to continue from; write elsewhere with --save_dir (--overwrite would discard it)")
     assert _check(base + ["--overwrite"]).returncode == 0
+    # a finished run (its model is there) with no checkpoint: --resume latest would train it again
+    _one_error(_check(base + ["--resume", "latest"]), f"save_dir '{run}' holds a finished run (model) with no "
+                                                      "checkpoint to continue from")
+    shutil.rmtree(run / "model")  # a run that died before its first checkpoint: the restart starts afresh
     assert _check(base + ["--resume", "latest"]).returncode == 0
     blocked = tmp_path / "file"
     blocked.write_text("")
