@@ -9,7 +9,7 @@ CONFIG=${CONFIG:-fine_tune.yaml}
 PY=${PYTHON:-python3}
 
 for arg in "$@"; do
-  if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then exec "$PY" main.py --help; fi
+  if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then exec "$PY" main.py --config "$CONFIG" --help; fi
 done
 
 # The launch settings; a YAML error is main.py's one line (file, line, column), exit 2.

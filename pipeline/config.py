@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -271,26 +272,64 @@ def _negative_flag(name: str) -> str:
     return "no_" + name[len("use_"):] if name.startswith("use_") else "no_" + name
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="MMoC-Pipe: pipeline-parallel full fine-tuning with offload.",
-                                argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="YAML file (default: fine_tune.yaml in the working directory, if present).")
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ConfigError line (its own usage message is every flag, 40
+    lines) with the nearest flags named, and whose flags match only in full (a prefix such as
+    ``--nproc`` must not quietly become another flag)."""
+
+    def error(self, message: str):
+        unknown = message.partition("unrecognized arguments: ")[2].split()
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        close = sorted({c for u in unknown if u.startswith("--")
+                        for c in difflib.get_close_matches(u.split("=")[0], flags, n=3)})
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"{message}{hint}; main.py --help lists the flags")
+
+
+class _Switch(argparse.Action):
+    """A boolean's two flags: the first option string (``--x``) sets it, the second (``--no_x``) clears it."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+
+def build_parser(file_values: dict[str, Any] | None = None, file_name: str = "") -> argparse.ArgumentParser:
+    """The flags of every TrainConfig field, grouped by section. ``file_values`` (the YAML file
+    ``file_name``'s keys) are shown beside the defaults they replace."""
+    file_values = file_values or {}
+    p = _Parser(usage="%(prog)s [--config FILE] [--check_only | --plan] [--KEY VALUE | --FLAG | --no_FLAG ...]",
+                description="MMoC-Pipe: pipeline-parallel full fine-tuning with offload. Precedence: the defaults "
+                            "shown below < the YAML file (--config; default: fine_tune.yaml in the working "
+                            "directory, which train.sh reads: its values, where they differ, are shown as "
+                            "'fine_tune.yaml: ...') < flags. A boolean --x is cleared with its --no_x.",
+                epilog="Every key: docs/config.md.",
+                argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p.add_argument("--config", help="YAML file (default: fine_tune.yaml in the working directory, if present; "
+                                    "'' for none).")
     p.add_argument("--check_only", dest="mode", action="store_const", const="check",
                    help="Check the configuration and exit (train.sh does this).")
     p.add_argument("--plan", "--dry_run", dest="mode", action="store_const", const="plan",
                    help="Print the memory each GPU and the host need, the action lists and whether the run fits; "
                         "load no weights, train nothing.")
-    for name, f in _fields().items():
-        # argparse %-formats help strings ("%(default)s"): a literal % must be doubled.
-        help_ = f"{f.metadata['help']} (default: {f.default!r})".replace("%", "%%")
-        if f.type in ("bool", bool):
-            p.add_argument(f"--{name}", dest=name, action="store_true", help=help_)
-            p.add_argument(f"--{_negative_flag(name)}", dest=name, action="store_false", help=argparse.SUPPRESS)
-        else:
-            typ = {"int": int, "float": float, "str": str}[f.type]
-            choices = f.metadata.get("choices")
-            choices = choices and (*choices, *f.metadata.get("renamed", ()))
-            p.add_argument(f"--{name}", dest=name, type=typ, choices=choices, help=help_)
+    fields = _fields()
+    for section, names in SECTIONS.items():
+        group = p.add_argument_group(f"{section} (YAML keys, flat or under '{section}:')")
+        for name in names:
+            f = fields[name]
+            given = f"; {file_name}: {file_values[name]!r}" \
+                if name in file_values and file_values[name] != f.default else ""
+            # argparse %-formats help strings ("%(default)s"): a literal % must be doubled.
+            help_ = f"{f.metadata['help']} (default: {f.default!r}{given})".replace("%", "%%")
+            if f.type in ("bool", bool):
+                group.add_argument(f"--{name}", f"--{_negative_flag(name)}", dest=name, action=_Switch, help=help_)
+            else:
+                typ = {"int": int, "float": float, "str": str}[f.type]
+                choices = f.metadata.get("choices")
+                choices = choices and (*choices, *f.metadata.get("renamed", ()))
+                group.add_argument(f"--{name}", dest=name, type=typ, choices=choices, help=help_)
     p.add_argument("--model_path", dest="model", type=str, help=argparse.SUPPRESS)  # an older name of --model, still accepted
     return p
 
@@ -388,12 +427,30 @@ def partition_counts(partition: str) -> list[int] | None:
     return counts
 
 
+def config_file(given: str | None) -> str | None:
+    """The YAML file a run reads: ``--config`` (empty: none), else fine_tune.yaml in the working directory."""
+    if given is None and os.path.exists("fine_tune.yaml"):
+        return "fine_tune.yaml"
+    return given or None
+
+
+def _file_values_for_help(argv: list[str]) -> tuple[dict[str, Any], str]:
+    """The YAML file's keys, for ``--help`` to show beside the defaults (nothing if it cannot be read)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    path = config_file(pre.parse_known_args(argv)[0].config)
+    try:
+        return (load_yaml(path), path) if path else ({}, "")
+    except ConfigError:
+        return {}, ""
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, str]:
     """Returns the resolved config, the YAML path it read (if any) and the mode: train, check or plan."""
-    args = vars(build_parser().parse_args(argv))
-    path = args.pop("config", None)
+    argv = sys.argv[1:] if argv is None else argv
+    helped = any(a in ("-h", "--help") for a in argv)
+    args = vars(build_parser(*_file_values_for_help(argv) if helped else ({}, "")).parse_args(argv))
+    path = config_file(args.pop("config", None))
     mode = args.pop("mode", "train")
-    if path is None and os.path.exists("fine_tune.yaml"):
-        path = "fine_tune.yaml"
     yaml_values = load_yaml(path) if path else {}
     return make_config(yaml_values, args), path, mode

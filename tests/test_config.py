@@ -82,6 +82,34 @@ def test_unknown_key_is_an_error(tmp_path):
         make_config({"batchsize": 3})
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc_per", "3"], "unrecognized arguments: --nproc_per 3 (did you mean --nproc?)"),
+    (["--lr_sched", "cosine"], "(did you mean --loss_scale, --lr_schedule, --schedule?)"),
+    (["--save", "x"], "unrecognized arguments: --save x"),  # a prefix is not a flag
+    (["--lr"], "argument --lr: expected one argument"),
+    (["--lr", "x"], "argument --lr: invalid float value: 'x'"),
+])
+def test_bad_flags_are_one_line(argv, message):
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", "", *argv])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_help_groups_flags_by_section_with_the_yaml_values(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fine_tune.yaml").write_text("lr: 0.0003\nseed: 0\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    heads = [line for line in text.splitlines() if line.endswith(":") and "(YAML keys" in line]
+    assert [h.split(" ")[0] for h in heads] == list(SECTIONS)
+    assert text.index("--lr LR") > text.index("optimizer (YAML keys") > text.index("--use_offload, --no_offload")
+    words = " ".join(text.split())
+    assert "(default: 0.0001; fine_tune.yaml: 0.0003)" in words
+    assert "(default: 0; fine_tune.yaml" not in words  # a value equal to the default is not repeated
+    assert "fine_tune.yaml" in text.split("options:")[0]  # where a train.sh run's defaults come from
+
+
 @pytest.mark.parametrize("values,message", [
     ({"batch_size": "eight"}, "must be an integer"),
     ({"use_offload": "yes"}, "must be true or false"),
