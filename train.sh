@@ -2,7 +2,9 @@
 # Launch MMoC-Pipe with the settings of fine_tune.yaml (or $CONFIG).
 #   bash train.sh                       # the run fine_tune.yaml describes
 #   bash train.sh --num_iterations 5    # extra arguments go to main.py and override the YAML
-# Environment overrides: CONFIG, CUDA_VISIBLE_DEVICES, NPROC, MASTER_PORT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
+#   bash train.sh --nproc 1 --master_port 29611   # train.sh's own: processes and rendezvous port
+# Environment overrides: CONFIG, CUDA_VISIBLE_DEVICES, NPROC, MASTER_PORT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# (a flag wins over its variable).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG=${CONFIG:-fine_tune.yaml}
@@ -12,26 +14,36 @@ for arg in "$@"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then exec "$PY" main.py --config "$CONFIG" --help; fi
 done
 
-# The launch settings; a YAML error is main.py's one line (file, line, column), exit 2.
-launch=$("$PY" - "$CONFIG" <<'PYEOF'
-import sys
-from pipeline.config import ConfigError, load_yaml
+# The launch settings: a flag, else CUDA_VISIBLE_DEVICES / NPROC / MASTER_PORT, else the YAML.
+# Every flag is checked here; a bad one (or a YAML error) is main.py's one line, exit 2.
+launch=$("$PY" - "$CONFIG" "$@" <<'PYEOF'
+import os, sys
+from pipeline.config import ConfigError, launch_settings
 try:
-    c = load_yaml(sys.argv[1])
+    s = launch_settings(["--config", *sys.argv[1:]], os.environ)
 except ConfigError as e:
     sys.exit(f"error: {e}")
-print(c.get("cuda_visible_devices") or "-", c.get("nproc") or 0, c.get("master_port") or 29500)
+gpus = s["cuda_visible_devices"]
+print("-" if gpus is None else f"={gpus}", s["nproc"], s["master_port"], sep="\n")
 PYEOF
 ) || exit 2
-read -r yaml_gpus yaml_nproc yaml_port <<< "$launch"
-if [ -z "${CUDA_VISIBLE_DEVICES+x}" ] && [ "$yaml_gpus" != "-" ]; then
-  export CUDA_VISIBLE_DEVICES="$yaml_gpus"
+{ read -r gpus; read -r NPROC; read -r MASTER_PORT; } <<< "$launch"
+if [ "$gpus" != "-" ]; then
+  export CUDA_VISIBLE_DEVICES="${gpus#=}"
 fi
-NPROC=${NPROC:-$yaml_nproc}
-MASTER_PORT=${MASTER_PORT:-$yaml_port}
 if [ "$NPROC" = "0" ]; then
   NPROC=$("$PY" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
+# train.sh's own flags are not main.py's business (and torchrun would take --nproc for its own).
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nproc|--master_port|--cuda_visible_devices) shift 2 ;;
+    --nproc=*|--master_port=*|--cuda_visible_devices=*) shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 
 # --plan needs no processes: one Python plans for the NPROC that torchrun would start.
 for arg in "$@"; do
@@ -39,8 +51,12 @@ for arg in "$@"; do
 done
 # Bad settings fail here, with one line, before any process group exists.
 WORLD_SIZE=$NPROC "$PY" main.py --config "$CONFIG" --check_only "$@"
-if ! "$PY" -c "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$MASTER_PORT" 2>/dev/null; then
-  echo "error: master_port $MASTER_PORT is in use; set master_port in $CONFIG or MASTER_PORT=<free port>" >&2
+# A listener on the port, not a socket in TIME-WAIT (a run that just ended leaves those; the
+# rendezvous binds with SO_REUSEADDR, so they do not stop it).
+if "$PY" -c "import socket,sys; sys.exit(socket.socket().connect_ex(('127.0.0.1', int(sys.argv[1]))) != 0)" \
+    "$MASTER_PORT"; then
+  echo "error: master_port $MASTER_PORT is in use; set master_port in $CONFIG, --master_port <port> or" \
+    "MASTER_PORT=<free port>" >&2
   exit 2
 fi
 # On SIGTERM/SIGINT torchrun forwards the signal and gives the workers this long to finish the

@@ -33,7 +33,8 @@ the name of its section below (`optimizer: {lr: 1.0e-5}`); a key in the wrong se
 Besides the keys, `main.py` takes `--config FILE`, `--check_only` (check the configuration and
 exit; `train.sh` runs it first) and `--plan` (alias `--dry_run`: memory per GPU and host, the
 action lists, whether the run fits; loads no weights). `--help` lists the flags by section, with
-the YAML file's values beside the defaults they replace.
+the YAML file's values beside the defaults they replace. The launch keys are `train.sh`'s: it
+takes them as flags too and passes the rest to `main.py`.
 """
 
 

@@ -200,8 +200,10 @@ class TrainConfig:
                      "again) or a checkpoint directory; empty = start from the model.")
     # --- launch ---------------------------------------------------------------
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
-    nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU).")
-    master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun.")
+    nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU); train.sh's "
+                    "--nproc, then NPROC, come before the YAML's.")
+    master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun; train.sh's --master_port, then "
+                          "MASTER_PORT, come before the YAML's.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -305,7 +307,8 @@ def build_parser(file_values: dict[str, Any] | None = None, file_name: str = "")
                             "shown below < the YAML file (--config; default: fine_tune.yaml in the working "
                             "directory, which train.sh reads: its values, where they differ, are shown as "
                             "'fine_tune.yaml: ...') < flags. A boolean --x is cleared with its --no_x.",
-                epilog="Every key: docs/config.md.",
+                epilog="train.sh also takes --nproc, --master_port and --cuda_visible_devices (or NPROC, MASTER_PORT "
+                       "and CUDA_VISIBLE_DEVICES) and passes the other flags to main.py. Every key: docs/config.md.",
                 argument_default=argparse.SUPPRESS, allow_abbrev=False)
     p.add_argument("--config", help="YAML file (default: fine_tune.yaml in the working directory, if present; "
                                     "'' for none).")
@@ -454,3 +457,41 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, 
     mode = args.pop("mode", "train")
     yaml_values = load_yaml(path) if path else {}
     return make_config(yaml_values, args), path, mode
+
+
+# train.sh's launch keys and the environment variables that replace their YAML values.
+LAUNCH_ENV = {"cuda_visible_devices": "CUDA_VISIBLE_DEVICES", "nproc": "NPROC", "master_port": "MASTER_PORT"}
+
+
+def launch_settings(argv: list[str], environ: dict[str, str]) -> dict[str, Any]:
+    """train.sh's launch keys: a flag, else the environment variable (``LAUNCH_ENV``), else the
+    YAML file, else the default. Every flag of ``argv`` is checked (a bad one is one line here,
+    before anything starts). ``cuda_visible_devices`` is None where the environment already has
+    its say (the variable is set, or nothing sets it)."""
+    args = vars(build_parser().parse_args(argv))
+    path = config_file(args.get("config"))
+    file_values = load_yaml(path) if path else {}
+    fields, out = _fields(), {}
+    for key, var in LAUNCH_ENV.items():
+        if key in args:
+            value = args[key]
+        elif var in environ and (environ[var] or key == "cuda_visible_devices"):
+            value = environ[var]
+            if key != "cuda_visible_devices":
+                if not value.strip().isdigit():
+                    raise ConfigError(f"{var}={value!r} must be a whole number")
+                value = int(value)
+            else:
+                value = None  # already in the environment
+        elif key in file_values:
+            value = _coerce(key, file_values[key], fields[key].type)
+        else:
+            value = fields[key].default
+        out[key] = value
+    if out["cuda_visible_devices"] == "" and "cuda_visible_devices" not in args:
+        out["cuda_visible_devices"] = None  # YAML's empty string: all GPUs, as if unset
+    if out["nproc"] < 0:
+        raise ConfigError(f"nproc ({out['nproc']}) must be >= 0 (0 = one process per visible GPU, or 2 without one)")
+    if not 1 <= out["master_port"] <= 65535:
+        raise ConfigError(f"master_port ({out['master_port']}) must be a TCP port, 1..65535")
+    return out

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import ROOT, env_without_dist, scratch_save_dir
-from pipeline.config import RESUME_FREE, SECTIONS, ConfigError, load_yaml, make_config, parse_args
+from pipeline.config import (RESUME_FREE, SECTIONS, ConfigError, launch_settings, load_yaml, make_config,
+                             parse_args)
 
 
 def _yaml(tmp_path, text: str) -> str:
@@ -110,6 +111,23 @@ def test_help_groups_flags_by_section_with_the_yaml_values(tmp_path, capsys, mon
     assert "fine_tune.yaml" in text.split("options:")[0]  # where a train.sh run's defaults come from
 
 
+def test_launch_settings_flag_over_environment_over_yaml(tmp_path):
+    path = _yaml(tmp_path, "nproc: 4\nmaster_port: 29600\ncuda_visible_devices: '0,1'\n")
+    base = ["--config", path]
+    assert launch_settings(base, {}) == {"cuda_visible_devices": "0,1", "nproc": 4, "master_port": 29600}
+    env = {"NPROC": "3", "MASTER_PORT": "29700", "CUDA_VISIBLE_DEVICES": "2"}
+    assert launch_settings(base, env) == {"cuda_visible_devices": None, "nproc": 3, "master_port": 29700}
+    flags = ["--nproc", "1", "--master_port", "29611", "--cuda_visible_devices", "3", "--lr", "0.1"]
+    assert launch_settings(base + flags, env) == {"cuda_visible_devices": "3", "nproc": 1, "master_port": 29611}
+    assert launch_settings(["--config", ""], {}) == {"cuda_visible_devices": None, "nproc": 0, "master_port": 29500}
+    for argv, environ, message in ((base, {"NPROC": "two"}, "NPROC='two' must be a whole number"),
+                                   (base + ["--nproc", "-1"], {}, r"nproc \(-1\) must be >= 0"),
+                                   (base + ["--master_port", "70000"], {}, r"master_port \(70000\) must be a TCP port"),
+                                   (base + ["--bogus"], {}, "unrecognized arguments: --bogus")):
+        with pytest.raises(ConfigError, match=message):
+            launch_settings(argv, environ)
+
+
 @pytest.mark.parametrize("values,message", [
     ({"batch_size": "eight"}, "must be an integer"),
     ({"use_offload": "yes"}, "must be true or false"),
@@ -181,8 +199,8 @@ def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
                                "--save_dir", scratch_save_dir()], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2
-    assert _error_lines(proc.stderr) == [f"error: master_port {port} is in use; set master_port in fine_tune.yaml "
-                                         f"or MASTER_PORT=<free port>"], proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [f"error: master_port {port} is in use; set master_port in fine_tune.yaml, "
+                                         f"--master_port <port> or MASTER_PORT=<free port>"], proc.stderr[-2000:]
 
 
 def test_activation_offload_refuses_what_it_does_not_make_exact():

@@ -66,3 +66,40 @@ def test_ctrl_c_through_train_sh_after_launch_is_two_lines(tmp_path):
     assert proc.returncode == 130, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
     assert text.rstrip().endswith("launcher: stopped by SIGINT"), text[-2000:]
+
+
+def _port_in_time_wait() -> int:
+    """A port whose only socket is in TIME-WAIT, as a run's rendezvous leaves it: the server side
+    closed first, and its socket had SO_REUSEADDR (as torch's TCPStore sets it, so that the next
+    store, which sets it too, may bind beside the TIME-WAIT socket; a plain bind may not)."""
+    import socket
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()
+    client.close()
+    server.close()
+    with socket.socket() as probe:
+        with pytest.raises(OSError):  # what the old check tried: a plain bind, refused here
+            probe.bind(("127.0.0.1", port))
+    return port
+
+
+@pytest.mark.slow
+def test_train_sh_launch_flags_take_effect(tiny_model_dir, tmp_path):
+    """--nproc and --master_port are train.sh's (over NPROC and MASTER_PORT), and a port in TIME-WAIT
+    has no listener: the run starts on it."""
+    port = _port_in_time_wait()
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--nproc", "1", "--master_port", str(port), "--model",
+                           str(tiny_model_dir), "--num_stages", "2", "--seq_length", "64", "--num_iterations", "1",
+                           "--no_save_model", "--save_dir", str(tmp_path / "run")], cwd=ROOT,
+                          env={**env_without_dist(), "NPROC": "2", "MASTER_PORT": "29999"}, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"run: 1 process, rendezvous 127.0.0.1:{port}; " in proc.stdout, proc.stdout[:2000]
+    assert "nproc" not in proc.stdout.split("mapping")[0]  # train.sh's flags are not main.py's settings
