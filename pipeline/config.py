@@ -358,7 +358,7 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
 def load_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+            data = yaml.safe_load(fh)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
@@ -366,6 +366,9 @@ def load_yaml(path: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}") from None
+    if data is None:  # silently the built-in defaults, not the shipped fine_tune.yaml's: refused
+        raise ConfigError(f"config file {path!r} is empty (no key: value); give its keys, or --config '' for the "
+                          "built-in defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must be a mapping of key: value, got {type(data).__name__}")
     return flatten_sections(data, f"config file {path!r}")

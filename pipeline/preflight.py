@@ -1,4 +1,5 @@
-"""What a run settles before any process group exists: that its save_dir is its own.
+"""What a run settles before any process group exists: that its save_dir is its own, and that its
+data gives training examples.
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
@@ -152,3 +153,61 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
                           "continue from: --resume latest would train it again from step 1 and replace it; write "
                           "elsewhere with --save_dir (--overwrite would discard it)")
 
+
+# --- the data ---------------------------------------------------------------------------------
+def check_examples(records, tokenizer, seq_length: int, source: str, count: int = 64) -> None:
+    """The first ``count`` records tokenize to examples with a trainable token at ``seq_length``:
+    a chat template the records need, and a seq_length long enough for the prompts, are found
+    here, before launch. A seq_length too short names the shortest that trains a record."""
+    from transformers.utils import logging as hf_logging
+
+    from data import DataError, tokenize_records
+
+    first = records.select(range(min(count, len(records))))
+    # The tokenizer's one warning of a record longer than the model's positions is the run's to give.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        try:
+            tokenize_records(first, tokenizer, seq_length)
+            return
+        except DataError as e:
+            error = e
+        lo, hi = seq_length, 1 << 17  # lo fails; find the shortest that does not
+        if not _trains(first, tokenizer, hi):
+            raise error  # corrupt records, not their length
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _trains(first, tokenizer, mid) else (mid, hi)
+    finally:
+        hf_logging.set_verbosity(level)
+    raise DataError(f"seq_length ({seq_length}) leaves no trainable token in any of the first {len(first)} records "
+                    f"of {source!r} (their prompts fill it); the shortest seq_length that trains one of them is {hi}")
+
+
+def _trains(records, tokenizer, seq_length: int) -> bool:
+    from data import DataError, tokenize_records
+
+    try:
+        tokenize_records(records, tokenizer, seq_length)
+        return True
+    except DataError:
+        return False
+
+
+def generated_config():
+    """The transformers config of the generated model before it exists: the shape
+    ``ensure_tiny_model``'s defaults give it (what ``train.build_generated_model`` builds), so a
+    run that the shape alone refuses (too many stages, too long a seq_length) is refused before
+    the model is built."""
+    import inspect
+
+    from transformers import LlamaConfig
+
+    from data import ensure_tiny_model
+
+    d = {k: p.default for k, p in inspect.signature(ensure_tiny_model).parameters.items()}
+    return LlamaConfig(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_layers"],
+                       num_attention_heads=d["num_heads"], num_key_value_heads=d["num_kv_heads"] or d["num_heads"],
+                       max_position_embeddings=d["max_position_embeddings"], tie_word_embeddings=False)

@@ -54,19 +54,39 @@ def _generated_model_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.cache_dir) / GENERATED_MODEL
 
 
+def _needs_generated(cfg: TrainConfig) -> bool:
+    """The run uses the generated model, or its tokenizer (a preset without one of its own)."""
+    return cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)
+
+
+def build_generated_model(cfg: TrainConfig) -> None:
+    """Build the small local model on first use (no progress bars: the run's log shows nothing of it)."""
+    from transformers.utils import logging as hf_logging
+
+    from data import SAMPLE_TRAIN, ensure_tiny_model
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"could not build the generated model in {_generated_model_dir(cfg)}: {e}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def ensure_generated_model(cfg: TrainConfig, env: DistEnv) -> None:
-    """Rank 0 builds the small local model on first use; the others wait for it."""
-    needed = cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)
-    if not needed:
+    """Rank 0 builds the small local model on first use (``check_files`` has, as a rule); the
+    others wait for it."""
+    if not _needs_generated(cfg):
         return
     error = None
     if env.rank == 0:
-        from data import SAMPLE_TRAIN, ensure_tiny_model
-
         try:
-            ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
-        except (OSError, ValueError, RuntimeError) as e:
-            error = f"could not build the generated model in {_generated_model_dir(cfg)}: {e}"
+            build_generated_model(cfg)
+        except ConfigError as e:
+            error = str(e)
     error = broadcast_object(error)
     if error:
         raise ConfigError(error)
@@ -170,6 +190,10 @@ def _rope_switch(hf_config) -> float:
 
 def _read_model_config(name: str, path: Path):
     """The transformers config of the model directory ``path``, or a ConfigError saying what is wrong."""
+    if name == "generated" and not (path / "config.json").is_file():
+        from pipeline.preflight import generated_config
+
+        return generated_config()  # not built yet: the shape it will have
     if not path.exists():
         raise ConfigError(f"model {name!r}: {path} does not exist (give a Hugging Face model directory "
                           f"or a preset: {', '.join(PRESETS)}, generated)")
@@ -256,8 +280,9 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         # the backward recomputes each stage whole: there is no layer whose activations could be kept
         raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
                           f"({cfg.keep_layers}) must be 0 or -1 with it")
-    if cfg.lr < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
-        raise ConfigError("lr, weight_decay and grad_clip must be >= 0")
+    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip") if getattr(cfg, k) < 0]
+    if negative:
+        raise ConfigError(f"{' and '.join(negative)} must be >= 0")
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
         raise ConfigError(f"eval_every ({cfg.eval_every}) and eval_batches ({cfg.eval_batches}) must be >= 0, "
                           f"max_skipped_steps ({cfg.max_skipped_steps}) >= -1")
@@ -272,36 +297,44 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
 def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
     """Checks that read files (model, tokenizer, data, save_dir): run before any process group
     exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
-    Rank 0 builds the generated model later, on first use: until then only its data is checked.
-    ``rank0``: this process also tests save_dir's lock (the other ranks would find their own run's)."""
-    from data import SAMPLE_TRAIN, check_first_records, load_records
-    from pipeline.preflight import check_save_dir
 
-    generated_missing = (cfg.model == "generated" or (cfg.model in PRESETS and not cfg.tokenizer)) and \
-        not (_generated_model_dir(cfg) / "config.json").is_file()
-    source = None if generated_missing and cfg.model == "generated" else resolve_model(cfg)
-    if source is not None and source.weights_dir is not None:
+    ``rank0``: this process also tests save_dir's lock (the other ranks would find their own
+    run's), builds the generated model on first use (after every check its shape allows, so a
+    refused run builds nothing) and checks the first records' examples with its tokenizer; the
+    other ranks skip what needs the model until rank 0 has built it."""
+    from data import SAMPLE_TRAIN, check_first_records, load_records
+    from pipeline.preflight import check_examples, check_save_dir
+
+    source = resolve_model(cfg)  # a generated model not built yet: the shape it will have
+    records = None
+    if cfg.dataset != "synthetic":
+        records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
+        check_first_records(records, cfg.dataset)
+    check_save_dir(cfg, test_lock=rank0)
+    if _needs_generated(cfg) and not (_generated_model_dir(cfg) / "config.json").is_file():
+        if not rank0:
+            return
+        build_generated_model(cfg)
+        source = resolve_model(cfg)
+    if source.weights_dir is not None:
         from pipeline.model import weight_files
 
         try:
             weight_files(source.weights_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model {cfg.model!r}: {e}") from None
-    if source is not None and cfg.dataset != "synthetic" and not generated_missing:
+    if records is not None:
         if source.tokenizer_dir is None:
             raise ConfigError(f"model {cfg.model!r} has no tokenizer (no tokenizer.json or tokenizer_config.json "
                               f"in {cfg.tokenizer or cfg.model}); set tokenizer: <directory>")
         from transformers import AutoTokenizer
 
         try:
-            AutoTokenizer.from_pretrained(source.tokenizer_dir)
+            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
         except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
             raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: "
                               f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
-    if cfg.dataset != "synthetic":
-        records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
-        check_first_records(records, cfg.dataset)
-    check_save_dir(cfg, test_lock=rank0)
+        check_examples(records, tokenizer, cfg.seq_length, cfg.dataset)
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -771,10 +804,8 @@ def plan(cfg: TrainConfig, world_size: int) -> str:
     """The ``--plan`` report (rank 0 alone, before any process group exists)."""
     from pipeline import plan as plan_mod
 
-    if cfg.model == "generated" and not (_generated_model_dir(cfg) / "config.json").is_file():
-        from data import SAMPLE_TRAIN, ensure_tiny_model
-
-        ensure_tiny_model(_generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
+    if cfg.model == "generated":
+        build_generated_model(cfg)
     source = resolve_model(cfg)
     whole, resolved = cfg, resolve(cfg, world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline

@@ -83,6 +83,14 @@ def test_unknown_key_is_an_error(tmp_path):
         make_config({"batchsize": 3})
 
 
+def test_empty_yaml_is_refused(tmp_path):
+    """An empty file would train with the built-in defaults, not the shipped fine_tune.yaml's."""
+    for text in ("", "# only a comment\n"):
+        with pytest.raises(ConfigError, match=r"is empty \(no key: value\); give its keys, or --config '' for"):
+            parse_args(["--config", _yaml(tmp_path, text)])
+    assert parse_args(["--config", ""])[1] is None  # no file at all: the defaults, as asked
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nproc_per", "3"], "unrecognized arguments: --nproc_per 3 (did you mean --nproc?)"),
     (["--lr_sched", "cosine"], "(did you mean --loss_scale, --lr_schedule, --schedule?)"),
@@ -126,6 +134,15 @@ def test_launch_settings_flag_over_environment_over_yaml(tmp_path):
                                    (base + ["--bogus"], {}, "unrecognized arguments: --bogus")):
         with pytest.raises(ConfigError, match=message):
             launch_settings(argv, environ)
+
+
+def test_negative_optimizer_values_are_named():
+    from pipeline.train import check_config
+
+    with pytest.raises(ConfigError, match=r"^weight_decay \(-0.1\) must be >= 0$"):
+        check_config(make_config({"weight_decay": -0.1, "device": "cpu"}), 2)
+    with pytest.raises(ConfigError, match=r"^lr \(-1.0\) and grad_clip \(-2.0\) must be >= 0$"):
+        check_config(make_config({"lr": -1.0, "grad_clip": -2.0, "device": "cpu"}), 2)
 
 
 @pytest.mark.parametrize("values,message", [

@@ -18,7 +18,7 @@ from conftest import ROOT, env_without_dist, scratch_save_dir
 
 def _check(args, timeout: float = 180) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", "--check_only", "--device", "cpu",
-           "--num_stages", "2", "--seq_length", "32", *args]
+           "--num_stages", "2", "--seq_length", "64", *args]
     if "--save_dir" not in args:
         cmd += ["--save_dir", scratch_save_dir()]
     return subprocess.run(cmd, cwd=ROOT, env={**env_without_dist(), "WORLD_SIZE": "2"}, capture_output=True,
@@ -38,6 +38,14 @@ def refused_before_launch(proc: subprocess.CompletedProcess, needle: str) -> str
     line = _one_error(proc, needle)
     assert "run: " not in proc.stdout and "launcher:" not in proc.stderr, (line, proc.stdout[-2000:])
     return line
+
+
+def chat_file(path):
+    """16 chat records (the tiny test model's tokenizer has no chat template)."""
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                     {"role": "assistant", "content": "answer"}]}) + "\n"
+                            for i in range(16)))
+    return path
 
 
 @pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])
@@ -225,3 +233,34 @@ def test_long_summary_keeps_a_quarter_of_the_document():
     ids = examples[0].input_ids
     assert len(ids) == 200 and ids.count(3 + ord("d")) == 200 // 4
     assert any(label != IGNORE_INDEX for label in examples[0].labels[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unknown flag", "prefix flag", "proc", "chat", "seq_length", "fresh clone",
+                                  "empty yaml", "negative"])
+def test_refused_by_train_sh_before_any_worker(tiny_model_dir, tmp_path, case):
+    """Each bad input of a run through train.sh: one error line, exit 2, before any worker
+    starts (no start line, no launcher line), and, on a fresh clone, before the model is built."""
+    base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--save_dir", str(tmp_path / "run")]
+    env = {**env_without_dist(), "NPROC": "2"}
+    args, needle = {
+        "unknown flag": (base + ["--nproc_per_node", "2"], "unrecognized arguments: --nproc_per_node 2 (did you mean "),
+        "prefix flag": (base + ["--master", "29611"], "unrecognized arguments: --master 29611"),
+        "proc": (base[:-1] + ["/proc/mmoc_run"], "save_dir '/proc/mmoc_run' is not writable"),
+        "chat": (base + ["--dataset", str(chat_file(tmp_path / "chat.jsonl"))],
+                 "'messages' (chat) records need a tokenizer with a chat template and this one has none"),
+        "seq_length": (base + ["--seq_length", "24"], "leaves no trainable token in any of the first 64 records of "
+                                                      "'sample' (their prompts fill it); the shortest seq_length"),
+        "fresh clone": (["--num_stages", "40", "--cache_dir", str(tmp_path / "cache"), "--save_dir",
+                         str(tmp_path / "run")], "num_stages (40) exceeds the model's decoder layers + 2 (8 + 2)"),
+        "empty yaml": (base, "is empty (no key: value); give its keys, or --config '' for the built-in defaults"),
+        "negative": (base + ["--weight_decay", "-0.5"], "weight_decay (-0.5) must be >= 0"),
+    }[case]
+    if case == "empty yaml":
+        env["CONFIG"] = str(tmp_path / "empty.yaml")
+        (tmp_path / "empty.yaml").write_text("# nothing\n")
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    refused_before_launch(proc, needle)
+    if case == "fresh clone":
+        assert not (tmp_path / "cache").exists()  # refused from the shape alone: nothing was generated

@@ -1,6 +1,7 @@
 """A save_dir has one writer and keeps a finished run: a live run's lock refuses a second run
 whatever its flags (and dies with the run), ``--resume latest`` never trains a finished run
-again over its outputs, and save_dir must really be writable."""
+again over its outputs, and save_dir must really be writable. Before launch, the data must give
+examples at seq_length (with the shortest one that does named)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import pytest
 from conftest import ROOT, env_without_dist
 from pipeline import checkpoint, preflight
 from pipeline.config import ConfigError, make_config
-from test_prelaunch import refused_before_launch
+from test_prelaunch import chat_file, refused_before_launch
 
 
 @pytest.fixture
@@ -93,6 +94,48 @@ def test_save_dir_must_be_writable(tmp_path, where):
     out = where if where.startswith("/") else str(tmp_path / where)
     with pytest.raises(ConfigError, match=rf"save_dir '{out}' is not writable \(.*\); give another --save_dir"):
         _check(Path(out))
+
+
+def test_seq_length_without_a_trainable_token_names_the_minimum(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from data import SAMPLE_TRAIN, DataError, load_records
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    records = load_records(str(SAMPLE_TRAIN))
+    with pytest.raises(DataError) as info:
+        preflight.check_examples(records, tok, 24, "sample")
+    found = re.search(r"leaves no trainable token in any of the first 64 records of 'sample' \(their prompts fill "
+                      r"it\); the shortest seq_length that trains one of them is (\d+)$", str(info.value))
+    assert found, str(info.value)
+    shortest = int(found.group(1))
+    preflight.check_examples(records, tok, shortest, "sample")
+    with pytest.raises(DataError):
+        preflight.check_examples(records, tok, shortest - 1, "sample")
+
+
+def test_chat_records_need_a_chat_template(tiny_model_dir, tmp_path):
+    from data import DataError
+    from pipeline.train import check_files
+
+    cfg = make_config({"model": str(tiny_model_dir), "dataset": str(chat_file(tmp_path / "chat.jsonl")),
+                       "num_stages": 2, "save_dir": str(tmp_path / "run")})
+    with pytest.raises(DataError, match="need a tokenizer with a chat template and this one has none"):
+        check_files(cfg)
+
+
+@pytest.mark.slow
+def test_generated_config_is_the_generated_models(tmp_path):
+    """The shape the checks assume before the model is built is the shape it gets."""
+    from transformers import AutoConfig
+
+    from data import SAMPLE_TRAIN, ensure_tiny_model
+
+    built = AutoConfig.from_pretrained(ensure_tiny_model(tmp_path / "gen", data_files=[SAMPLE_TRAIN]))
+    assumed = preflight.generated_config()
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "model_type"):
+        assert getattr(assumed, key) == getattr(built, key), key
 
 
 # --- several processes -----------------------------------------------------------------------

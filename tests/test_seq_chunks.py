@@ -382,5 +382,5 @@ def test_check_only_says_it_in_one_line(tiny_model_dir):
     """main.py --check_only (what train.sh runs first): exit 2, one error line, no traceback."""
     from test_prelaunch import _check, _one_error
 
-    _one_error(_check(["--model", str(tiny_model_dir), "--seq_chunks", "40"]),
+    _one_error(_check(["--model", str(tiny_model_dir), "--seq_length", "32", "--seq_chunks", "40"]),
                "seq_chunks (40) must be between 1 (whole rows) and seq_length (32)")
