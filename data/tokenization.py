@@ -109,8 +109,10 @@ def tokenize_records(
         seq_length: the longest example, in tokens.
         fmt: ``'xsum'``, ``'chat'``, ``'alpaca'`` or ``'text'``; detected from the columns (or
             first row) if None.
-        stats: if given, receives ``truncated`` (examples cut to ``seq_length``) and
-            ``summary_cut`` (XSum examples whose summary was cut to keep the document's minimum).
+        stats: if given, receives ``truncated`` (examples cut to ``seq_length``), ``summary_cut``
+            (XSum examples whose summary was cut to keep the document's minimum) and ``unusable``
+            (the skipped rows whose fields are missing, None, non-string or empty; the other skipped
+            rows had no trainable token within ``seq_length`` or were refused by the chat template).
 
     Returns:
         ``(examples, num_skipped)``: rows with a missing, None, non-string or empty field (see
@@ -139,7 +141,7 @@ def tokenize_records(
 
     make = _ENCODERS[fmt](tokenizer, seq_length)
     examples: list[Example] = []
-    num_skipped = 0
+    num_skipped = num_unusable = 0
     chunk: list[Any] = []
 
     def flush() -> None:
@@ -155,6 +157,7 @@ def tokenize_records(
         item = make.prepare(row)
         if item is None:
             num_skipped += 1
+            num_unusable += 1
             continue
         chunk.append(item)
         if len(chunk) == _CHUNK_SIZE:
@@ -162,7 +165,7 @@ def tokenize_records(
     if chunk:
         flush()
     if stats is not None:
-        stats.update(truncated=make.truncated, summary_cut=getattr(make, "summary_cut", 0))
+        stats.update(truncated=make.truncated, summary_cut=getattr(make, "summary_cut", 0), unusable=num_unusable)
     if not examples:
         failure = getattr(make, "first_failure", None)
         raise DataError(

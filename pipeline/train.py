@@ -358,21 +358,32 @@ def build_stream(cfg: TrainConfig, source: ModelSource):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{source.config.vocab_size}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    no_target = skipped - stats["unusable"]
     summary = (f"data: {len(examples)} records, {stats['truncated']} truncated to seq_length={cfg.seq_length}"
                + (f" ({stats['summary_cut']} with the summary cut to keep a quarter of it for the document)"
-                  if stats["summary_cut"] else "") + f", {skipped} skipped (empty, corrupt or no target left)")
+                  if stats["summary_cut"] else "") + f", {skipped} skipped"
+               + (f" ({stats['unusable']} with a missing or empty field, {no_target} with no trainable token left "
+                  f"within seq_length={cfg.seq_length} or refused by the chat template)" if skipped else ""))
     return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed,
                        packing=cfg.packing), summary
 
 
 def token_line(stream, packing: bool) -> str:
-    """What one epoch (the first) trains on: tokens of records against padding."""
+    """What one epoch (the first) trains on: tokens of records against padding, and why records
+    are left out of it or packing packed none."""
     c = stream.token_counts()
     total = c["tokens"] + c["padding"]
-    return (f"tokens: an epoch is {c['batches']} batches, {c['examples']} records in {c['rows']} rows "
+    line = (f"tokens: an epoch is {c['batches']} batches, {c['examples']} records in {c['rows']} rows "
             f"({'packed' if packing else 'one record a row'}): {c['tokens']} record tokens ({c['targets']} trained), "
-            f"{c['padding']} padding "
-            f"({100 * c['padding'] / max(total, 1):.1f}% of the rows' tokens)")
+            f"{c['padding']} padding ({100 * c['padding'] / max(total, 1):.1f}% of the rows' tokens)")
+    if packing and c["rows"] == c["examples"]:
+        line += (f"; nothing packed: no record fits beside the next within seq_length={stream.seq_length} (a record "
+                 f"has {c['tokens'] // max(c['examples'], 1)} tokens on average; a longer seq_length packs some)")
+    left = len(stream.examples) - c["examples"]
+    if left:
+        line += (f"; {left} records left out of this epoch: too few for a last full batch of {stream.batch_size} rows "
+                 "(the next epoch's shuffle leaves out others)")
+    return line
 
 
 # --- the run ---------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_chat_truncates_from_the_end_and_skips_records_without_an_assistant_toke
     cut = second + 2
     [example], skipped = tokenize_records([{"messages": CHAT}], tok, cut, stats=stats)
     assert example.input_ids == full.input_ids[:cut] and example.labels == full.labels[:cut]
-    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 0}
+    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 0, "unusable": 0}
     # A conversation whose first answer starts past seq_length has nothing to train: skipped;
     # alone, that is an error.
     first = next(i for i, label in enumerate(full.labels) if label != IGNORE_INDEX)

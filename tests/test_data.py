@@ -116,9 +116,14 @@ def test_truncation_keeps_the_document_and_cuts_the_summary():
     [example], skipped = tokenize_records(rows[:1], tok, fixed + 6, stats=stats)
     assert example.input_ids == [BOS] + chars(_PROMPT_PREFIX + "doc" + _PROMPT_SUFFIX + "sum")
     assert example.labels == [IGNORE_INDEX] * (fixed + 3) + chars("sum")  # no eos: it was cut
-    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 1}
+    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 1, "unusable": 0}
     with pytest.raises(DataError, match="no usable xsum records: all 2"):
         tokenize_records(rows, tok, fixed + 3)  # the prompt alone fills it
+    # why records were skipped: a missing field, or no target left (the data: line says which)
+    _, skipped = tokenize_records(rows + [{"document": "doc", "summary": ""}], tok, fixed + 4, stats=stats)
+    assert skipped == 1 and stats["unusable"] == 1
+    _, skipped = tokenize_records([rows[0], {"document": "d" * 40, "summary": "s"}], tok, fixed + 4, stats=stats)
+    assert skipped == 1 and stats["unusable"] == 0
 
 
 def test_no_trainable_token_is_skipped_and_empty_result_is_error():

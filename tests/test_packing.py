@@ -5,6 +5,7 @@ equals the Hugging Face model fed the same packed rows, positions and 4-D mask."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -60,6 +61,21 @@ def test_pack_rows_is_greedy_in_data_order():
     assert pack_rows([5, 3, 9, 4, 7, 2], 3, 2, 12) == ([[3, 4], [5]], 6)  # the last row closes at the end
     assert pack_rows([5, 3, 9, 4, 7, 2], 3, 3, 12) is None                  # no third row left
     assert pack_rows([12, 12], 0, 2, 12) == ([[0], [1]], 2)                 # a full record fills a row
+
+
+def test_token_line_says_why_nothing_packed_and_what_is_left_out():
+    from pipeline.train import token_line
+
+    # 13 records of 9 to 12 tokens, seq_length 16: no two fit in a row; 3 rows a batch leave 1 out
+    stream = BatchStream(_records(100, [9, 10, 11, 12] * 3 + [9]), 3, pad_id=0, seq_length=16, seed=1, packing=True)
+    line = token_line(stream, packing=True)
+    assert "12 records in 12 rows (packed)" in line, line
+    assert re.search(r"; nothing packed: no record fits beside the next within seq_length=16 \(a record has 1\d "
+                     r"tokens on average; a longer seq_length packs some\)", line), line
+    assert line.endswith("; 1 records left out of this epoch: too few for a last full batch of 3 rows (the next "
+                         "epoch's shuffle leaves out others)"), line
+    packed = token_line(BatchStream(_records(100, [3] * 12), 3, pad_id=0, seq_length=16, packing=True), packing=True)
+    assert "nothing packed" not in packed and "left out" not in packed, packed
 
 
 def test_stream_packs_the_epoch_order_and_resumes():

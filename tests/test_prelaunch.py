@@ -229,7 +229,7 @@ def test_long_summary_keeps_a_quarter_of_the_document():
     stats: dict[str, int] = {}
     records = [{"document": "d" * 500, "summary": "s" * 500}, {"document": "d" * 10, "summary": "s" * 5}]
     examples, skipped = tokenize_records(records, CharTokenizer(), 200, stats=stats)
-    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 1}
+    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 1, "unusable": 0}
     ids = examples[0].input_ids
     assert len(ids) == 200 and ids.count(3 + ord("d")) == 200 // 4
     assert any(label != IGNORE_INDEX for label in examples[0].labels[1:])
