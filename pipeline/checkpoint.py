@@ -45,6 +45,19 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` sets it, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _cpu_copy(store) -> dict[str, torch.Tensor]:
     """A stage's fp32 weights as separate CPU tensors: safetensors refuses tensors that share one
     storage (ours are views of a flat buffer), and resident masters live on the GPU."""
@@ -67,6 +80,8 @@ def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stage
         tensors = checkpoint_tensors(source.config, _cpu_copy(store))
         path = out_dir / _shard_name(s, num_stages)
         save_file(tensors, str(path), metadata={"format": "pt"})
+        # safetensors writes a private (0600) file: the shard gets the mode of the run's other files
+        os.chmod(path, 0o666 & ~_umask())
         _fsync(path)
         mine[s] = {k: v.numel() * v.element_size() for k, v in tensors.items()}
         del tensors

@@ -20,6 +20,8 @@ def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
     out = tmp_path / "model"
     assert not (tmp_path / "model.partial").exists()
     assert sorted(p.name for p in out.glob("*.safetensors")) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    # every file with the run's mode (0644 under the usual umask), the shards too (safetensors makes them 0600)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct((out / "config.json").stat().st_mode & 0o777)}
 
     saved = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     AutoTokenizer.from_pretrained(out)  # the tokenizer travels with the model
