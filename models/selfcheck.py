@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from models.registry import REGISTRY, UnsupportedModel, accept, generic_spec, supported_types, _CHECKED
-from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, tied
+from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, submodule, tied
 
 RTOL = 1e-5
 BATCH, SEQ, WINDOW, VOCAB = 2, 24, 8, 128
@@ -67,12 +67,24 @@ def shrunk(config):
 def check(config, spec: ArchSpec) -> str:
     """"" when two stages of ``spec``'s generic path train ``config``'s family exactly as its
     Hugging Face model does (loss and gradients of one batch, float32), else what differed."""
+    with quiet_transformers():  # the check's own models say nothing: the refusal is one line
+        return _check(config, spec)
+
+
+LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
+
+
+def _check(config, spec: ArchSpec) -> str:
     from pipeline.model import Stage
 
     try:
         small = shrunk(config)
         torch.manual_seed(0)
         hf = causal_lm_class(small)(small).float()
+        missing = [path for path in LAYOUT if submodule(hf, path) is None]
+        if missing:
+            return (f"its Hugging Face model lacks {', '.join(missing)} (a stage takes "
+                    f"{', '.join(LAYOUT)} out of it)")
         with torch.no_grad():
             for p in hf.parameters():
                 if p.ndim == 1:

@@ -227,12 +227,12 @@ def skeleton(config) -> nn.Module:
     config = copy.deepcopy(config)
     if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
         config._attn_implementation = "eager"  # building checks the kernel is installed; the stage sets its own
-    with _parameters_on_meta(), _quiet_transformers():
+    with _parameters_on_meta(), quiet_transformers():
         return causal_lm_class(config)(config)
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     from transformers.utils import logging
 
     level = logging.get_verbosity()
@@ -315,4 +315,4 @@ def import_class(name: str):
 
 __all__ = ["ArchSpec", "Counts", "ExpertLayout", "FULL", "LayerKind", "LayerShape", "MoeSpec", "SLIDING", "causal_lm_class",
            "counts", "head_dim", "import_class", "kv_heads", "llama_layer_shape", "logit_softcap", "materialize_",
-           "skeleton", "submodule", "supports_sdpa", "tied"]
+           "quiet_transformers", "skeleton", "submodule", "supports_sdpa", "tied"]

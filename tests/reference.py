@@ -98,6 +98,13 @@ def packed_inputs(batch, attn_implementation: str) -> dict:
     return {"position_ids": batch.position_ids, "attention_mask": mask, "shift_labels": batch.targets}
 
 
+def hf_model(path, impl: str):
+    """The Hugging Face model in ``path``, float32, with ``impl`` attention, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
+
+
 def in_process_trainer(cfg: TrainConfig):
     """A Trainer that holds every stage in this one process (world size 1)."""
     from pipeline.dist import DistEnv

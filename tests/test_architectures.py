@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config import ConfigError, make_config
 from pipeline.model import build_stage, partition_layers, stage_num_params
-from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
 from tolerance import assert_close, rel_err
 
 WINDOW = 32
@@ -65,12 +65,6 @@ def models_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("arch_models"))
 
 
-def _hf(path: Path, impl: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
-
-
 def tiny_cfg(path: Path, **kw):
     base = dict(model=str(path), dataset="synthetic", seq_length=SEQ, batch_size=4, num_chunks=2, num_iterations=3,
                 num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1, weight_decay=0.01,
@@ -96,7 +90,7 @@ def _pipeline_forward(path: Path, config, x: torch.Tensor, num_stages: int, full
                                              ("qwen2_sliding", 3), ("mistral", 1), ("mistral", 3)])
 def test_stage_forward_equals_hf(models_root, arch, num_stages, impl):
     path = make_model(arch, models_root)
-    hf = _hf(path, impl)
+    hf = hf_model(path, impl)
     x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
@@ -108,7 +102,7 @@ def test_stage_forward_equals_hf(models_root, arch, num_stages, impl):
 def test_the_window_is_what_makes_it_equal(models_root, arch, impl):
     """Without the window (plain causal masks) the stages no longer match: the test above sees it."""
     path = make_model(arch, models_root)
-    hf = _hf(path, impl)
+    hf = hf_model(path, impl)
     x = torch.randint(3, hf.config.vocab_size, (1, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
@@ -120,7 +114,7 @@ def test_the_window_is_what_makes_it_equal(models_root, arch, impl):
 def test_stage_param_counts(models_root):
     for arch in ARCHS:
         path = make_model(arch, models_root)
-        config = _hf(path, "sdpa").config
+        config = hf_model(path, "sdpa").config
         stage = build_stage(config, 0, 1, range(config.num_hidden_layers), model_dir=path, seed=0)
         actual = sum(p.numel() for p in stage.parameters())
         assert actual == stage_num_params(config, range(config.num_hidden_layers), True, True), arch
@@ -179,7 +173,7 @@ def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
     saved = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved  # one saved tensor
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
-    hf = _hf(out, "sdpa")
+    hf = hf_model(out, "sdpa")
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(hf.model.embed_tokens.weight, trainer_masters(trainer)["model.embed_tokens.weight"])
 

@@ -21,7 +21,7 @@ import torch
 
 from models import FAMILIES, supports_sdpa, tiny_config
 from pipeline.model import build_stage, partition_layers
-from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
 from runs import cli_flags, run_torchrun, tiny_cfg
 from tolerance import rel_err as _rel
 
@@ -59,12 +59,6 @@ def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("families"))
 
 
-def _hf(path: Path, impl: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
-
-
 def _impls(family: str) -> list[str]:
     return ["eager", "sdpa"] if supports_sdpa(tiny_config(family, num_hidden_layers=4)) else ["eager"]
 
@@ -85,7 +79,7 @@ def _stages_forward(config, path: Path, x: torch.Tensor, num_stages: int, mutate
 @pytest.mark.parametrize("family,impl", [(f, i) for f in FAMILY_TYPES for i in _impls(f)])
 def test_stage_forward_equals_hf(root, family, impl):
     path = family_model(family, root)
-    hf = _hf(path, impl)
+    hf = hf_model(path, impl)
     x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
@@ -96,7 +90,7 @@ def test_stage_forward_equals_hf(root, family, impl):
 def test_a_missing_qk_norm_is_seen(root):
     """Qwen3 normalises each head's queries and keys: without the q norm the stages differ."""
     path = family_model("qwen3", root)
-    hf = _hf(path, "sdpa")
+    hf = hf_model(path, "sdpa")
     x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
@@ -113,7 +107,7 @@ def test_a_dropped_embedding_scale_is_seen(root, family):
     """Gemma scales the embedding by sqrt(hidden) through a buffer of its module, which no
     checkpoint holds: a stage that lost it differs."""
     path = family_model(family, root)
-    hf = _hf(path, "eager")
+    hf = hf_model(path, "eager")
     x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
@@ -186,7 +180,7 @@ def test_saved_model_loads_and_generates(root, tmp_path, family):
     trainer.save([])
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eager",
                                                  dtype=torch.float32).eval()
-    trained = _hf(path, "eager")
+    trained = hf_model(path, "eager")
     trained.load_state_dict(params, strict=False)  # a tied head is the embedding
     x = torch.randint(3, saved.config.vocab_size, (2, 24))
     with torch.no_grad():
@@ -255,7 +249,7 @@ def test_router_loss_is_part_of_the_loss(root):
     losses, _, _ = _train(cfg)
     batch = build_stream(cfg, resolve_model(cfg))[0].next_batch()
     with torch.no_grad():
-        out = _hf(path, "sdpa")(input_ids=batch.input_ids, labels=batch.labels)
+        out = hf_model(path, "sdpa")(input_ids=batch.input_ids, labels=batch.labels)
     assert abs(losses[0] - float(out.loss)) <= 1e-5 * float(out.loss)
     assert out.aux_loss * cfg_coef(path) > 1e-3 * out.loss
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipeline.model import build_stage, partition_layers, preset_config, stage_num_params
+from reference import hf_model
 from tolerance import assert_close, rel_err
 
 
@@ -28,16 +29,10 @@ def test_partition_rejects_too_many_stages():
         partition_layers(4, 7)
 
 
-def _hf(model_dir, impl):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("num_stages", [1, 3, 8])
 def test_stage_forward_equals_hf(tiny_model_dir, impl, num_stages):
-    hf = _hf(tiny_model_dir, impl)
+    hf = hf_model(tiny_model_dir, impl)
     x = torch.randint(3, hf.config.vocab_size, (2, 24))
     ref = hf(x).logits
     parts = partition_layers(hf.config.num_hidden_layers, num_stages)
@@ -50,7 +45,7 @@ def test_stage_forward_equals_hf(tiny_model_dir, impl, num_stages):
 
 def test_eager_needs_the_causal_mask(tiny_model_dir):
     """The trap the stage guards against: eager attention given a None mask is non-causal."""
-    hf = _hf(tiny_model_dir, "eager")
+    hf = hf_model(tiny_model_dir, "eager")
     stage = build_stage(hf.config, 0, 1, range(hf.config.num_hidden_layers), model_dir=tiny_model_dir, seed=0).eval()
     x = torch.randint(3, hf.config.vocab_size, (1, 16))
     with torch.no_grad():
@@ -87,7 +82,7 @@ def test_only_owned_tensors_are_read(tiny_model_dir, monkeypatch):
             return self.f.get_tensor(k)
 
     monkeypatch.setattr("safetensors.safe_open", Spy)
-    hf = _hf(tiny_model_dir, "sdpa")
+    hf = hf_model(tiny_model_dir, "sdpa")
     stage = build_stage(hf.config, 2, 4, partition_layers(6, 4)[2], model_dir=tiny_model_dir, seed=0)
     assert sorted(read) == sorted(k for k, _ in stage.named_parameters())
     assert all(k.startswith("model.layers.3.") or k.startswith("model.layers.4.") for k in read)
