@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             for tokens in args.tokens:
                 cfg = run_config(preset, num_stages, tokens, args)
                 stage_bytes = [2 * n for n in stage_params(cfg, hf)]
-                plan, rows = compare_mappings(GROUPS, stage_bytes, program_spec(cfg), tokens_per_microbatch=tokens,
+                plan, rows = compare_mappings(GROUPS, stage_bytes, program_spec(cfg, hf), tokens_per_microbatch=tokens,
                                               tflops=args.tflops, link_gbps=args.link_gbps)
                 r = {row.name: row for row in rows}
                 print(f"| {model} | {num_stages} | {tokens} | {r['cross'].gpu_of_rank} | {r['cross'].step_time:.3f} "

@@ -67,8 +67,7 @@ def compare(row_dir: Path, results: Path, groups: list[int] | None, step_scales:
     if cfg.use_offload and resident < 0:
         loaded = {e["stage"] for e in events if e["op"] == "L"}
         resident = min(sum(1 for s in sched.stages_of(r, mapping) if s not in loaded) for r in set(mapping))
-    tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
-    program = program_spec(dataclasses.replace(cfg, resident_stages=resident), tied=tied).build(mapping)
+    program = program_spec(dataclasses.replace(cfg, resident_stages=resident), hf).build(mapping)
     steady = calibrated_prediction(events, program, mapping, stage_bytes, groups)
     # The same durations, one iteration from a clean start (what the model predicted before).
     clean = calibrated_prediction(events, program, mapping, stage_bytes, groups, steady=False)

@@ -21,6 +21,7 @@ from models import counts, head_dim, logit_softcap, materialize_, skeleton, spec
 from models.moe import Routing
 from pipeline import attention
 from pipeline.attention import AttnMask, attend_mask
+from pipeline.programs import tied_across_stages
 from pipeline.tiled import tile_mlps
 
 PRESETS: dict[str, dict] = {
@@ -141,12 +142,12 @@ class Stage(nn.Module):
         sk = skeleton(config)
         self.config = sk.config  # the modules' own copy: its attention kernel is what they run
         self.index, self.is_first, self.is_last = index, index == 0, index == num_stages - 1
-        tie = tied(config)
-        self.tied = tie and self.is_first and self.is_last
+        across = tied_across_stages(num_stages, config)
+        self.tied = tied(config) and not across  # one stage: one Parameter under both modules
         # Tied over several stages: the first stage's embedding and the last stage's head are two
         # copies of one matrix (made equal from the embedding; the TIE action sums their gradients)
         self.tied_name = None
-        if tie and not self.tied and (self.is_first or self.is_last):
+        if across and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
         # sdpa runs through pipeline.attention: the same sdpa for a plain causal row, and on a GPU

@@ -89,9 +89,8 @@ def _inputs(cfg: TrainConfig, hf_config, num_ranks: int) -> tuple:
     zero, one = costs([0] * S), costs([1] * S)
     layer = tuple((f1 - f0, b1 - b0) for (f0, b0), (f1, b1) in zip(zero, one))  # per stage: the fused last is cheaper
     params = tuple(stage_num_params(hf_config, range(0), s == 0, s == S - 1) for s in range(S))
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1
     return (layer, tuple(zero), params, stage_num_params(hf_config, range(1), False, False),
-            program_spec(cfg, tied=tied), num_ranks, cfg.batch_size // cfg.num_chunks * cfg.seq_length,
+            program_spec(cfg, hf_config), num_ranks, cfg.batch_size // cfg.num_chunks * cfg.seq_length,
             cfg.plan_tflops)
 
 

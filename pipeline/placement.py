@@ -91,9 +91,8 @@ def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dty
     topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping == "planned")
     groups, links, why = rank_topology(topo, env)
     try:
-        # Planned without the tied embeddings' TIE: one small all-reduce, no parameter load.
         choice = choose_mapping(
-            cfg.mapping, env.world_size, program_spec(cfg), rank_groups=groups, rank_link_gbps=links,
+            cfg.mapping, env.world_size, program_spec(cfg, hf_config), rank_groups=groups, rank_link_gbps=links,
             stage_bytes=stage_bytes, tokens_per_microbatch=cfg.batch_size // cfg.num_chunks * cfg.seq_length,
             tflops=cfg.plan_tflops, has_gpus=device.type == "cuda", stagger=cfg.stagger_loads,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -122,7 +121,7 @@ def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
     """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
     assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
     params = stage_param_counts(hf_config, cfg.num_stages, stage_layers(cfg, hf_config, len(topology.groups())))
-    return describe_plan(topology.groups(), params, program_spec(cfg), cfg.seq_length,
+    return describe_plan(topology.groups(), params, program_spec(cfg, hf_config), cfg.seq_length,
                          cfg.batch_size // cfg.num_chunks, gpu_ids=topology.indices(),
                          link_gbps=topology.link_gbps(), tflops=cfg.plan_tflops)
 

@@ -16,7 +16,7 @@ from pipeline.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, est
 from pipeline.model import model_key_cost, partition_layers, stage_param_counts
 from pipeline.optim import compute_dtype
 from pipeline.partition import predicted_step_time, stage_layers
-from pipeline.programs import program_spec
+from pipeline.programs import program_spec, tied_across_stages
 from pipeline.segments import segment_lengths
 from pipeline.tiled import mlp_tile_tokens
 
@@ -52,7 +52,7 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     counts = stage_param_counts(hf_config, S, parts)
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
               for s in range(S)]
-    program = program_spec(cfg, tied=bool(getattr(hf_config, "tie_word_embeddings", False)) and S > 1).build(mapping)
+    program = program_spec(cfg, hf_config).build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=attention(cfg, hf_config), cpu=device == "cpu",
@@ -140,7 +140,7 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
             if peak > AUTO_RESIDENT_FRACTION * cap:
                 break
             k, why = n, f"auto: estimated peak {gib(peak)} within {AUTO_RESIDENT_FRACTION:.0%} of {gib(cap)}"
-        if 0 < k < per_rank and cfg.num_stages > 1 and getattr(hf_config, "tie_word_embeddings", False):
+        if 0 < k < per_rank and tied_across_stages(cfg.num_stages, hf_config):
             # the tied copies (first stage, resident from 1; last stage, only with all) must step alike
             k, why = 0, f"auto: {k} fit, but tied embeddings need 0 or all {per_rank} (both copies step alike)"
     kept = f": each rank's first {k}" if k else ""

@@ -1,23 +1,31 @@
 """A run's programs: the ``ProgramSpec`` its configuration defines, and the programs built from it.
 
-The run, the memory plan and the placement all take the spec from ``program_spec``, so the
-program they reason about is the one that runs.
+The run, the memory plan, the cost partition and the placement all take the spec from
+``program_spec``, so the program they reason about is the one that runs, TIE actions included.
 """
 from __future__ import annotations
 
 import schedule as sched
+from models import tied
 from pipeline.config import TrainConfig
 from pipeline.optim import needs_norm
 from schedule.spec import ProgramSpec
 
 
-def program_spec(cfg: TrainConfig, *, tied: bool = False) -> ProgramSpec:
-    """The spec of ``cfg``'s programs; ``cfg`` is one pipeline's (``Resolved.replica``: its
-    ``num_chunks`` are one replica's micro-batches). An unresolved ``resident_stages`` (-1, the
-    memory plan's candidates before ``resolve``) counts as 0."""
+def tied_across_stages(num_stages: int, hf_config) -> bool:
+    """Whether the model's embedding and head are one matrix (``tie_word_embeddings``) held by
+    two stages: the first stage's copy and the last stage's, whose gradients a TIE action sums.
+    One stage holds it once, as one Parameter. The one place this is decided."""
+    return tied(hf_config) and num_stages > 1
+
+
+def program_spec(cfg: TrainConfig, hf_config) -> ProgramSpec:
+    """The spec of ``cfg``'s programs for the model ``hf_config``; ``cfg`` is one pipeline's
+    (``Resolved.replica``: its ``num_chunks`` are one replica's micro-batches). An unresolved
+    ``resident_stages`` (-1, the memory plan's candidates before ``resolve``) counts as 0."""
     return ProgramSpec(cfg.schedule, cfg.num_stages, cfg.num_chunks, offload=cfg.use_offload,
                        prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
-                       tied=tied, num_segments=cfg.seq_chunks)
+                       tied=tied_across_stages(cfg.num_stages, hf_config), num_segments=cfg.seq_chunks)
 
 
 def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, evaluate: bool,
@@ -32,4 +40,4 @@ def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, eval
     return schedule, schedule[position], eval_actions
 
 
-__all__ = ["ProgramSpec", "build_programs", "program_spec"]
+__all__ = ["ProgramSpec", "build_programs", "program_spec", "tied_across_stages"]

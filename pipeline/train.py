@@ -607,12 +607,10 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, log)
     weights_dir = resume_point.path if resume_point else source.weights_dir
     stream, eval_batches = build_data(cfg, source, log)
-    # Tied embeddings over several stages: two copies, their gradients summed by a TIE action.
-    tied = bool(getattr(hf, "tie_word_embeddings", False)) and S > 1
-    spec = program_spec(one, tied=tied)
+    spec = program_spec(one, hf)
     schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
                                                      show=cfg.debug_schedule and env.rank == 0)
-    if tied:
+    if spec.tied:  # two copies of the tied matrix, their gradients summed by a TIE action
         check_tied_steps(cfg, schedule, mapping)
     parts = stage_layers(one, hf, size)
     checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
@@ -627,7 +625,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     replicas = GradSync(lay, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
     stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
                                            device, dtype, replicas, log)
-    p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=tied, replicas=cfg.data_parallel)
+    p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
     executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
                         hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
                         start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,

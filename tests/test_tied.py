@@ -110,6 +110,32 @@ def test_a_tie_right_after_the_last_stage_backward_deadlocks():
         simulate(program, mapping)
 
 
+def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
+    """``program_spec`` decides ``tied`` once, from the config and the model config: the run, the
+    memory plan, the cost partition and the mapping planner all get the program with its TIE."""
+    from pipeline import partition, placement, plan
+    from pipeline.config import make_config
+    from pipeline.dist import DistEnv
+    from pipeline.model import preset_config
+    from pipeline.programs import program_spec, tied_across_stages
+
+    hf = preset_config("qwen3-4b")  # tie_word_embeddings
+    cfg = make_config({"num_stages": 4, "num_chunks": 4, "batch_size": 4, "seq_length": 64, "use_offload": True,
+                       "device": "cpu", "mapping": "planned", "topology": ""})
+    assert tied_across_stages(4, hf) and not tied_across_stages(1, hf)
+    assert not tied_across_stages(4, preset_config("llama-3b"))
+    spec = program_spec(cfg, hf)
+    assert spec.tied and any(a.op is Op.TIE for acts in spec.build([0, 1, 0, 1]).values() for a in acts)
+    _, program = plan.memory_plan(cfg, hf, [0, 1, 0, 1], "cpu")
+    assert any(a.op is Op.TIE for acts in program.values() for a in acts)
+    assert partition._inputs(cfg, hf, 2)[4] == spec
+    seen = []
+    monkeypatch.setattr(placement, "choose_mapping", lambda mode, n, s, **kw: seen.append(s) or
+                        sched.round_robin(4, n))
+    placement._decide(cfg, DistEnv(0, 2, 0, 2), hf, torch.device("cpu"), torch.float32)
+    assert seen == [spec]
+
+
 # --- L1: one process holds every stage -------------------------------------------------------------
 def _train(cfg):
     trainer = in_process_trainer(cfg)
