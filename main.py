@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError, parse_args
     from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
     from pipeline.metrics import TrainingError
-    from pipeline.preflight import check_save_dir, hold_save_dir
-    from pipeline.train import check_config, check_files, plan, train
+    from pipeline.preflight import check_config, check_files, check_save_dir, hold_save_dir
+    from pipeline.train import plan_report, train
 
     env = DistEnv.from_environ()
     try:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             world_size = env.world_size if env.world_size > 1 else (cfg.nproc or 1)
             check_config(cfg, world_size, need_devices=False)
             if env.rank == 0:
-                print(plan(cfg, world_size), flush=True)
+                print(plan_report(cfg, world_size), flush=True)
             return 0
         check_config(cfg, env.world_size)
         # Files too (model, tokenizer, data, save_dir), on every rank alike, before any process

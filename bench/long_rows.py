@@ -109,7 +109,7 @@ def our_plan(args, tokens: int, variant: str | None) -> dict:
     from pipeline import plan as plan_mod
     from pipeline.config import parse_args as parse_cfg
     from pipeline.resolve import resolve
-    from pipeline.train import resolve_model
+    from pipeline.source import resolve_model
     from schedule import round_robin
 
     cfg, _, _ = parse_cfg(our_flags(args, tokens, variant))

@@ -71,7 +71,7 @@ def _tile_tokens(cfg: TrainConfig, hf_config, device: str) -> int:
 
 
 def attention(cfg: TrainConfig, hf_config) -> str:
-    """The attention kernel the run uses (``train.attention_kernel`` resolved ``auto`` into the
+    """The attention kernel the run uses (``source.attention_kernel`` resolved ``auto`` into the
     model config; a config not resolved yet counts as sdpa)."""
     if cfg.attn_implementation != "auto":
         return cfg.attn_implementation

@@ -1,5 +1,8 @@
-"""What a run settles before any process group exists: that its save_dir is its own, and that its
-data gives training examples.
+"""What a run settles before any process group exists: settings that need no file
+(``check_config``), the files it reads (``check_files``: model, tokenizer, data), that its
+save_dir is its own, and that its data gives training examples. ``main.py`` runs them on every
+rank, and ``--check_only`` (``train.sh``) before any worker starts, so a bad setting or path is
+one line.
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
@@ -21,8 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from pipeline import checkpoint
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.replicas import check_replicas
+from pipeline.source import build_generated_model, generated_model_dir, needs_generated, resolve_model
 
 LOCK_FILE = ".lock"
 # What a run leaves in save_dir; any of them means save_dir holds an earlier run.
@@ -195,19 +202,115 @@ def _trains(records, tokenizer, seq_length: int) -> bool:
         return False
 
 
-def generated_config():
-    """The transformers config of the generated model before it exists: the shape
-    ``ensure_tiny_model``'s defaults give it (what ``train.build_generated_model`` builds), so a
-    run that the shape alone refuses (too many stages, too long a seq_length) is refused before
-    the model is built."""
-    import inspect
+# --- settings and files ------------------------------------------------------------------------
+def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -> None:
+    """Checks that need no files: they run on every rank before anything is loaded.
+    ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
+    P = check_replicas(cfg, world_size)  # data_parallel: the ranks of one pipeline
+    if cfg.num_stages != -1 and (cfg.num_stages < 1 or cfg.num_stages % P):
+        per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
+        raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
+                          f"processes{per} ({P}), or -1 (auto); e.g. num_stages={P * 2}")
+    if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
+        raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
+                          f"number, not -1 (auto)")
+    if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
+        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
+    if cfg.seq_length < 2:
+        raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
+    if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
+        raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
+                          f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
+    if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
+        # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
+        raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
+                          "(eager with tiles) or false")
+    if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
+        # The carried keys/values pass through a Python cache object the compiled layer cannot
+        # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
+        raise ConfigError("compile_layers true does not work with seq_chunks > 1 yet; use compile_layers auto "
+                          "(eager with segments) or false")
+    if cfg.seq_chunks > 1 and cfg.fuse_last_stage == "true":
+        # segment j's backward needs the gradients of its keys/values from the backwards of the
+        # later segments, which have not run when its forward ends
+        raise ConfigError("fuse_last_stage true does not work with seq_chunks > 1 (a segment's backward needs the "
+                          "later segments'); use fuse_last_stage auto or false")
+    if cfg.num_iterations < 1:
+        raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
+    if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
+    per_rank = cfg.num_stages // P if cfg.num_stages > 0 else 0
+    if cfg.delayed_update:
+        # Each of these would see or save the weights between the two that the delay keeps apart.
+        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
+                                       (f"resident_stages {cfg.resident_stages}", cfg.resident_stages > 0),
+                                       (f"eval_every {cfg.eval_every}", cfg.eval_every > 0),
+                                       (f"checkpoint_every {cfg.checkpoint_every}", cfg.checkpoint_every > 0),
+                                       (f"resume {cfg.resume!r}", bool(cfg.resume))) if on]
+        if clash:
+            raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
+                              f"checkpoints or resume; got {', '.join(clash)}")
+    if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
+        raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
+                          f"(the stages per process)")
+    if cfg.keep_layers < -1:
+        raise ConfigError(f"keep_layers ({cfg.keep_layers}) must be -1 (auto) or >= 0 (layers per stage)")
+    if cfg.activation_offload and cfg.keep_layers > 0:
+        # the backward recomputes each stage whole: there is no layer whose activations could be kept
+        raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
+                          f"({cfg.keep_layers}) must be 0 or -1 with it")
+    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip") if getattr(cfg, k) < 0]
+    if negative:
+        raise ConfigError(f"{' and '.join(negative)} must be >= 0")
+    if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
+        raise ConfigError(f"eval_every ({cfg.eval_every}) and eval_batches ({cfg.eval_batches}) must be >= 0, "
+                          f"max_skipped_steps ({cfg.max_skipped_steps}) >= -1")
+    if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
+        raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
+                          f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
+    if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1:
+        raise ConfigError(f"checkpoint_every ({cfg.checkpoint_every}) must be >= 0 and keep_checkpoints "
+                          f"({cfg.keep_checkpoints}) >= 1")
 
-    from transformers import LlamaConfig
 
-    from data import ensure_tiny_model
+def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
+    """Checks that read files (model, tokenizer, data, save_dir): run before any process group
+    exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
 
-    d = {k: p.default for k, p in inspect.signature(ensure_tiny_model).parameters.items()}
-    return LlamaConfig(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_layers"],
-                       num_attention_heads=d["num_heads"], num_key_value_heads=d["num_kv_heads"] or d["num_heads"],
-                       max_position_embeddings=d["max_position_embeddings"], tie_word_embeddings=False)
+    ``rank0``: this process also tests save_dir's lock (the other ranks would find their own
+    run's), builds the generated model on first use (after every check its shape allows, so a
+    refused run builds nothing) and checks the first records' examples with its tokenizer; the
+    other ranks skip what needs the model until rank 0 has built it."""
+    from data import SAMPLE_TRAIN, check_first_records, load_records
+
+    source = resolve_model(cfg)  # a generated model not built yet: the shape it will have
+    records = None
+    if cfg.dataset != "synthetic":
+        records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
+        check_first_records(records, cfg.dataset)
+    check_save_dir(cfg, test_lock=rank0)
+    if needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file():
+        if not rank0:
+            return
+        build_generated_model(cfg)
+        source = resolve_model(cfg)
+    if source.weights_dir is not None:
+        from pipeline.model import weight_files
+
+        try:
+            weight_files(source.weights_dir)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"model {cfg.model!r}: {e}") from None
+    if records is not None:
+        if source.tokenizer_dir is None:
+            raise ConfigError(f"model {cfg.model!r} has no tokenizer (no tokenizer.json or tokenizer_config.json "
+                              f"in {cfg.tokenizer or cfg.model}); set tokenizer: <directory>")
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
+            raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: "
+                              f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        check_examples(records, tokenizer, cfg.seq_length, cfg.dataset)

@@ -18,7 +18,8 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
     master weights, which AdamW steps and copies back (``device`` cuda for the GPU tests)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train import build_stream, resolve_model
+    from pipeline.build import build_stream
+    from pipeline.source import resolve_model
 
     torch.manual_seed(cfg.seed)
     impl = {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
@@ -108,7 +109,7 @@ def hf_model(path, impl: str):
 def in_process_trainer(cfg: TrainConfig):
     """A Trainer that holds every stage in this one process (world size 1)."""
     from pipeline.dist import DistEnv
-    from pipeline.train import Trainer
+    from pipeline.trainer import Trainer
 
     return Trainer(cfg, DistEnv(0, 1, 0, 1))
 

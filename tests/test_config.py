@@ -137,7 +137,7 @@ def test_launch_settings_flag_over_environment_over_yaml(tmp_path):
 
 
 def test_negative_optimizer_values_are_named():
-    from pipeline.train import check_config
+    from pipeline.preflight import check_config
 
     with pytest.raises(ConfigError, match=r"^weight_decay \(-0.1\) must be >= 0$"):
         check_config(make_config({"weight_decay": -0.1, "device": "cpu"}), 2)
@@ -221,7 +221,7 @@ def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
 
 
 def test_activation_offload_refuses_what_it_does_not_make_exact():
-    from pipeline.train import check_config
+    from pipeline.preflight import check_config
 
     with pytest.raises(ConfigError, match=r"keep_layers \(1\) must be 0 or -1"):
         check_config(make_config({"activation_offload": True, "keep_layers": 1, "device": "cpu"}), 2)

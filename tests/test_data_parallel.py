@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, env_without_dist
 from pipeline.config import ConfigError, make_config
 from pipeline.replicas import Layout, check_replicas, replica_config, replica_share
-from pipeline.train import check_config
+from pipeline.preflight import check_config
 from reference import assert_same_training
 from runs import tiny_cfg, cli_flags, run_torchrun
 

@@ -242,7 +242,7 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
             layers[0].forward = lambda h, **_: h  # weights stay, compute is skipped
         return stage
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.train.build_stage", skipping))
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.build.build_stage", skipping))
 
 
 def test_detects_fused_loss_gradient_scaled_wrong(tiny_model_dir, monkeypatch):

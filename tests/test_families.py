@@ -242,7 +242,8 @@ def test_a_token_routed_elsewhere_in_a_recompute_is_seen(root, monkeypatch, fami
 def test_router_loss_is_part_of_the_loss(root):
     """With one micro-batch the first step's loss is the Hugging Face model's: its language-model
     loss plus ``router_aux_loss_coef`` times its router loss, a visible part of it here."""
-    from pipeline.train import build_stream, resolve_model
+    from pipeline.build import build_stream
+    from pipeline.source import resolve_model
 
     path = family_model("qwen3_moe", root)
     cfg = _cfg(path, num_chunks=1, num_iterations=1)
@@ -294,7 +295,7 @@ def test_self_check_refuses_a_family_that_differs():
 def test_an_unregistered_family_is_refused_before_launch(tmp_path):
     """resolve_model (every rank, before any process group) turns the refusal into a ConfigError."""
     from pipeline.config import ConfigError
-    from pipeline.train import resolve_model
+    from pipeline.source import resolve_model
 
     config = _config("GraniteConfig", embedding_multiplier=2.0, logits_scaling=3.0)
     config.save_pretrained(tmp_path)

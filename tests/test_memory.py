@@ -147,7 +147,8 @@ def _measured_peak(trainer) -> int:
 def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
     from pipeline.dist import DistEnv
     from pipeline.plan import memory_plan
-    from pipeline.train import Trainer, resolve_model
+    from pipeline.trainer import Trainer
+    from pipeline.source import resolve_model
 
     cfg = make_config(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32", num_iterations=2,
                            num_stages=4, seq_length=128, batch_size=16, save_model=False, save_metrics=False,

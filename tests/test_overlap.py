@@ -69,7 +69,7 @@ def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir)
 
 
 def test_gc_clock_sums_collections():
-    from pipeline.train import GcClock
+    from pipeline.trainer import GcClock
 
     clock = GcClock()
     clock("start", {})

@@ -64,7 +64,7 @@ def test_pack_rows_is_greedy_in_data_order():
 
 
 def test_token_line_says_why_nothing_packed_and_what_is_left_out():
-    from pipeline.train import token_line
+    from pipeline.build import token_line
 
     # 13 records of 9 to 12 tokens, seq_length 16: no two fit in a row; 3 rows a batch leave 1 out
     stream = BatchStream(_records(100, [9, 10, 11, 12] * 3 + [9]), 3, pad_id=0, seq_length=16, seed=1, packing=True)

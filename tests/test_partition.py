@@ -173,7 +173,7 @@ def test_resume_keeps_the_checkpoints_partition():
 def test_explicit_counts_are_the_partition(tiny_model_dir):
     """``partition: 1,2,2,1`` (what the refusal above advises) gives those layers on any process
     count; counts that do not match the stages or layers are one error line."""
-    from pipeline.train import resolve_model
+    from pipeline.source import resolve_model
 
     hf = _llama(512)
     cfg = _cfg(partition="1,1,3,1")

@@ -189,7 +189,7 @@ def test_bin_weights_load_like_safetensors(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from pipeline.model import build_stage, partition_layers, weight_files
-    from pipeline.train import resolve_model
+    from pipeline.source import resolve_model
     from pipeline.config import make_config
 
     tensors = {}

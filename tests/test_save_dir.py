@@ -116,7 +116,7 @@ def test_seq_length_without_a_trainable_token_names_the_minimum(tiny_model_dir):
 
 def test_chat_records_need_a_chat_template(tiny_model_dir, tmp_path):
     from data import DataError
-    from pipeline.train import check_files
+    from pipeline.preflight import check_files
 
     cfg = make_config({"model": str(tiny_model_dir), "dataset": str(chat_file(tmp_path / "chat.jsonl")),
                        "num_stages": 2, "save_dir": str(tmp_path / "run")})
@@ -130,9 +130,10 @@ def test_generated_config_is_the_generated_models(tmp_path):
     from transformers import AutoConfig
 
     from data import SAMPLE_TRAIN, ensure_tiny_model
+    from pipeline.source import generated_config
 
     built = AutoConfig.from_pretrained(ensure_tiny_model(tmp_path / "gen", data_files=[SAMPLE_TRAIN]))
-    assumed = preflight.generated_config()
+    assumed = generated_config()
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "model_type"):
         assert getattr(assumed, key) == getattr(built, key), key

@@ -17,7 +17,7 @@ import torch
 
 import pipeline.segments as segments
 from pipeline.config import ConfigError, make_config
-from pipeline.train import check_config
+from pipeline.preflight import check_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from runs import ITERS, reference_result, tiny_cfg, torchrun_training
 

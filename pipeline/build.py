@@ -1,0 +1,318 @@
+"""A rank's parts of the job, each made by a small builder: device, data, programs, stages and
+their stores, p2p and the executor, into a ``Rank`` (``build_rank``); the ``Trainer`` runs them.
+Nothing here decides an automatic choice: ``resolve`` made them all."""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+import schedule as sched
+from models import spec_for
+from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
+from offload.store import BufferPool, StageStore, Streams, Workers
+from pipeline import checkpoint
+from pipeline.comm import P2P
+from pipeline.config import ConfigError, TrainConfig, compiles_layers, fuses_last_stage
+from pipeline.dist import DistEnv, Log, cap_gpu_memory, pick_device
+from pipeline.evaluate import build_eval_batches
+from pipeline.executor import Executor
+from pipeline.model import build_stage, compile_layers, model_key_cost
+from pipeline.optim import LossScaler, compute_dtype, optim_settings
+from pipeline.partition import stage_layers
+from pipeline.placement import Placement, load_topology, local_gpus, resolve_placement
+from pipeline.programs import build_programs, program_spec
+from pipeline.replicas import GradSync, Layout, layout, shard_peers
+from pipeline.resolve import Resolved, resolve
+from pipeline.router_loss import RouterLoss
+from pipeline.source import ModelSource, resolve_model
+from pipeline.tiled import mlp_tile_tokens
+
+if TYPE_CHECKING:
+    from data import BatchStream
+
+
+def build_stream(cfg: TrainConfig, source: ModelSource):
+    from data import SAMPLE_TRAIN, BatchStream, load_records, tokenize_records
+    from data.synthetic import synthetic_examples
+
+    if cfg.dataset == "synthetic":
+        examples = synthetic_examples(max(cfg.batch_size * 4, 64), cfg.seq_length, source.config.vocab_size, cfg.seed)
+        return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed,
+                           packing=cfg.packing), ""
+    if source.tokenizer_dir is None:
+        raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
+    stats: dict[str, int] = {}
+    examples, skipped = tokenize_records(records, tokenizer, cfg.seq_length, stats=stats)
+    if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                          f"{source.config.vocab_size}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    no_target = skipped - stats["unusable"]
+    summary = (f"data: {len(examples)} records, {stats['truncated']} truncated to seq_length={cfg.seq_length}"
+               + (f" ({stats['summary_cut']} with the summary cut to keep a quarter of it for the document)"
+                  if stats["summary_cut"] else "") + f", {skipped} skipped"
+               + (f" ({stats['unusable']} with a missing or empty field, {no_target} with no trainable token left "
+                  f"within seq_length={cfg.seq_length} or refused by the chat template)" if skipped else ""))
+    return BatchStream(examples, cfg.batch_size, pad_id=pad, seq_length=cfg.seq_length, seed=cfg.seed,
+                       packing=cfg.packing), summary
+
+
+def token_line(stream, packing: bool) -> str:
+    """What one epoch (the first) trains on: tokens of records against padding, and why records
+    are left out of it or packing packed none."""
+    c = stream.token_counts()
+    total = c["tokens"] + c["padding"]
+    line = (f"tokens: an epoch is {c['batches']} batches, {c['examples']} records in {c['rows']} rows "
+            f"({'packed' if packing else 'one record a row'}): {c['tokens']} record tokens ({c['targets']} trained), "
+            f"{c['padding']} padding ({100 * c['padding'] / max(total, 1):.1f}% of the rows' tokens)")
+    if packing and c["rows"] == c["examples"]:
+        line += (f"; nothing packed: no record fits beside the next within seq_length={stream.seq_length} (a record "
+                 f"has {c['tokens'] // max(c['examples'], 1)} tokens on average; a longer seq_length packs some)")
+    left = len(stream.examples) - c["examples"]
+    if left:
+        line += (f"; {left} records left out of this epoch: too few for a last full batch of {stream.batch_size} rows "
+                 "(the next epoch's shuffle leaves out others)")
+    return line
+
+
+def check_tied_steps(cfg: TrainConfig, schedule: sched.Schedule, mapping: list[int]) -> None:
+    """Raise ConfigError unless both copies of a tied matrix (first and last stage) step the same
+    way in ``schedule``: both on the GPU (resident, or no offload) or both on the CPU optimizer
+    thread. The two AdamW kernels would round differently and the copies drift apart."""
+    first, last = sched.tied_stages(len(mapping))
+    offloaded = sched.offloaded_stages(schedule)  # the program is where resident_stages became stages
+    if (first in offloaded) != (last in offloaded):
+        on_gpu, on_cpu = (last, first) if first in offloaded else (first, last)
+        per_rank = len(mapping) // (max(mapping) + 1)
+        raise ConfigError(f"tied embeddings: resident_stages {cfg.resident_stages} keeps stage {on_gpu} on the GPU "
+                          f"but offloads stage {on_cpu}, so the two copies of the tied matrix would step with "
+                          f"different AdamW kernels; use resident_stages 0 or {per_rank} (all)")
+
+
+def rank_cpus(cfg: TrainConfig, env: DistEnv, device: torch.device) -> list[int]:
+    """This rank's share of the host's cores: of its GPU's NUMA node where known (offload/cpus.py)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    gpu_numa: list[int | None] = [None] * env.local_world_size
+    if device.type == "cuda":  # the NUMA node of each local rank's GPU: topology file, else discovery
+        topo = load_topology(cfg, discover_ok=True)
+        gpus = local_gpus(topo, env.local_world_size) if topo is not None else None
+        if gpus is not None:
+            gpu_numa = [g.numa for g in gpus]
+    return optimizer_cpus(env.local_rank, gpu_numa, node_cpus(), allowed)
+
+
+def adamw_cpus(cfg: TrainConfig, share: list[int]) -> list[int]:
+    """The cores of ``share`` the CPU optimizer's threads run on."""
+    if cfg.optimizer_threads:
+        return share[:cfg.optimizer_threads]
+    # Two cores of the share stay free for this rank's main thread (it launches the GPU's
+    # work: starved by busy optimizer threads, it left a GPU idle for half its compute time)
+    # and its loader and communication threads.
+    return share[2:] if len(share) >= 6 else share
+
+
+@dataclass
+class Rank:
+    """One rank's parts of the job, made by ``build_rank``; the ``Trainer`` runs them.
+
+    Attributes:
+        cfg: the resolved configuration (``Resolved.cfg``).
+        placement: the stage -> rank mapping and why (``placement.choice``).
+        loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
+        schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
+        parts: each stage's decoder layers (``pipeline.partition.stage_layers``).
+        stages, stores: this rank's stages and their parameter stores, by stage id.
+        replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
+    """
+
+    cfg: TrainConfig
+    env: DistEnv
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    layout: Layout
+    placement: Placement
+    loss_rank: int
+    log: Log
+    resume_point: checkpoint.ResumePoint | None
+    stream: BatchStream
+    eval_batches: list
+    schedule: sched.Schedule
+    actions: list
+    eval_actions: list
+    parts: list
+    stages: dict
+    stores: dict
+    streams: Streams
+    replicas: GradSync | None
+    executor: Executor
+    scaler: LossScaler | None
+
+    @property
+    def mapping(self) -> list[int]:
+        return self.placement.choice.stage_to_rank
+
+
+def build_device(cfg: TrainConfig, env: DistEnv) -> tuple[torch.device, torch.dtype]:
+    """This rank's device, capped at ``gpu_memory_gb``, and the compute dtype."""
+    device = pick_device(cfg.device, env)
+    if device.type == "cuda" and cfg.gpu_memory_gb:
+        cap_gpu_memory(device, cfg.gpu_memory_gb)
+    return device, compute_dtype(cfg, device)
+
+
+def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchStream, list]:
+    """The training batch stream and the validation batches (none without ``eval_every``)."""
+    stream, data_line = build_stream(cfg, source)
+    if data_line:
+        log.info(data_line)
+    log.info(token_line(stream, cfg.packing))
+    return stream, build_eval_batches(cfg, source) if cfg.eval_every else []
+
+
+def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
+                 offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
+                 replicas: GradSync | None, log: Log) -> tuple[dict, dict, Streams]:
+    """This rank's stages (only those are ever built) and their stores."""
+    S = cfg.num_stages
+    streams, pool = Streams(device), BufferPool(device)
+    workers, share = None, []
+    if offloaded:
+        # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
+        share = rank_cpus(cfg, env, device)
+        cpus = adamw_cpus(cfg, share)
+        workers = Workers(ThreadPoolExecutor(1, thread_name_prefix="cpu-adamw", initializer=pin_current_thread,
+                                             initargs=(cpus,)), device)
+        log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
+    stages, stores = {}, {}
+    compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
+    tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
+    if tile:
+        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
+    if compiled:
+        log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
+                 "compiles them)")
+    built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
+    # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
+    # not torchrun's one thread.
+    with intra_op_threads(len(share) or torch.get_num_threads()):
+        for s in stage_ids:
+            t0 = time.perf_counter()
+            # activation_offload: the backward recomputes the stage whole, once, so no layer of it is
+            # checkpointed (recomputed) a second time inside that recompute
+            stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
+                                checkpointing=cfg.activation_checkpointing,
+                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device,
+                                mlp_tile_tokens=tile)
+            stage.buffers_to(device)
+            if compiled:
+                compile_layers(stage)
+            t1 = time.perf_counter()
+            # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
+            # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
+            # Replicas split an offloaded stage's CPU step (ZeRO-1 on host state); not a tied
+            # copy's (both copies must step alike) nor a delayed one's.
+            sharded = s in offloaded and stage.tied_name is None and not cfg.delayed_update
+            shard = shard_peers(replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
+            stores[s] = StageStore(stage, device=device, compute_dtype=dtype, offload=s in offloaded,
+                                   optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
+                                   workers=workers, delayed=cfg.delayed_update, tied=stage.tied_name,
+                                   tied_copy=s == S - 1, shard=shard)
+            stages[s] = stage
+            built, placed = built + t1 - t0, placed + time.perf_counter() - t1
+    sharded = [s for s in stage_ids if stores[s].shard is not None]
+    if sharded:
+        mine = sum(hi - lo for lo, hi in (stores[s].shard_range for s in sharded))
+        log.info(f"data_parallel: the CPU AdamW steps of stages {sharded} are sharded over "
+                 f"{cfg.data_parallel} replicas (rank {env.rank} steps {mine} of "
+                 f"{sum(stores[s].numel for s in sharded)} parameters, then the peers exchange them)")
+    log.info(f"start-up (rank {env.rank}): stages built in {built:.1f}s, their weights, gradients "
+             f"and AdamW state placed in {placed:.1f}s")
+    return stages, stores, streams
+
+
+def build_router_loss(cfg: TrainConfig, hf, stages: dict, device: torch.device) -> RouterLoss | None:
+    """A mixture-of-experts model's router loss, where its config asks for it (``models.moe``)."""
+    moe = spec_for(hf).moe
+    if moe is None or moe.aux_coef(hf) == 0:
+        return None
+    routed = sum(moe.sparse(hf, i) for i in range(hf.num_hidden_layers))
+    return RouterLoss(stages, moe.experts(hf), moe.aux_coef(hf), routed, cfg.num_chunks, device)
+
+
+def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
+               resolved: Resolved | None = None) -> Rank:
+    """Build everything this rank runs: device, placement, data, programs, stages and stores,
+    p2p and executor. Collective (the placement's broadcast, the replicas' groups, the resume
+    point): every rank calls it alike.
+
+    Args:
+        resolved: the automatic choices, made by ``train()`` on rank 0; without it (tests) this
+            rank makes them.
+    """
+    device, dtype = build_device(cfg, env)
+    source = source or resolve_model(cfg)
+    hf = source.config
+    # data_parallel: this process is pipeline rank ``position`` of replica ``lay.replica``;
+    # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
+    lay = layout(cfg, env.rank, env.world_size)
+    position, size = lay.position, lay.pipeline_size
+    resolved = resolved or resolve(cfg, env.world_size, hf, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
+    cfg, one = resolved.cfg, resolved.replica
+    S = cfg.num_stages
+    # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
+    placement = resolve_placement(one, DistEnv(env.rank, size, env.local_rank, min(env.local_world_size, size)),
+                                  hf, device, dtype)
+    mapping = placement.choice.stage_to_rank
+    loss_rank = lay.global_rank(mapping[-1], replica=0)  # replica 0's speaks
+    log = Log(env.rank, speaker=loss_rank)
+    if cfg.data_parallel > 1 and env.rank == 0 and env.local_world_size % size:
+        # torchrun numbers a node's processes consecutively: whole replicas per node need a multiple of P
+        log.warn(f"{env.local_world_size} processes per node is not a multiple of the pipeline's {size} "
+                 "ranks: some replicas span nodes, and their activations cross the network")
+    log.info(placement.choice.reason)
+    # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
+    resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, log)
+    weights_dir = resume_point.path if resume_point else source.weights_dir
+    stream, eval_batches = build_data(cfg, source, log)
+    spec = program_spec(one, hf)
+    schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
+                                                     show=cfg.debug_schedule and env.rank == 0)
+    if spec.tied:  # two copies of the tied matrix, their gradients summed by a TIE action
+        check_tied_steps(cfg, schedule, mapping)
+    parts = stage_layers(one, hf, size)
+    checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
+    stage_ids = sched.stages_of(position, mapping)
+    # With offload, the stages the program never loads stay on the GPU (resident_stages), AdamW
+    # included: the program is the one record of which stages those are.
+    loaded = sched.offloaded_stages(schedule)
+    offloaded = [s for s in stage_ids if s in loaded]
+    torch.manual_seed(cfg.seed)
+    # Before the stores (their sharded steps use its groups), on every rank alike: group
+    # creation is collective.
+    replicas = GradSync(lay, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
+    stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
+                                           device, dtype, replicas, log)
+    p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
+    executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
+                        hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
+                        start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,
+                        key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload,
+                        fuse_last_stage=fuses_last_stage(cfg), router_loss=build_router_loss(cfg, hf, stages, device))
+    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
+    return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
+                schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)
+
+
+__all__ = ["Rank", "adamw_cpus", "build_data", "build_device", "build_rank", "build_router_loss", "build_stages",
+           "build_stream", "check_tied_steps", "rank_cpus", "token_line"]

@@ -1,0 +1,220 @@
+"""One rank's training loop over the parts ``build_rank`` made: each iteration runs the executor
+on the next batch, logs one line, evaluates, checkpoints and stops when the ranks agree to. It
+saves and restores through the ``CheckpointManager`` and reports through ``pipeline.metrics``;
+it decides nothing the configuration or ``resolve`` decided."""
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline import checkpoint, faults, orphans
+from pipeline.build import build_rank
+from pipeline.config import TrainConfig
+from pipeline.dist import DistEnv, gather_objects
+from pipeline.evaluate import evaluate
+from pipeline.executor import MicroBatch
+from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
+from pipeline.model import model_flops_per_token
+from pipeline.optim import lr_at
+from pipeline.replicas import replica_share
+from pipeline.resolve import Resolved
+from pipeline.source import ModelSource
+from pipeline.timeline import Timeline, write_run_timeline
+
+
+class GcClock:
+    """A ``gc.callbacks`` entry: seconds the cyclic garbage collector ran (every thread waits
+    for it), summed until ``take``."""
+
+    def __init__(self):
+        self._seconds, self._start = 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self._seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def take(self) -> float:
+        out, self._seconds = self._seconds, 0.0
+        return out
+
+
+class Trainer:
+    """One rank's training loop over the parts ``build_rank`` made; checkpoints go through a
+    ``CheckpointManager``, step figures and results through ``pipeline.metrics``."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
+                 resolved: Resolved | None = None):
+        """``resolved``: the automatic choices, made by ``train()`` on rank 0; without it (tests)
+        this rank makes them."""
+        self.rank = r = build_rank(cfg, env, source, resolved)
+        self.cfg, self.env = r.cfg, env
+        self.start_iteration = r.resume_point.iteration if r.resume_point else 0
+        self.stopped_by = 0  # the signal that ended the run early, if one did
+        self.gc_clock = GcClock()
+        self.flops_per_token = model_flops_per_token(r.source.config, r.source.config.num_hidden_layers,
+                                                     r.cfg.seq_length)
+        self.checkpoints = checkpoint.CheckpointManager(
+            r.cfg, env, r.source, r.device, r.log, r.layout, stores=r.stores, stream=r.stream, scaler=r.scaler,
+            parts=r.parts, mapping=r.mapping)
+        if r.resume_point:
+            self.checkpoints.restore(r.resume_point)
+
+    # The parts tests and tools reach for.
+    stages = property(lambda self: self.rank.stages)
+    stores = property(lambda self: self.rank.stores)
+    executor = property(lambda self: self.rank.executor)
+    stream = property(lambda self: self.rank.stream)
+    actions = property(lambda self: self.rank.actions)
+    eval_actions = property(lambda self: self.rank.eval_actions)
+    scaler = property(lambda self: self.rank.scaler)
+
+    def microbatches(self, batch) -> list[MicroBatch]:
+        from data.batching import to_device
+
+        device, K = self.rank.device, self.cfg.seq_chunks
+        mbs = [MicroBatch(*(to_device(t, device) for t in (mb.input_ids, mb.targets, mb.position_ids,
+                                                             mb.segment_ids)))
+               for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.rank.layout)]
+        # A batch is as wide as its longest row: one narrower than seq_chunks gets padding
+        # columns, one a segment (after every token, predicting nothing, so nothing changes).
+        return [mb.widened(K) for mb in mbs]
+
+    def sum_loss(self, loss: float | None) -> float | None:
+        """The global batch's loss from this replica's share (the executor's loss is this
+        replica's micro-batches' sum, each normalised by the global batch's target count)."""
+        return self.rank.replicas.sum_loss(loss) if self.rank.replicas is not None else loss
+
+    def evaluate(self) -> dict:
+        """Validation loss over ``eval_batches`` (token-weighted mean; None off the loss rank)."""
+        def run(batch):
+            # num_targets=1: the executor's loss is then the plain sum of the batch's token losses.
+            return self.sum_loss(self.executor.run(self.eval_actions, self.microbatches(batch), 1, 0.0,
+                                                   train=False).loss)
+
+        return evaluate(run, self.rank.eval_batches)
+
+    def train(self) -> list[dict]:
+        cfg, r = self.cfg, self.rank
+        if self.start_iteration >= cfg.num_iterations:
+            r.log.info(f"resume: {r.resume_point.path} is at iteration {self.start_iteration}, "
+                       f"num_iterations is {cfg.num_iterations}: nothing left to train "
+                       "(raise num_iterations to go on)")
+            return []
+        r.log.info(f"training {cfg.num_iterations} iterations: {cfg.num_stages} stages on "
+                   f"{self.env.world_size} processes"
+                   + (f" ({cfg.data_parallel} replicas of {r.layout.pipeline_size})" if cfg.data_parallel > 1
+                      else "")
+                   + f" ({r.device.type}, {r.dtype}), schedule {cfg.schedule}, "
+                   f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
+        metrics = Metrics(r.log, speaks=self.env.rank == r.loss_rank, num_steps=cfg.num_iterations,
+                          save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar)
+        guard = SkipGuard(cfg.max_skipped_steps)
+        # What exists now (modules, stores, torch's and transformers' own objects: some 400k for
+        # 7B) lives for the whole run: frozen out of the cyclic GC, whose full collections would
+        # otherwise walk it all, about 0.2 s each, in the middle of iterations.
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(self.gc_clock)
+        try:
+            # While training, SIGINT/SIGTERM only set a flag; the loop stops after a step all ranks agree on.
+            with faults.StopRequest() as self.stop:
+                metrics.start(self.start_iteration)
+                history = self._train_loop(metrics, guard)
+                metrics.finish(peak_memory(r.device))
+        finally:
+            metrics.close()
+            gc.callbacks.remove(self.gc_clock)
+            gc.unfreeze()  # a caller that goes on (tests, several runs in one process) collects as usual
+        return history
+
+    def _train_loop(self, metrics: Metrics, guard: SkipGuard) -> list[dict]:
+        cfg, r, history = self.cfg, self.rank, []
+        timeline_at = cfg.timeline_iteration % cfg.num_iterations if cfg.timeline else None
+        recorded = None
+        for it in range(self.start_iteration, cfg.num_iterations):
+            batch = r.stream.next_batch()
+            if it == timeline_at:
+                recorded = r.executor.timeline = self.new_timeline()
+            t0 = time.perf_counter()
+            res = r.executor.run(r.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
+                                 loss_scale=r.scaler.scale if r.scaler else 1.0)
+            r.executor.timeline = None
+            res.loss = self.sum_loss(res.loss)
+            if r.device.type == "cuda":
+                torch.cuda.synchronize(r.device)  # host sync: end of iteration, for honest timing
+            dt = time.perf_counter() - t0
+            tokens = batch.input_ids.numel()
+            # this rank's row of results.json; metrics.jsonl gets its STEP_KEYS, under the same names
+            row = {"step": it + 1, "step_time_s": dt, "tokens": tokens, "tokens_per_s": tokens / dt, "loss": res.loss,
+                   "grad_norm": res.grad_norm, "lr": lr_at(it, cfg), "peak_mem_bytes": peak_memory(r.device),
+                   "tflops_per_gpu": self.flops_per_token * tokens / dt / self.env.world_size / 1e12,
+                   "skipped": res.skipped, **res.clock.seconds(), "gc_seconds": self.gc_clock.take(),
+                   **device_stats(r.device, r.stores)}
+            history.append(row)
+            metrics.log_step({k: row[k] for k in STEP_KEYS})
+            overflow = r.scaler.update(res.skipped) if r.scaler is not None else False
+            if overflow:  # float16: an overflow of the loss scale, which has just halved; not a fault
+                r.log.info(f"step {it + 1}: gradients overflowed float16, loss scale now {r.scaler.scale:g}")
+            # raises on every rank alike past max_skipped_steps
+            guard.update(it + 1, res.skipped and not overflow)
+            if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
+                metrics.log_eval({"step": it + 1, **self.evaluate()})
+            self.stopped_by = self.stop.agreed(r.device)
+            every = cfg.checkpoint_every
+            if self.stopped_by or (every and ((it + 1) % every == 0 or it + 1 == cfg.num_iterations)):
+                self.save_checkpoint(it + 1)
+            if self.stopped_by:
+                why = " (its launcher died)" if orphans.launcher_gone() else ""
+                r.log.info(f"stopped by {faults.signal_name(self.stopped_by)}{why} after step {it + 1}, checkpoint "
+                           f"saved; continue with --resume latest")
+                break
+        r.executor.finish()
+        if recorded is not None:  # every rank alike: the stop step is agreed
+            self.write_timeline(recorded)
+        return history
+
+    def new_timeline(self) -> Timeline:
+        streams = self.rank.streams
+        lanes = {"load": streams.load, "offload": streams.offload} if streams.cuda else None
+        return Timeline(self.rank.layout.position, self.rank.device.type, streams=lanes)
+
+    def write_timeline(self, recorded: Timeline) -> None:
+        """Gather the recorded iteration to rank 0 and write the trace, Gantt and prediction (collective)."""
+        r = self.rank
+        # replica 0's ranks: the other replicas run the same lists
+        events = [e for rank_events in gather_objects(recorded.events())[:r.layout.pipeline_size]
+                  for e in rank_events]
+        if self.env.rank == 0:
+            _, line = write_run_timeline(self.cfg.save_dir, events, r.schedule, r.mapping,
+                                         r.placement.stage_bytes, r.placement.rank_groups)
+            print(line, flush=True)
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Everything exact continuation needs after ``step`` completed steps (collective)."""
+        # Every step done first: a sharded stage's gather (collective over its peers) uses the group
+        # the optimizer thread's exchanges use, and one group is used by one thread at a time.
+        self.executor.finish()
+        return self.checkpoints.save(step)
+
+    def save(self, history: list[dict]) -> None:
+        """The run's outputs: the Hugging Face model and params.pt (not after a stop: its model is
+        its last checkpoint), then results.json (collective)."""
+        cfg, r = self.cfg, self.rank
+        out = Path(cfg.save_dir)
+        if cfg.save_model and not self.stopped_by:
+            checkpoint.save_hf_model(out / "model", self.checkpoints.saved_stores, r.source, self.env,
+                                     cfg.num_stages)
+            r.log.info(f"saved Hugging Face model to {out / 'model'}")
+        if cfg.save_params and not self.stopped_by:
+            checkpoint.save_params(out / "params.pt", self.checkpoints.saved_stores, self.env)
+            r.log.info(f"saved parameters to {out / 'params.pt'}")
+        write_results(Path(cfg.results_path), cfg.to_dict(), self.env, cfg.data_parallel, history, r.loss_rank)
+
+
+__all__ = ["GcClock", "Trainer"]
