@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     # a setting of the user's wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from data import DataError
-    from pipeline import orphans
+    from pipeline.run import orphans
     from pipeline.config import ConfigError, parse_args
     from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
-    from pipeline.metrics import TrainingError
-    from pipeline.preflight import check_config, check_files, check_save_dir, hold_save_dir
+    from pipeline.run.metrics import TrainingError
+    from pipeline.plan.preflight import check_config, check_files, check_save_dir, hold_save_dir
     from pipeline.train import plan_report, train
 
     env = DistEnv.from_environ()
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline import orphans  # the standard library only
+    from pipeline.run import orphans  # the standard library only
 
     worker = "TORCHELASTIC_RUN_ID" in os.environ
     if worker:  # a torchrun worker must not outlive its launcher

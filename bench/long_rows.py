@@ -25,7 +25,7 @@ step time the issue measured (x1.5, at least 60 s more), cut to what is left of 
 row whose estimate no longer fits is skipped ("skipped (budget)"), and a row that fails or runs
 out of memory leaves its status and log. ``OUT/long_rows.json`` is rewritten after every row
 (rows, plan figures, versions); ``OUT/long_rows.md`` and stdout get the table at the end:
-s/step, tokens/s, model TFLOP/s (``pipeline.model.model_flops_per_token``: matmuls and attention,
+s/step, tokens/s, model TFLOP/s (``pipeline.plan.shapes.model_flops_per_token``: matmuls and attention,
 causal, no recompute), peak GPU memory (allocated) and for this project the plan's figure, its
 error against the peak, and the configuration the plan chose.
 """
@@ -106,10 +106,10 @@ def our_flags(args, tokens: int, variant: str | None) -> list[str]:
 def our_plan(args, tokens: int, variant: str | None) -> dict:
     """What the memory plan decides and estimates for the row (computed here, before any row
     runs, so the host memory it checks is the machine's own)."""
-    from pipeline import plan as plan_mod
+    from pipeline.plan import fit as plan_mod
     from pipeline.config import parse_args as parse_cfg
-    from pipeline.resolve import resolve
-    from pipeline.source import resolve_model
+    from pipeline.plan.resolve import resolve
+    from pipeline.plan.source import resolve_model
     from schedule import round_robin
 
     cfg, _, _ = parse_cfg(our_flags(args, tokens, variant))
@@ -233,7 +233,8 @@ def status_of(rc: int, log: str) -> str:
 
 
 def flops_per_token(args, tokens: int) -> float:
-    from pipeline.model import model_flops_per_token, preset_config
+    from pipeline.plan.shapes import model_flops_per_token
+    from pipeline.plan.source import preset_config
 
     hf = preset_config("tiny" if args.smoke else args.model)
     return model_flops_per_token(hf, hf.num_hidden_layers, tokens)

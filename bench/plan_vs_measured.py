@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import schedule as sched  # noqa: E402
 from bench.offload_bench import parse_row  # noqa: E402
 from pipeline.config import make_config  # noqa: E402
-from pipeline.model import preset_config  # noqa: E402
-from pipeline.plan import memory_plan  # noqa: E402
+from pipeline.plan.source import preset_config  # noqa: E402
+from pipeline.plan.fit import memory_plan  # noqa: E402
 
 
 def main() -> None:

@@ -126,14 +126,14 @@ def start_ballast(cap_gb: float) -> subprocess.Popen:
 
 
 def build_hf_model(model_name: str, seq_length: int):
-    """The random-weight preset (``pipeline.model.PRESETS``: Llama, Qwen3, Qwen3-MoE shapes) in
+    """The random-weight preset (``pipeline.plan.source.PRESETS``: Llama, Qwen3, Qwen3-MoE shapes) in
     bf16, initialised on GPU 0 (fast) and moved to the host, where RoundPipe keeps it; RoundPipe
     picks its sequential preset by the model's class."""
     import torch
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from pipeline.model import preset_config
+    from pipeline.plan.source import preset_config
 
     config = preset_config(model_name)
     config.use_cache = False
@@ -160,7 +160,8 @@ def active_params(model_name: str) -> int:
     """The parameters a token runs through (a routed layer's experts: top_k of them): what the
     model FLOP rate counts, as for this project's rows."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from pipeline.model import preset_config, stage_num_params
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.shapes import stage_num_params
 
     config = preset_config(model_name)
     return stage_num_params(config, range(config.num_hidden_layers), True, True, active=True)

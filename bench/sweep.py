@@ -22,7 +22,7 @@ from pathlib import Path
 
 # Parameter counts of the presets (LlamaForCausalLM, untied lm_head), the N of 6*N*tokens.
 def model_params(name: str) -> int | None:
-    """The active parameters of preset ``name`` (``pipeline.model.PRESETS``; a routed layer's
+    """The active parameters of preset ``name`` (``pipeline.plan.source.PRESETS``; a routed layer's
     experts count top_k of them): the N of every row's model FLOP rate; None for another name."""
     import sys
     from pathlib import Path
@@ -30,7 +30,8 @@ def model_params(name: str) -> int | None:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    from pipeline.model import PRESETS, preset_config, stage_num_params
+    from pipeline.plan.source import PRESETS, preset_config
+    from pipeline.plan.shapes import stage_num_params
 
     if name not in PRESETS:
         return None

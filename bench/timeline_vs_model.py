@@ -6,7 +6,7 @@ ROW_DIR is a run's ``save_dir`` holding ``timeline.json`` (``timeline: true``), 
 run's ``save_results`` file ``ROW_DIR.json`` (the layout ``bench/offload_bench.py`` writes), or
 give that file with ``--results``. The schedule is rebuilt from the run's config, the stage ->
 rank mapping read off the trace, and the op durations measured there fed to the cost model
-(``pipeline.timeline.calibrated_prediction``) twice: for one iteration from a clean start and
+(``pipeline.run.timeline.calibrated_prediction``) twice: for one iteration from a clean start and
 for one in a steady state (the previous iteration's optimizer steps still running, as in the
 recorded one). ``--groups``: the root complex of each rank's GPU, as the run found it (each rank
 its own when not given). ``--step_scale 0.5,0.25``: also the steady state with every optimizer
@@ -26,12 +26,13 @@ import torch  # noqa: E402
 
 import schedule as sched  # noqa: E402
 from pipeline.config import make_config  # noqa: E402
-from pipeline.model import PRESETS, preset_config, stage_param_counts  # noqa: E402
-from pipeline.optim import compute_dtype  # noqa: E402
-from pipeline.partition import stage_layers  # noqa: E402
-from pipeline.programs import program_spec  # noqa: E402
-from pipeline.replicas import replica_config  # noqa: E402
-from pipeline.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402
+from pipeline.plan.source import PRESETS, preset_config
+from pipeline.plan.shapes import stage_param_counts  # noqa: E402
+from pipeline.plan.settings import compute_dtype  # noqa: E402
+from pipeline.plan.partition import stage_layers  # noqa: E402
+from pipeline.plan.programs import program_spec  # noqa: E402
+from pipeline.plan.layout import replica_config  # noqa: E402
+from pipeline.run.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402
 
 
 def scale_steps(events: list[dict], factor: float) -> list[dict]:

@@ -2,7 +2,7 @@
 
 With packing, a row holds several examples (greedy, in data order) with ``position_ids``
 restarting at 0 for each and ``segment_ids`` telling them apart: attention stays within a
-segment (``pipeline.model.segment_attend_mask``) and no target crosses a boundary.
+segment (``pipeline.stage.model.segment_attend_mask``) and no target crosses a boundary.
 
 ``BatchStream`` is a pure function of (examples, batch_size, seed, state): every rank that
 builds it from the same examples gets the same batches in the same order, which is how the

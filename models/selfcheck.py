@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from models.registry import REGISTRY, UnsupportedModel, accept, generic_spec, supported_types, _CHECKED
+from models.registry import _CHECKED, REGISTRY, UnsupportedModel, accept, generic_spec, supported_types
 from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, submodule, tied
 
 RTOL = 1e-5
@@ -75,7 +75,7 @@ LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
 
 
 def _check(config, spec: ArchSpec) -> str:
-    from pipeline.model import Stage
+    from pipeline.stage.model import Stage
 
     try:
         small = shrunk(config)

@@ -223,7 +223,7 @@ def _parameters_on_meta():
 
 def skeleton(config) -> nn.Module:
     """The family's ``*ForCausalLM`` for ``config``, parameters on the meta device: a stage takes
-    the modules it holds out of it (``pipeline.model.Stage``), the counts read its shapes."""
+    the modules it holds out of it (``pipeline.stage.model.Stage``), the counts read its shapes."""
     config = copy.deepcopy(config)
     if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
         config._attn_implementation = "eager"  # building checks the kernel is installed; the stage sets its own

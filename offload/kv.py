@@ -1,7 +1,7 @@
 """A sequence segment's carried keys and values in host memory between a stage's forwards and its
 backwards (``activation_offload`` with ``seq_chunks``).
 
-The carried keys/values of a micro-batch at a stage (``pipeline.segments``: one leaf per layer
+The carried keys/values of a micro-batch at a stage (``pipeline.stage.segments``: one leaf per layer
 and segment, whose ``.grad`` collects the later segments' gradients) are read by that stage's
 later forwards of the micro-batch and then not before its backwards. After the micro-batch's
 last forward at the stage they go to pinned host memory; before its first backward they come

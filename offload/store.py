@@ -189,7 +189,7 @@ def time_point(stream=None):
 
 
 class Clock(Protocol):
-    """Where the store reports what a compute waited for (``pipeline.executor.StepClock``)."""
+    """Where the store reports what a compute waited for (``pipeline.run.executor.StepClock``)."""
 
     def span(self, key: str, start, end) -> None: ...
 
@@ -197,7 +197,7 @@ class Clock(Protocol):
 
 
 class ShardPeers(Protocol):
-    """The D data-parallel peers of a stage that share its CPU optimizer step (``pipeline.replicas``)."""
+    """The D data-parallel peers of a stage that share its CPU optimizer step (``pipeline.run.replicas``)."""
 
     @property
     def index(self) -> int: ...

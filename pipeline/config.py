@@ -400,24 +400,6 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
     return cfg
 
 
-def compiles_layers(cfg: TrainConfig, device_type: str, routed: bool) -> bool:
-    """``compile_layers`` resolved for a run on ``device_type`` (``routed``: a mixture-of-experts
-    model). ``auto``: on a GPU, for whole rows with untiled MLPs and no routed layers (the
-    carried keys/values of segments, the checkpointed tiles and the routing replay stay eager)."""
-    if cfg.compile_layers != "auto":
-        return cfg.compile_layers == "true"
-    return device_type == "cuda" and cfg.seq_chunks == 1 and cfg.tiled_mlp != "true" and not routed
-
-
-def fuses_last_stage(cfg: TrainConfig) -> bool:
-    """``fuse_last_stage`` resolved. ``auto``: without seq_chunks, and not under gpipe with
-    activation_offload, where every micro-batch's input gradient would wait on the device for
-    the schedule's backward, while the recomputing last stage keeps nothing there."""
-    if cfg.fuse_last_stage != "auto":
-        return cfg.fuse_last_stage == "true"
-    return cfg.seq_chunks == 1 and not (cfg.activation_offload and cfg.schedule == "gpipe")
-
-
 def partition_counts(partition: str) -> list[int] | None:
     """The decoder layers per stage ``partition`` names explicitly ("3,5,4,4"); None for
     ``PARTITIONS`` (decided from the model). Raises ConfigError for anything else."""

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from pipeline.orphans import LAUNCHER_PID_ENV
+from pipeline.run.orphans import LAUNCHER_PID_ENV
 
 
 def main(argv: list[str]) -> int:

@@ -6,32 +6,31 @@ from __future__ import annotations
 import torch
 
 import schedule as sched
-from pipeline import checkpoint
 from pipeline.config import TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
-from pipeline.executor import OutOfMemory
-from pipeline.metrics import TrainingError
-from pipeline.placement import load_topology, plan_text
-from pipeline.replicas import replica_config
-from pipeline.resolve import resolve
-from pipeline.source import build_generated_model, ensure_generated_model, resolve_model
-from pipeline.trainer import Trainer
+from pipeline.plan.fit import device_type, gpu_capacity, report
+from pipeline.plan.layout import replica_config
+from pipeline.plan.long_rows import longest_row_line
+from pipeline.plan.placement import load_topology, plan_text
+from pipeline.plan.resolve import resolve
+from pipeline.plan.saved import saved_partition
+from pipeline.plan.source import build_generated_model, ensure_generated_model, resolve_model
+from pipeline.run.executor import OutOfMemory
+from pipeline.run.metrics import TrainingError
+from pipeline.run.trainer import Trainer
 
 
 def plan_report(cfg: TrainConfig, world_size: int) -> str:
     """The ``--plan`` report (rank 0 alone, before any process group exists)."""
-    from pipeline import plan as plan_mod
-
     if cfg.model == "generated":
         build_generated_model(cfg)
     source = resolve_model(cfg)
-    whole, resolved = cfg, resolve(cfg, world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
+    whole, resolved = cfg, resolve(cfg, world_size, source.config, saved_partition(cfg.resume, cfg.save_dir))
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
-    text = plan_mod.report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size,
-                           resolved.kept)
+    text = report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size, resolved.kept)
     text += "".join(f"\n{line}" for line in resolved.lines)
-    if plan_mod.device_type(cfg) == "cuda" and plan_mod.gpu_capacity(cfg) is not None:
-        text += "\n" + plan_mod.longest_row_line(replica_config(whole), source.config, world_size)
+    if device_type(cfg) == "cuda" and gpu_capacity(cfg) is not None:
+        text += "\n" + longest_row_line(replica_config(whole), source.config, world_size)
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
         text += "\n" + plan_text(cfg, source.config, topo)
@@ -46,14 +45,14 @@ def plan_report(cfg: TrainConfig, world_size: int) -> str:
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     """Train ``cfg`` (checked by ``check_config`` and ``check_files`` before the process group
     existed) on this rank, then save what it asks for."""
-    from pipeline.plan import check_fits
+    from pipeline.plan.fit import check_fits
 
     ensure_generated_model(cfg, env)
     source = resolve_model(cfg)
     # Rank 0 makes the automatic choices (auto reads its GPU's size); every rank runs them.
     resolved = None
     if env.rank == 0:
-        resolved = resolve(cfg, env.world_size, source.config, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
+        resolved = resolve(cfg, env.world_size, source.config, saved_partition(cfg.resume, cfg.save_dir))
         for line in resolved.lines:
             print(line, flush=True)
     resolved = broadcast_object(resolved)
@@ -66,7 +65,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     try:
         history = trainer.train()
     except OutOfMemory as e:  # one line with the plan's figure and what to change, not a traceback
-        from pipeline.plan import out_of_memory_line
+        from pipeline.plan.fit import out_of_memory_line
 
         raise TrainingError(out_of_memory_line(e, one, source.config, sched.round_robin(one.num_stages, size), size,
                                                resolved.kept)) from None

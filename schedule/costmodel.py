@@ -1,6 +1,6 @@
 """Predict the step time of a lowered schedule on a given GPU topology (pure, no torch).
 
-An event-driven simulation of the executor (``pipeline/executor.py`` with ``offload/store.py``):
+An event-driven simulation of the executor (``pipeline/run/executor.py`` with ``offload/store.py``):
 
 * Each rank runs its list in order on one compute lane. F/B of stage ``s`` take the given
   seconds and start once the rank reached them, the stage's latest LOAD has completed and
@@ -72,7 +72,7 @@ class Prediction:
     host_end: float = 0.0
 
     def events(self) -> list[dict]:
-        """The timeline as event dicts (the format ``pipeline/timeline.py`` writes)."""
+        """The timeline as event dicts (the format ``pipeline/run/timeline.py`` writes)."""
         return [{"rank": r, "name": str(a), "op": a.op.value, "stage": a.stage, "mb": a.mb, "seg": a.seg,
                  "start": s, "end": e}
                 for r, rows in sorted(self.timeline.items()) for s, e, a in rows]

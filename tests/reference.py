@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.optim import lr_at
+from pipeline.run.optim import lr_at
 from tolerance import assert_close
 
 
@@ -18,8 +18,8 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
     master weights, which AdamW steps and copies back (``device`` cuda for the GPU tests)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.build import build_stream
-    from pipeline.source import resolve_model
+    from pipeline.run.build import build_stream
+    from pipeline.plan.source import resolve_model
 
     torch.manual_seed(cfg.seed)
     impl = {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
@@ -67,7 +67,7 @@ def _loss_and_backward(model, batch, cfg: TrainConfig, accumulate: bool = False)
     the router loss, and ``accumulate`` (gradient accumulation, as mixed-precision recipes run
     it), run one forward per micro-batch, each token loss over the whole batch's count
     (``num_items_in_batch``) and each router loss over the micro-batches, the pipeline's
-    definition (``pipeline.router_loss``); with one micro-batch, the plain Hugging Face loss."""
+    definition (``pipeline.stage.router_loss``); with one micro-batch, the plain Hugging Face loss."""
     attn = cfg.attn_implementation if cfg.attn_implementation != "auto" else model.config._attn_implementation
     if not accumulate and not getattr(model.config, "output_router_logits", False):
         extra = {} if batch.segment_ids is None else packed_inputs(batch, attn)
@@ -109,7 +109,7 @@ def hf_model(path, impl: str):
 def in_process_trainer(cfg: TrainConfig):
     """A Trainer that holds every stage in this one process (world size 1)."""
     from pipeline.dist import DistEnv
-    from pipeline.trainer import Trainer
+    from pipeline.run.trainer import Trainer
 
     return Trainer(cfg, DistEnv(0, 1, 0, 1))
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, make_config
-from pipeline.model import build_stage, partition_layers, stage_num_params
+from pipeline.plan.shapes import partition_layers, stage_num_params
+from pipeline.stage.model import build_stage
 from reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
 from tolerance import assert_close, rel_err
 
@@ -180,7 +181,7 @@ def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
 
 def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path):
     """transformers loads a tied model whose checkpoint holds a different lm_head.weight untied."""
-    from pipeline.source import resolve_model
+    from pipeline.plan.source import resolve_model
 
     path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "other_head", noise=0.01)
     with pytest.raises(ConfigError, match="lm_head.weight differs from model.embed_tokens.weight") as e:
@@ -189,7 +190,7 @@ def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path):
 
 
 def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
-    from pipeline.source import resolve_model
+    from pipeline.plan.source import resolve_model
 
     src = make_model("qwen2_sliding", models_root)
     dst = tmp_path / "bad"

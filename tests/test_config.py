@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, env_without_dist, scratch_save_dir
-from pipeline.config import (RESUME_FREE, SECTIONS, ConfigError, launch_settings, load_yaml, make_config,
-                             parse_args)
+from pipeline.config import RESUME_FREE, SECTIONS, ConfigError, launch_settings, load_yaml, make_config, parse_args
 
 
 def _yaml(tmp_path, text: str) -> str:
@@ -137,7 +136,7 @@ def test_launch_settings_flag_over_environment_over_yaml(tmp_path):
 
 
 def test_negative_optimizer_values_are_named():
-    from pipeline.preflight import check_config
+    from pipeline.plan.preflight import check_config
 
     with pytest.raises(ConfigError, match=r"^weight_decay \(-0.1\) must be >= 0$"):
         check_config(make_config({"weight_decay": -0.1, "device": "cpu"}), 2)
@@ -221,7 +220,7 @@ def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
 
 
 def test_activation_offload_refuses_what_it_does_not_make_exact():
-    from pipeline.preflight import check_config
+    from pipeline.plan.preflight import check_config
 
     with pytest.raises(ConfigError, match=r"keep_layers \(1\) must be 0 or -1"):
         check_config(make_config({"activation_offload": True, "keep_layers": 1, "device": "cpu"}), 2)

@@ -153,7 +153,7 @@ def test_torchrun_permuted_mapping_matches_reference(tiny_model_dir, cross_run):
 
 @pytest.mark.slow
 def test_torchrun_writes_timeline(cross_run):
-    from pipeline.timeline import timeline_size
+    from pipeline.run.timeline import timeline_size
     from test_metrics import png_size
 
     cfg, out, proc = cross_run
@@ -191,9 +191,9 @@ def test_timeline_replays_offline(cross_run):
 
 # --- L1: which GPU each rank is on; the --plan helper -------------------------------------------------
 def test_rank_topology_follows_visible_devices(monkeypatch):
-    from pipeline.topology import GpuLink, Topology
+    from pipeline.plan.topology import GpuLink, Topology
     from pipeline.dist import DistEnv
-    from pipeline.placement import rank_topology
+    from pipeline.plan.placement import rank_topology
 
     topo = Topology([GpuLink(i, root, 0, bw) for i, root, bw in [(0, 0, 25.0), (1, 0, 25.0), (2, 1, 12.0),
                                                                   (3, 1, 25.0)]], source="test")
@@ -210,8 +210,8 @@ def test_rank_topology_follows_visible_devices(monkeypatch):
 
 def test_local_gpus_follow_visible_devices(monkeypatch):
     """The optimizer's cores follow the NUMA node of the GPU a local rank really runs on."""
-    from pipeline.topology import GpuLink, Topology
-    from pipeline.placement import local_gpus
+    from pipeline.plan.topology import GpuLink, Topology
+    from pipeline.plan.placement import local_gpus
 
     topo = Topology([GpuLink(i, i // 2, i // 2, 25.0) for i in range(4)], source="test")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -224,10 +224,10 @@ def test_local_gpus_follow_visible_devices(monkeypatch):
 
 
 def test_plan_text_for_a_config():
-    from pipeline.topology import GpuLink, Topology
+    from pipeline.plan.topology import GpuLink, Topology
     from pipeline.config import make_config
-    from pipeline.model import preset_config
-    from pipeline.placement import plan_text
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.placement import plan_text
 
     topo = Topology([GpuLink(i, i % 2, 0, 25.0) for i in range(4)], source="test")
     # the even partition: the GPU order this expects is the planner's answer for its stage sizes

@@ -17,10 +17,10 @@ import torch
 
 from conftest import ROOT, env_without_dist
 from pipeline.config import ConfigError, make_config
-from pipeline.replicas import Layout, check_replicas, replica_config, replica_share
-from pipeline.preflight import check_config
+from pipeline.plan.layout import Layout, check_replicas, replica_config, replica_share
+from pipeline.plan.preflight import check_config
 from reference import assert_same_training
-from runs import tiny_cfg, cli_flags, run_torchrun
+from runs import cli_flags, run_torchrun, tiny_cfg
 
 RTOL = 1e-6  # only the order of two float32 sums differs (micro-batch gradients, replica losses)
 

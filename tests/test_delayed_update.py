@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, make_config
-from pipeline.optim import lr_at
-from pipeline.preflight import check_config
+from pipeline.plan.preflight import check_config
+from pipeline.run.optim import lr_at
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from runs import tiny_cfg
 
@@ -18,8 +18,8 @@ def reference_train_delayed(cfg, model_dir) -> tuple[list[float], dict[str, torc
     that step; the last gradient is applied after the loop."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.build import build_stream
-    from pipeline.source import resolve_model
+    from pipeline.run.build import build_stream
+    from pipeline.plan.source import resolve_model
 
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=cfg.attn_implementation,

@@ -85,7 +85,7 @@ def test_kept_layers_match_reference(tiny_model_dir, schedule, keep):
 def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
     """Checkpointed, the last stage's head and loss run in chunks of tokens (7 here, which do not
     divide a micro-batch's 128): the training is the same, every token counted once."""
-    import pipeline.model as model_mod
+    import pipeline.stage.model as model_mod
 
     calls = []
     real = model_mod.checkpoint
@@ -108,7 +108,7 @@ def test_fused_last_stage_matches_reference(tiny_model_dir, monkeypatch, schedul
     """``fuse_last_stage``: the last stage's forward runs its loss (in chunks of 7 tokens, which
     do not divide a micro-batch's 128) and its backward at once; nothing of it is checkpointed,
     every token's loss is differentiated once, and the training is the same."""
-    import pipeline.model as model_mod
+    import pipeline.stage.model as model_mod
 
     losses_made, checkpointed = [], []
     real_loss, real_checkpoint = model_mod.Stage._loss, model_mod.checkpoint
@@ -231,7 +231,7 @@ def test_detects_lost_gradient_of_a_resident_stage(tiny_model_dir, monkeypatch):
 
 @pytest.mark.slow
 def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
-    from pipeline import model as model_mod
+    from pipeline.stage import model as model_mod
 
     original = model_mod.build_stage
 
@@ -242,13 +242,13 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
             layers[0].forward = lambda h, **_: h  # weights stay, compute is skipped
         return stage
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.build.build_stage", skipping))
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.run.build.build_stage", skipping))
 
 
 def test_detects_fused_loss_gradient_scaled_wrong(tiny_model_dir, monkeypatch):
     """The fused last stage's backward must scale the loss by 1 / (predicted tokens of the
     batch), as the normalised loss's backward does: counting only the micro-batch's is caught."""
-    from pipeline.executor import Executor
+    from pipeline.run.executor import Executor
 
     original = Executor._forward_backward
 

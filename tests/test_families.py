@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from models import FAMILIES, supports_sdpa, tiny_config
-from pipeline.model import build_stage, partition_layers
+from pipeline.plan.shapes import partition_layers
+from pipeline.stage.model import build_stage
 from reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
 from runs import cli_flags, run_torchrun, tiny_cfg
 from tolerance import rel_err as _rel
@@ -207,7 +208,7 @@ def test_resume_is_bit_exact(root, tmp_path, family):
 @pytest.mark.slow
 def test_a_lost_router_loss_is_seen(root, monkeypatch):
     """Without the router loss's gradient (the config asks for it) training differs."""
-    from pipeline.router_loss import RouterLoss
+    from pipeline.stage.router_loss import RouterLoss
 
     path = family_model("qwen3_moe", root)
     monkeypatch.setattr(RouterLoss, "roots", lambda self, *a, **kw: ([], []))
@@ -242,8 +243,8 @@ def test_a_token_routed_elsewhere_in_a_recompute_is_seen(root, monkeypatch, fami
 def test_router_loss_is_part_of_the_loss(root):
     """With one micro-batch the first step's loss is the Hugging Face model's: its language-model
     loss plus ``router_aux_loss_coef`` times its router loss, a visible part of it here."""
-    from pipeline.build import build_stream
-    from pipeline.source import resolve_model
+    from pipeline.run.build import build_stream
+    from pipeline.plan.source import resolve_model
 
     path = family_model("qwen3_moe", root)
     cfg = _cfg(path, num_chunks=1, num_iterations=1)
@@ -295,7 +296,7 @@ def test_self_check_refuses_a_family_that_differs():
 def test_an_unregistered_family_is_refused_before_launch(tmp_path):
     """resolve_model (every rank, before any process group) turns the refusal into a ConfigError."""
     from pipeline.config import ConfigError
-    from pipeline.source import resolve_model
+    from pipeline.plan.source import resolve_model
 
     config = _config("GraniteConfig", embedding_multiplier=2.0, logits_scaling=3.0)
     config.save_pretrained(tmp_path)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipeline.config import make_config
-from pipeline.metrics import TrainingError
-from pipeline.optim import LossScaler
+from pipeline.run.metrics import TrainingError
+from pipeline.run.optim import LossScaler
 from reference import in_process_trainer, trainer_masters
 
 

@@ -41,8 +41,8 @@ def _run(tmp_path, nproc: int, mode: str) -> dict:
 
 def _estimated_peaks(nproc: int, mode: str) -> list[int]:
     from pipeline.config import make_config
-    from pipeline.model import preset_config
-    from pipeline.plan import memory_plan
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import memory_plan
     from schedule import round_robin
 
     cfg = make_config(_settings(nproc, mode))
@@ -125,7 +125,7 @@ def test_step_has_no_host_sync(tmp_path, mode):
     assert seen, "the sync debug mode reported nothing: the check itself is not working"
     allowed = ("float(torch.stack(self.losses)", "out.backward()", "torch.autograd.backward(out, grad)")
     unexpected = {(f, n, code) for f, n, code in seen
-                  if not (f.endswith("pipeline/executor.py") and any(a in code for a in allowed))}
+                  if not (f.endswith("pipeline/run/executor.py") and any(a in code for a in allowed))}
     assert not unexpected, sorted(unexpected)
 
 
@@ -259,7 +259,7 @@ def test_compiled_layers_match_eager(arch, packed):
     import torch._dynamo.utils as dynamo_utils
     from test_segments import make_batch, make_config, make_stages
 
-    from pipeline.model import compile_layers
+    from pipeline.stage.model import compile_layers
 
     torch._dynamo.reset()
     dynamo_utils.counters.clear()  # reset() keeps them: the parametrized cases would add up

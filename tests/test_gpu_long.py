@@ -35,7 +35,7 @@ def test_segment_attention_holds_no_scores(heads, kv_heads, head_dim):
     """4096 queries of a segment over 16384 keys: the scores would be 8 GiB in float32 (4 in bf16);
     the call, forward and backward, peaks under 2 GiB above its inputs (flash's padded copies,
     its fp32 query-gradient accumulator, the gradients), through the bottom-right kernel."""
-    import pipeline.attention as attention
+    import pipeline.stage.attention as attention
 
     dev = torch.device("cuda")
     tq, tk = 4096, 16384
@@ -59,8 +59,9 @@ def test_segment_attention_holds_no_scores(heads, kv_heads, head_dim):
 
 
 def _stage_grads(stage, x, targets, lengths, mode: str, doc=None, pos=None):
-    import pipeline.attention as attention
-    from pipeline.segments import SegmentStage, segment_bounds
+    import pipeline.stage.attention as attention
+    from pipeline.stage.segments import SegmentStage
+    from pipeline.plan.shapes import segment_bounds
 
     stage.zero_grad(set_to_none=True)
     runner, loss = SegmentStage(stage, lengths), 0
@@ -78,7 +79,7 @@ def test_gpu_kernels_train_like_the_reference(arch, packed):
     """bf16 segments through the kernels (llama: flash's bottom-right causal; mistral: flex with
     its window, and with packed records) against the explicit-mask path in bf16, both held
     against the float32 explicit-mask path: the kernels may be at most twice as far from it."""
-    import pipeline.attention as attention
+    import pipeline.stage.attention as attention
     from test_segments import LENGTHS, make_batch, make_config, make_stages
 
     config = make_config(arch, "sdpa")
@@ -150,8 +151,8 @@ def test_plan_matches_the_measured_peak(kw):
     """Llama-3B's shapes, 4 layers in 6 stages (every stage offloaded, activation_offload): whole
     rows and 4 segments (keys/values in host memory), untiled at 16K and tiled at 32K. The issue's
     target is 10%; this prints both figures for the notes and holds them within 15%."""
-    from pipeline.model import preset_config
-    from pipeline.plan import memory_plan
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import memory_plan
     from reference import in_process_trainer
     from schedule import round_robin
 
@@ -173,10 +174,10 @@ def test_plan_matches_the_measured_peak(kw):
 def test_out_of_memory_is_one_line(monkeypatch):
     """A cap the plan would refuse, with the plan's check skipped: the run stops with one
     TrainingError line naming the action, what it asked for and the plan's figure."""
-    import pipeline.plan as plan_mod
+    import pipeline.plan.fit as plan_mod
     import pipeline.train as train_mod
     from pipeline.dist import DistEnv
-    from pipeline.metrics import TrainingError
+    from pipeline.run.metrics import TrainingError
 
     import gc
 
@@ -202,7 +203,7 @@ def test_long_row_kernels_against_the_reference_in_training():
     explicit-mask reference path give the same losses within bf16 noise (the gradients are
     checked per stage above; here the executor, the stash and the keys/values in host memory
     are in the loop)."""
-    import pipeline.attention as attention
+    import pipeline.stage.attention as attention
     from reference import in_process_trainer
 
     losses = {}

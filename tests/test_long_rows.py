@@ -1,10 +1,10 @@
 """Long rows (issue 28), one process, float32: every new path trains exactly like the unsplit model.
 
-* Segment attention through the kernels' dispatch (``pipeline.attention``): on the CPU the
+* Segment attention through the kernels' dispatch (``pipeline.stage.attention``): on the CPU the
   bottom-right-aligned causal kernel runs as torch's materialised form of it, which checks the
   alignment the GPU kernels get; the explicit-mask reference path is the default on the CPU.
 * Carried keys/values in host memory (``offload.kv``) between a stage's forwards and backwards.
-* Tiled MLPs (``pipeline.tiled``).
+* Tiled MLPs (``pipeline.stage.tiled``).
 * The trainer with all of them, against plain Hugging Face training, for gpipe, 1f1b and
   interleaved, with and without parameter offload, with sliding windows and packed rows.
 
@@ -23,17 +23,19 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from test_segments import (LENGTHS, TOL, make_batch, make_config, make_stages, mismatch, noise_floor, reference, rel,
+                           run_segments)
 
-import pipeline.attention as attention
-import pipeline.segments as segments
-import pipeline.tiled as tiled
+import pipeline.plan.shapes as shapes
+import pipeline.stage.attention as attention
+import pipeline.stage.segments as segments
+import pipeline.stage.tiled as tiled
 from offload.kv import CarriedKV
-from pipeline.model import build_stage
-from pipeline.segments import SegmentStage, segment_bounds
+from pipeline.plan.shapes import segment_bounds
+from pipeline.stage.model import build_stage
+from pipeline.stage.segments import SegmentStage
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from runs import reference_result, tiny_cfg
-from test_segments import LENGTHS, TOL, make_batch, make_config, make_stages, mismatch, noise_floor, reference, rel, \
-    run_segments
 
 EQUAL = LENGTHS["equal"]  # 4 x 24: segments of one shape, so a mix-up shows in the numbers
 
@@ -258,7 +260,7 @@ LONG = dict(seq_chunks=3, activation_offload=True, activation_checkpointing=True
 def small_tiles(monkeypatch, counts: dict):
     """MLP tiles of 10 tokens for the tiny model (float32, intermediate 128), and counters of the
     tiles run and the keys/values sent to host memory."""
-    monkeypatch.setattr(tiled, "MLP_TILE_BYTES", 10 * 4 * 128)
+    monkeypatch.setattr(shapes, "MLP_TILE_BYTES", 10 * 4 * 128)
     real_tile, real_offload = tiled.TiledForward.run_tile, CarriedKV.offload
 
     def tile(self, t):
@@ -365,8 +367,8 @@ def _long_cfg(**kw):
 
 
 def _peak(cfg):
-    from pipeline.model import preset_config
-    from pipeline.plan import memory_plan
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import memory_plan
     from schedule import round_robin
 
     ranks, _ = memory_plan(cfg, preset_config(cfg.model), round_robin(cfg.num_stages, 1), "cuda")
@@ -388,8 +390,9 @@ def test_plan_counts_tiles_and_keys_in_host_memory():
 def test_automatic_choice_takes_the_first_that_fits():
     """Whole rows before segments, untiled before tiled, the fewest stages: each choice fits and
     one stage fewer would not."""
-    from pipeline.model import preset_config
-    from pipeline.plan import assess, resolve_long_rows
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import assess
+    from pipeline.plan.long_rows import resolve_long_rows
     from schedule import round_robin
 
     hf = preset_config("llama-3b")
@@ -410,8 +413,8 @@ def test_automatic_choice_takes_the_first_that_fits():
 
 
 def test_plan_prints_the_longest_row():
-    from pipeline.model import preset_config
-    from pipeline.plan import longest_row, longest_row_line
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.long_rows import longest_row, longest_row_line
 
     cfg = _long_cfg(model="tiny", num_stages=-1, seq_chunks=-1, gpu_memory_gb=2.0)
     found = longest_row(cfg, preset_config("tiny"), 1, limit=2**17)
@@ -425,8 +428,8 @@ def test_plan_prints_the_longest_row():
 def test_out_of_memory_line_names_the_action_the_plan_and_a_change():
     from types import SimpleNamespace
 
-    from pipeline.model import preset_config
-    from pipeline.plan import out_of_memory_line
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import out_of_memory_line
     from schedule import round_robin
 
     cfg = _long_cfg(tiled_mlp="true")
@@ -444,7 +447,7 @@ def test_out_of_memory_is_one_line_error(tiny_model_dir, monkeypatch):
     """The executor turns an out-of-memory error into OutOfMemory naming the action; train() into
     one TrainingError line (main.py prints it as one error: line)."""
     from pipeline.dist import DistEnv
-    from pipeline.metrics import TrainingError
+    from pipeline.run.metrics import TrainingError
     from pipeline.train import train
 
     real = SegmentStage.recompute_forward

@@ -7,16 +7,16 @@ import time
 from pathlib import Path
 
 import pytest
+from test_metrics import distinct_colours, png_size
 
 import schedule as sched
-from pipeline.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
-from pipeline.timeline import (STYLE, Timeline, read_chrome_trace, timeline_size, write_chrome_trace,
-                               write_run_timeline, write_timeline_png)
+from pipeline.plan.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
+from pipeline.run.timeline import (STYLE, Timeline, read_chrome_trace, timeline_size, write_chrome_trace,
+                                   write_run_timeline, write_timeline_png)
 from schedule.costmodel import predict, predict_steady
 from schedule.ir import Action, Op
 from schedule.mapping import manual_mapping, plan_mapping
 from schedule.spec import ProgramSpec
-from test_metrics import distinct_colours, png_size
 
 DATA = Path(__file__).parent / "data"
 GB = 1e9

@@ -10,10 +10,11 @@ import torch
 
 import schedule as sched
 from conftest import ROOT, env_without_dist, scratch_save_dir
-from pipeline.config import ConfigError, make_config
-from pipeline.memory import ModelShape, layer_saved_bytes_per_token
 from models import FAMILIES, supports_sdpa, tiny_config
-from pipeline.model import build_stage, preset_config
+from pipeline.config import ConfigError, make_config
+from pipeline.plan.memory import ModelShape, layer_saved_bytes_per_token
+from pipeline.plan.source import preset_config
+from pipeline.stage.model import build_stage
 
 
 def _saved_bytes(module, x, loss_fn=None) -> int:
@@ -146,9 +147,9 @@ def _measured_peak(trainer) -> int:
 @pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
     from pipeline.dist import DistEnv
-    from pipeline.plan import memory_plan
-    from pipeline.trainer import Trainer
-    from pipeline.source import resolve_model
+    from pipeline.plan.fit import memory_plan
+    from pipeline.run.trainer import Trainer
+    from pipeline.plan.source import resolve_model
 
     cfg = make_config(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32", num_iterations=2,
                            num_stages=4, seq_length=128, batch_size=16, save_model=False, save_metrics=False,
@@ -163,7 +164,7 @@ def test_estimate_tracks_the_schedule():
     """GPipe keeps every micro-batch's activations; 1F1B at most a pipeline's depth of them
     (with the last stage recomputing, whose kept inputs show the difference most; fused, it
     keeps none between its forward and backward under either schedule)."""
-    from pipeline.plan import memory_plan
+    from pipeline.plan.fit import memory_plan
 
     hf = preset_config("llama-2-7b")
     peaks = {}
@@ -180,7 +181,7 @@ def test_activation_offload_peak_does_not_grow_with_microbatches():
     """activation_offload: the GPU holds one stage's activations of one micro-batch whatever the
     number waiting for their backward; each waiting one costs a hidden state per stage in host
     memory instead. 7B on two GPUs, every stage offloaded (RoundPipe's setting)."""
-    from pipeline.plan import memory_plan, resolve_kept
+    from pipeline.plan.fit import memory_plan, resolve_kept
 
     hf = preset_config("llama-2-7b")
     base = dict(model="llama-2-7b", num_stages=16, seq_length=4096, use_offload=True, resident_stages=0,
@@ -206,8 +207,8 @@ def test_activation_offload_peak_does_not_grow_with_microbatches():
 def test_resident_stages_move_their_state_from_host_to_gpu():
     """Each resident stage keeps its weights, gradients, masters and AdamW moments on the GPU
     (20 bytes a parameter in bf16) and none of them in host memory."""
-    from pipeline.model import stage_param_counts
-    from pipeline.plan import memory_plan
+    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.plan.fit import memory_plan
 
     hf = preset_config("llama-2-7b")
     base = dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512, use_offload=True,
@@ -222,7 +223,7 @@ def test_resident_stages_move_their_state_from_host_to_gpu():
 
 
 def test_auto_resident_stages_use_the_spare_gpu_memory():
-    from pipeline import plan
+    from pipeline.plan import fit as plan
 
     hf = preset_config("llama-2-7b")
     base = dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512, use_offload=True,
@@ -248,7 +249,7 @@ def test_auto_kept_layers_fill_the_spare_gpu_memory():
     """keep_layers -1 keeps activations layer by layer, cheapest first, while the estimate stays
     within the auto share of the GPU: one layer more on any stage would not fit, and the last
     stages (one micro-batch in flight under 1F1B) keep before the first ones (a pipeline's depth)."""
-    from pipeline import plan
+    from pipeline.plan import fit as plan
 
     hf = preset_config("llama-2-7b")
     base = dict(model="llama-2-7b", schedule="1f1b", num_stages=16, num_chunks=16, batch_size=64, seq_length=512,
@@ -280,7 +281,7 @@ def test_auto_kept_layers_fill_the_spare_gpu_memory():
 def test_kept_layers_count_their_activations():
     """A kept layer's saved bytes replace its checkpointed input; keeping them all is the
     estimate without checkpointing, the head aside (it is recomputed either way)."""
-    from pipeline.memory import MemoryInputs, StagePlan, _per_token
+    from pipeline.plan.memory import MemoryInputs, StagePlan, _per_token
 
     m = ModelShape.of(preset_config("llama-2-7b"))
     stages = [StagePlan(1, 4, False, False)]
@@ -295,8 +296,8 @@ def test_checkpointed_head_counts_one_loss_chunk():
     """A 128K vocabulary (Llama-3): checkpointed, the head's logits exist for one chunk of
     tokens at a time, so its transient is the chunk's, not the micro-batch's; unchunked
     (no checkpointing) it is the whole micro-batch's."""
-    from pipeline.memory import MemoryInputs, StagePlan, _per_token
-    from pipeline.model import LOSS_CHUNK_BYTES
+    from pipeline.plan.memory import MemoryInputs, StagePlan, _per_token
+    from pipeline.plan.shapes import LOSS_CHUNK_BYTES
 
     m = ModelShape(4096, 14336, 32, 1024, 128256)
     last = [StagePlan(1, 0, False, True)]  # the head alone
@@ -308,7 +309,7 @@ def test_checkpointed_head_counts_one_loss_chunk():
 
 
 def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
-    from pipeline import plan
+    from pipeline.plan import fit as plan
 
     cfg = make_config(dict(model="llama-2-7b", schedule="gpipe", num_stages=8, num_chunks=16, batch_size=64,
                            seq_length=512, use_offload=False, activation_checkpointing=False, device="cuda",
@@ -341,7 +342,7 @@ def test_plan_cli_prints_every_rank_and_the_verdict():
 def test_auto_choices_without_a_gpu_size_ask_for_it(monkeypatch):
     """Planning a GPU run on a machine without one: auto sizes against the card, so without
     ``gpu_memory_gb`` it is one ConfigError naming the key to set, not a guess."""
-    from pipeline import plan
+    from pipeline.plan import fit as plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     hf = preset_config("llama-2-7b")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.config import make_config
-from pipeline.metrics import SkipGuard, TrainingError, plot_size, write_plot_png
+from pipeline.run.metrics import SkipGuard, TrainingError, plot_size, write_plot_png
 from reference import in_process_trainer, trainer_masters
 
 EVAL_BATCHES = 3
@@ -127,7 +127,7 @@ def test_eval_needs_a_validation_split(tiny_model_dir, tmp_path):
 # --- non-finite steps ---------------------------------------------------------------------------
 def _poison(monkeypatch, bad_iterations: set[int], num_chunks: int = 4) -> None:
     """The last stage's loss of micro-batch 0 is NaN in the given (0-based) iterations."""
-    import pipeline.model as ex  # the last stage computes the loss
+    import pipeline.stage.model as ex  # the last stage computes the loss
 
     calls = {"n": 0}
     real = ex.F.cross_entropy
@@ -200,7 +200,7 @@ def test_skip_guard_counts_consecutive():
 
 
 def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
-    from pipeline.optim import needs_norm
+    from pipeline.plan.settings import needs_norm
 
     assert needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
     assert not needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))
@@ -285,7 +285,7 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):
     import sys
 
     from pipeline.dist import Log
-    from pipeline.metrics import Metrics
+    from pipeline.run.metrics import Metrics
 
     row = {"step": 1, "loss": 2.5, "grad_norm": 1.0, "lr": 1e-4, "tokens": 64, "tokens_per_s": 640.0,
            "tflops_per_gpu": 0.001, "step_time_s": 0.1, "peak_mem_bytes": 2**30, "skipped": False}

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.model import build_stage, partition_layers, preset_config, stage_num_params
+from pipeline.plan.shapes import partition_layers, stage_num_params
+from pipeline.plan.source import preset_config
+from pipeline.stage.model import build_stage
 from reference import hf_model
 from tolerance import assert_close, rel_err
 
@@ -108,7 +110,7 @@ def test_preset_weights_do_not_depend_on_the_partition():
 def test_kept_layers_skip_their_recompute(monkeypatch, kept, last, expected):
     """With checkpointing, a stage recomputes its first ``len - kept`` layers (and, last, its
     head and loss); the kept layers run plainly."""
-    import pipeline.model as model_mod
+    import pipeline.stage.model as model_mod
     from transformers import LlamaConfig
 
     calls = []
@@ -154,7 +156,7 @@ def test_fused_last_stage_equals_forward_then_backward(monkeypatch, arch, num_st
     """``forward_backward`` (no checkpoint, the loss in chunks of 7 tokens differentiated one by
     one) gives the loss and gradients of the checkpointed forward and its backward: for the
     first stage too (token ids in, tied embedding and head) and for a stage fed hidden states."""
-    import pipeline.model as model_mod
+    import pipeline.stage.model as model_mod
 
     monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
     (l0, x0, g0), (l1, x1, g1) = fused_and_plain(arch, num_stages)
@@ -169,7 +171,7 @@ def test_fused_comparison_catches_a_lost_chunk(monkeypatch):
     """The mutation the comparison above must catch: one chunk of the fused loss differentiated
     as zero (its value still counted). It moves the gradients by about 0.2 of their norm,
     against the 2e-7 that the summation order does."""
-    import pipeline.model as model_mod
+    import pipeline.stage.model as model_mod
 
     monkeypatch.setattr(model_mod, "loss_chunk_tokens", lambda vocab: 7)
     real_forward_backward, real_loss = model_mod.Stage.forward_backward, model_mod.Stage._loss

@@ -1,4 +1,4 @@
-"""pipeline/orphans.py: a worker whose launcher dies gets SIGTERM, from the kernel (parent-death
+"""pipeline/run/orphans.py: a worker whose launcher dies gets SIGTERM, from the kernel (parent-death
 signal) or, where that is not to be had, from its watching thread, and says why once. The whole
 run under torchrun: tests/test_resume.py::test_workers_stop_when_their_launcher_is_killed."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+from test_resume import _alive
 
 from conftest import ROOT, env_without_dist
-from test_resume import _alive
 
 # The launcher: starts the worker, prints its pid, then waits to be killed.
 LAUNCHER = """
@@ -25,7 +25,7 @@ time.sleep(600)
 # worker at start-up). ``kernel`` False: as on a system without prctl, the thread signals.
 WORKER = """
 import time
-from pipeline import orphans
+from pipeline.run import orphans
 if not {kernel}:
     orphans._ask_kernel = lambda: False
 orphans.watch(poll_s=0.1)

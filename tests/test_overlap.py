@@ -7,8 +7,8 @@ import time
 import pytest
 
 from reference import assert_same_training, in_process_trainer, trainer_masters
+from runs import ITERS, reference_result, tiny_cfg
 from schedule.ir import Op
-from runs import ITERS, tiny_cfg, reference_result
 
 SLOW_S = 0.5
 
@@ -69,7 +69,7 @@ def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir)
 
 
 def test_gc_clock_sums_collections():
-    from pipeline.trainer import GcClock
+    from pipeline.run.trainer import GcClock
 
     clock = GcClock()
     clock("start", {})

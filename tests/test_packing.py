@@ -8,16 +8,17 @@ import json
 import re
 
 import pytest
+import test_architectures
 import torch
+from test_architectures import make_model
 
 from data import IGNORE_INDEX, BatchStream, DataError, Example, collate, collate_packed
 from data.batching import pack_rows
 from pipeline.config import make_config
-from pipeline.model import build_stage, partition_layers
+from pipeline.plan.shapes import partition_layers
+from pipeline.stage.model import build_stage
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from tolerance import assert_close
-import test_architectures
-from test_architectures import make_model
 
 models_root = test_architectures.models_root  # the fixture, shared with this module's tests
 
@@ -64,7 +65,7 @@ def test_pack_rows_is_greedy_in_data_order():
 
 
 def test_token_line_says_why_nothing_packed_and_what_is_left_out():
-    from pipeline.build import token_line
+    from pipeline.run.build import token_line
 
     # 13 records of 9 to 12 tokens, seq_length 16: no two fit in a row; 3 rows a batch leave 1 out
     stream = BatchStream(_records(100, [9, 10, 11, 12] * 3 + [9]), 3, pad_id=0, seq_length=16, seed=1, packing=True)

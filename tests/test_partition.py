@@ -9,8 +9,9 @@ import pytest
 
 import schedule as sched
 from pipeline.config import ConfigError, make_config
-from pipeline.model import partition_layers, preset_config, stage_num_params
-from pipeline.partition import predicted_step_time, stage_costs, stage_layers
+from pipeline.plan.partition import predicted_step_time, stage_costs, stage_layers
+from pipeline.plan.shapes import partition_layers, stage_num_params
+from pipeline.plan.source import preset_config
 from schedule.partition import balance_layers, choose_counts
 
 
@@ -78,7 +79,7 @@ def test_stage_costs_count_the_head_and_recompute():
 @pytest.mark.parametrize("vocab", [512, 4096])
 @pytest.mark.parametrize("offload", [False, True])
 def test_cost_partition_covers_every_layer_once(stages, ranks, schedule, vocab, offload):
-    from pipeline.partition import _cost_counts
+    from pipeline.plan.partition import _cost_counts
 
     hf = _llama(vocab)
     cfg = _cfg(num_stages=stages, schedule=schedule, use_offload=offload)
@@ -122,7 +123,7 @@ def test_llama_2_7b_is_predicted_faster(stages, ranks, schedule):
 
 def test_memory_plan_and_plan_report_use_the_partition():
     """Parameters per stage (memory, loads) follow the cost partition; --plan prints it."""
-    from pipeline import plan
+    from pipeline.plan import fit as plan
 
     hf = _llama(4096)
     cfg = _cfg(num_stages=4, schedule="interleaved")
@@ -139,7 +140,7 @@ def test_memory_plan_and_plan_report_use_the_partition():
 
 
 def test_resume_refuses_another_partition_of_the_same_stages(tmp_path):
-    from pipeline.checkpoint import ResumePoint, check_resume_partition
+    from pipeline.run.checkpoint import ResumePoint, check_resume_partition
 
     saved = ResumePoint(tmp_path, {"num_stages": 4, "parts": [[0, 1], [1, 3], [3, 5], [5, 6]], "config": {}})
     check_resume_partition(saved, 4, partition_layers(6, 4), "layers")  # the same: fine
@@ -155,7 +156,7 @@ def test_resume_keeps_the_checkpoints_partition():
     """Resumed on another process count, the cost partition may differ: the run takes the
     checkpoint's layers per stage (its AdamW state is per stage) and says so; not over counts
     given, nor for another number of stages or layers (those restart AdamW)."""
-    from pipeline.resolve import resolve, resume_partition
+    from pipeline.plan.resolve import resolve, resume_partition
 
     hf = _llama(4096)
     cfg = _cfg(num_stages=4, schedule="interleaved")
@@ -173,7 +174,7 @@ def test_resume_keeps_the_checkpoints_partition():
 def test_explicit_counts_are_the_partition(tiny_model_dir):
     """``partition: 1,2,2,1`` (what the refusal above advises) gives those layers on any process
     count; counts that do not match the stages or layers are one error line."""
-    from pipeline.source import resolve_model
+    from pipeline.plan.source import resolve_model
 
     hf = _llama(512)
     cfg = _cfg(partition="1,1,3,1")

@@ -188,8 +188,10 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_model_dir):
 def test_bin_weights_load_like_safetensors(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from pipeline.model import build_stage, partition_layers, weight_files
-    from pipeline.source import resolve_model
+    from pipeline.stage.model import build_stage
+    from pipeline.plan.shapes import partition_layers
+    from pipeline.stage.weights import weight_files
+    from pipeline.plan.source import resolve_model
     from pipeline.config import make_config
 
     tensors = {}

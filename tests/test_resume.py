@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import checkpoint
-from pipeline.config import ConfigError
-from runs import tiny_cfg, cli_flags
 from conftest import ROOT, env_without_dist
+from pipeline.config import ConfigError
+from pipeline.plan import saved
 from reference import in_process_trainer
+from runs import cli_flags, tiny_cfg
 
 ITERS = 6
 
@@ -57,11 +57,11 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
     before = _losses(first.train())
     assert first.stopped_by == signal.SIGTERM and len(before) == 3
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after training
-    ckpt = checkpoint.checkpoint_dir(tmp_path, 3)
-    assert checkpoint.validate_checkpoint(ckpt) is None
+    ckpt = saved.checkpoint_dir(tmp_path, 3)
+    assert saved.validate_checkpoint(ckpt) is None
     assert "stopped by SIGTERM after step 3" in capsys.readouterr().out
 
-    state = checkpoint.read_trainer_state(ckpt)
+    state = saved.read_trainer_state(ckpt)
     assert state["iteration"] == 3 and state["lr_scheduler"]["iteration"] == 3
     assert state["num_stages"] == 4 and state["world_size"] == 1 and state["mapping"] == [0, 0, 0, 0]
     assert state["data"]["position"] == 3 * cfg.batch_size
@@ -82,7 +82,7 @@ def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninte
 
     # Resuming from an explicit path (not the newest) continues exactly too.
     from_4 = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path),
-                           resume=str(checkpoint.checkpoint_dir(tmp_path, 4))))
+                           resume=str(saved.checkpoint_dir(tmp_path, 4))))
     assert _losses(from_4.train()) == uninterrupted[4:]
 
     capsys.readouterr()
@@ -93,7 +93,7 @@ def test_checkpoint_every_keep_and_finished_run(tiny_model_dir, tmp_path, uninte
     # A checkpoint is a Hugging Face model directory.
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint.checkpoint_dir(tmp_path, 6))
+    model = AutoModelForCausalLM.from_pretrained(saved.checkpoint_dir(tmp_path, 6))
     assert sum(p.numel() for p in model.parameters()) == sum(s.numel for s in done.stores.values())
 
 
@@ -118,20 +118,20 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     cfg = tiny_cfg(tiny_model_dir, num_iterations=3, num_stages=2, save_dir=str(tmp_path), checkpoint_every=1)
     in_process_trainer(cfg).train()
     root = tmp_path / "checkpoints"
-    assert checkpoint.find_latest(tmp_path, print) == checkpoint.checkpoint_dir(tmp_path, 3)
+    assert saved.find_latest(tmp_path, print) == saved.checkpoint_dir(tmp_path, 3)
 
     # A kill in the middle of a save leaves step_N.partial without a marker.
     shutil.copytree(root / "step_00000003", root / "step_00000004.partial")
-    (root / "step_00000004.partial" / checkpoint.MARKER).unlink()
+    (root / "step_00000004.partial" / saved.MARKER).unlink()
     # A file truncated after the save (disk full, a copy cut short).
     shard = root / "step_00000003" / "model-00002-of-00002.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     # A marker that never got written.
-    (root / "step_00000002" / checkpoint.MARKER).unlink()
+    (root / "step_00000002" / saved.MARKER).unlink()
 
     warnings = []
-    assert checkpoint.find_latest(tmp_path, warnings.append) == checkpoint.checkpoint_dir(tmp_path, 1)
+    assert saved.find_latest(tmp_path, warnings.append) == saved.checkpoint_dir(tmp_path, 1)
     text = "\n".join(warnings)
     assert "step_00000004.partial: an interrupted save" in text
     assert "model-00002-of-00002.safetensors has" in text and "truncated" in text
@@ -144,7 +144,7 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     resumed.train()
     # Once a new checkpoint is complete, older ones beyond keep and leftovers are deleted.
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
-    assert checkpoint.validate_checkpoint(root / "step_00000003") is None
+    assert saved.validate_checkpoint(root / "step_00000003") is None
 
     with pytest.raises(ConfigError, match="not a complete checkpoint: no COMPLETE marker"):
         in_process_trainer(tiny_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
@@ -277,9 +277,9 @@ def test_torchrun_sigterm_saves_and_resumes_exactly(tiny_model_dir, tmp_path, ta
     stopped = [line for line in out.splitlines() if "stopped by SIGTERM after step" in line]
     assert len(stopped) == 1, out
     step = int(stopped[0].split("after step ")[1].split(",")[0])
-    ckpt = checkpoint.checkpoint_dir(tmp_path / "run", step)
-    assert checkpoint.validate_checkpoint(ckpt) is None
-    state = checkpoint.read_trainer_state(ckpt)
+    ckpt = saved.checkpoint_dir(tmp_path / "run", step)
+    assert saved.validate_checkpoint(ckpt) is None
+    state = saved.read_trainer_state(ckpt)
     assert state["world_size"] == 2 and state["mapping"] == [0, 1, 0, 1] and state["iteration"] == step
     assert sorted(p.name for p in (ckpt / "train_state").iterdir()) == \
         ["rank00000.pt", "rank00001.pt"] + [f"stage0000{s}.pt" for s in range(4)]
@@ -367,6 +367,6 @@ def test_workers_stop_when_their_launcher_is_killed(tiny_model_dir, tmp_path, la
     for rank in (0, 1):
         assert f"[rank {rank}] warning: the launcher (pid {proc.pid}) has died; this worker stops" in err, err[-3000:]
     step = int(re.search(r"stopped by SIGTERM \(its launcher died\) after step (\d+), checkpoint saved", out).group(1))
-    root = tmp_path / "run" / checkpoint.CHECKPOINTS
+    root = tmp_path / "run" / saved.CHECKPOINTS
     assert sorted(p.name for p in root.iterdir()) == [f"step_{step:08d}"]  # nothing half-written beside it
-    assert checkpoint.validate_checkpoint(root / f"step_{step:08d}") is None
+    assert saved.validate_checkpoint(root / f"step_{step:08d}") is None

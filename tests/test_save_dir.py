@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_prelaunch import chat_file, refused_before_launch
 
 from conftest import ROOT, env_without_dist
-from pipeline import checkpoint, preflight
 from pipeline.config import ConfigError, make_config
-from test_prelaunch import chat_file, refused_before_launch
+from pipeline.plan import preflight, saved
 
 
 @pytest.fixture
@@ -38,11 +38,11 @@ def _finished_run(out: Path, checkpoint_step: int = 0) -> Path:
     (out / "results.json").write_text("{}\n")
     (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n{"kind": "summary", "num_steps": 1}\n')
     if checkpoint_step:
-        ckpt = checkpoint.checkpoint_dir(out, checkpoint_step)
+        ckpt = saved.checkpoint_dir(out, checkpoint_step)
         ckpt.mkdir(parents=True)
-        (ckpt / checkpoint.TRAINER_STATE).write_text("{}\n")
-        (ckpt / checkpoint.MARKER).write_text(json.dumps({"step": checkpoint_step, "saved_at": time.time(),
-                                                          "files": {checkpoint.TRAINER_STATE: 3}}))
+        (ckpt / saved.TRAINER_STATE).write_text("{}\n")
+        (ckpt / saved.MARKER).write_text(json.dumps({"step": checkpoint_step, "saved_at": time.time(),
+                                                          "files": {saved.TRAINER_STATE: 3}}))
     return out
 
 
@@ -116,7 +116,7 @@ def test_seq_length_without_a_trainable_token_names_the_minimum(tiny_model_dir):
 
 def test_chat_records_need_a_chat_template(tiny_model_dir, tmp_path):
     from data import DataError
-    from pipeline.preflight import check_files
+    from pipeline.plan.preflight import check_files
 
     cfg = make_config({"model": str(tiny_model_dir), "dataset": str(chat_file(tmp_path / "chat.jsonl")),
                        "num_stages": 2, "save_dir": str(tmp_path / "run")})
@@ -130,7 +130,7 @@ def test_generated_config_is_the_generated_models(tmp_path):
     from transformers import AutoConfig
 
     from data import SAMPLE_TRAIN, ensure_tiny_model
-    from pipeline.source import generated_config
+    from pipeline.plan.source import generated_config
 
     built = AutoConfig.from_pretrained(ensure_tiny_model(tmp_path / "gen", data_files=[SAMPLE_TRAIN]))
     assumed = generated_config()
@@ -194,7 +194,7 @@ def test_a_second_run_into_a_live_save_dir_is_refused(tiny_model_dir, tmp_path):
     rows = _metrics_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, step + 1))
     assert rows[-1]["kind"] == "summary"
-    assert checkpoint.validate_checkpoint(checkpoint.checkpoint_dir(out, step)) is None
+    assert saved.validate_checkpoint(saved.checkpoint_dir(out, step)) is None
     assert preflight.lock_holder(out) is None  # gone with the run
 
 

@@ -1,4 +1,4 @@
-"""Sequence segments (pipeline/segments.py), one process: a stage run segment by segment
+"""Sequence segments (pipeline/stage/segments.py), one process: a stage run segment by segment
 (keys/values carried forward, their gradients carried back) gives the unsplit sequence's loss
 and parameter gradients, for Llama (GQA), Mistral (sliding window), Qwen2 (q/k/v bias, sliding
 layers) and tied embeddings, with eager and sdpa attention and rows of different lengths.
@@ -18,9 +18,10 @@ import contextlib
 import pytest
 import torch
 
-import pipeline.segments as segments
-from pipeline.model import build_stage
-from pipeline.segments import SegmentStage, segment_bounds
+import pipeline.stage.segments as segments
+from pipeline.plan.shapes import segment_bounds
+from pipeline.stage.model import build_stage
+from pipeline.stage.segments import SegmentStage
 from schedule.costmodel import balanced_segments
 from tolerance import assert_close, rel_err as rel
 
@@ -54,7 +55,7 @@ def make_stages(config, num_stages: int = 1) -> list:
     """The model as ``num_stages`` stages with random weights; the 1-D ones (norms, biases)
     moved off their init so that they matter. Tied over several stages, the head copies the
     embedding (what the TIE action keeps equal)."""
-    from pipeline.model import partition_layers
+    from pipeline.plan.shapes import partition_layers
 
     parts = partition_layers(config.num_hidden_layers, num_stages)
     stages = [build_stage(config, s, num_stages, parts[s], model_dir=None, seed=3) for s in range(num_stages)]

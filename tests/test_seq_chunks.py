@@ -15,9 +15,10 @@ import json
 import pytest
 import torch
 
-import pipeline.segments as segments
+import pipeline.plan.shapes as shapes
+import pipeline.stage.segments as segments
 from pipeline.config import ConfigError, make_config
-from pipeline.preflight import check_config
+from pipeline.plan.preflight import check_config
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from runs import ITERS, reference_result, tiny_cfg, torchrun_training
 
@@ -85,7 +86,7 @@ def test_batch_narrower_than_the_segments(tiny_model_dir, tmp_path):
 def test_checkpointing_with_segments(tiny_model_dir, monkeypatch):
     """Recomputed layers (all but one a stage) re-run their key/value update per segment; the
     last stage's head and loss run checkpointed in chunks of tokens (7 here) within a segment."""
-    import pipeline.model as model_mod
+    import pipeline.stage.model as model_mod
 
     calls = []
     real = model_mod.checkpoint
@@ -96,7 +97,7 @@ def test_checkpointing_with_segments(tiny_model_dir, monkeypatch):
                    keep_layers=1, seq_chunks=3)
     assert_same_training(*_train(cfg), *reference_result(str(tiny_model_dir)))
     rows = cfg.batch_size // cfg.num_chunks
-    lengths = segments.segment_lengths(cfg.seq_length, 3, model_mod.model_key_cost(_tiny_config(tiny_model_dir)))
+    lengths = shapes.segment_lengths(cfg.seq_length, 3, shapes.model_key_cost(_tiny_config(tiny_model_dir)))
     assert calls.count("_loss") == ITERS * cfg.num_chunks * sum(-(-rows * n // 7) for n in lengths)
 
 
@@ -158,9 +159,9 @@ def test_activation_offload_rows_of_different_lengths(tiny_model_dir, tmp_path, 
 def _equal_segments(monkeypatch) -> None:
     """Cut rows into equal segments (64 columns: 4 of 16), so that another segment's input has
     this one's shape and a mix-up shows in the numbers, not as a shape error."""
-    import pipeline.executor as executor
+    import pipeline.run.executor as executor
 
-    monkeypatch.setattr(executor, "segment_lengths", lambda width, k, key_cost=0.0: segments.segment_lengths(width, k))
+    monkeypatch.setattr(executor, "segment_lengths", lambda width, k, key_cost=0.0: shapes.segment_lengths(width, k))
 
 
 def _expect_offload_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
@@ -293,8 +294,8 @@ def _plan_cfg(**kw):
 def test_memory_plan_counts_segments():
     """One stage per rank, 1F1B: rank 0 holds 4 micro-batches' activations whole, N - 1 + K
     segments' with segments (their carried keys/values beside): the estimate falls with K."""
-    from pipeline.model import preset_config
-    from pipeline.plan import memory_plan
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import memory_plan
     from schedule import round_robin
 
     hf = preset_config("tiny")
@@ -312,8 +313,8 @@ def test_memory_plan_counts_segments_with_activation_offload(schedule):
     with K and stays under the plan without activation_offload; the carried keys/values stay on
     the device (activations above zero, at most every micro-batch's whole rows' keys/values and
     their gradients); the stash's inputs are host memory, under gpipe the same whatever K."""
-    from pipeline.model import preset_config
-    from pipeline.plan import memory_plan, report
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.fit import memory_plan, report
     from schedule import round_robin
 
     hf = preset_config("tiny")
@@ -340,8 +341,8 @@ def test_memory_plan_counts_segments_with_activation_offload(schedule):
 
 def test_plan_advises_seq_chunks(monkeypatch):
     """A long seq_length that does not fit: the advice names the smallest seq_chunks that does."""
-    from pipeline import plan
-    from pipeline.model import preset_config
+    from pipeline.plan import fit as plan
+    from pipeline.plan.source import preset_config
     from schedule import round_robin
 
     monkeypatch.setattr(plan, "host_available", lambda: None)  # the GPU is what is checked here
@@ -362,7 +363,7 @@ def test_plan_advises_seq_chunks(monkeypatch):
 def test_timeline_with_segments(tiny_model_dir, tmp_path):
     """The recorded iteration names each segment's actions; the cost model is calibrated per
     segment (a stage's micro-batch is the sum of its segments)."""
-    from pipeline.timeline import read_chrome_trace
+    from pipeline.run.timeline import read_chrome_trace
 
     cfg = tiny_cfg(tiny_model_dir, seq_chunks=3, use_offload=True, timeline=True, num_iterations=2,
                    save_dir=str(tmp_path))

@@ -14,13 +14,13 @@ import json
 
 import pytest
 import torch
+from test_architectures import make_model, tiny_cfg
 
 import schedule as sched
 from pipeline.config import ConfigError
+from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from schedule.ir import Action, Op
 from schedule.validate import ScheduleError, simulate, validate
-from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from test_architectures import tiny_cfg, make_model
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +113,11 @@ def test_a_tie_right_after_the_last_stage_backward_deadlocks():
 def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     """``program_spec`` decides ``tied`` once, from the config and the model config: the run, the
     memory plan, the cost partition and the mapping planner all get the program with its TIE."""
-    from pipeline import partition, placement, plan
+    from pipeline.plan import fit as plan, partition, placement
     from pipeline.config import make_config
     from pipeline.dist import DistEnv
-    from pipeline.model import preset_config
-    from pipeline.programs import program_spec, tied_across_stages
+    from pipeline.plan.source import preset_config
+    from pipeline.plan.programs import program_spec, tied_across_stages
 
     hf = preset_config("qwen3-4b")  # tie_word_embeddings
     cfg = make_config({"num_stages": 4, "num_chunks": 4, "batch_size": 4, "seq_length": 64, "use_offload": True,
@@ -132,7 +132,7 @@ def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     seen = []
     monkeypatch.setattr(placement, "choose_mapping", lambda mode, n, s, **kw: seen.append(s) or
                         sched.round_robin(4, n))
-    placement._decide(cfg, DistEnv(0, 2, 0, 2), hf, torch.device("cpu"), torch.float32)
+    placement.decide_placement(cfg, DistEnv(0, 2, 0, 2), hf, torch.device("cpu"), torch.float32)
     assert seen == [spec]
 
 
@@ -171,7 +171,7 @@ def test_tied_unclipped_and_resident_match_hf(models_root, resident):
 
 
 def test_without_the_exchange_the_comparison_fails(models_root, monkeypatch):
-    from pipeline.executor import Executor
+    from pipeline.run.executor import Executor
 
     monkeypatch.setattr(Executor, "_tie", lambda self, a: None)
     cfg = tiny_cfg(make_model("llama3_tied", models_root), num_stages=4, schedule="interleaved", use_offload=True)

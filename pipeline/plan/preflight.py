@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint
 from pipeline.config import ConfigError, TrainConfig, partition_counts
-from pipeline.replicas import check_replicas
-from pipeline.source import build_generated_model, generated_model_dir, needs_generated, resolve_model
+from pipeline.plan.layout import check_replicas
+from pipeline.plan.source import build_generated_model, generated_model_dir, needs_generated, resolve_model
+from pipeline.plan import saved
 
 LOCK_FILE = ".lock"
 # What a run leaves in save_dir; any of them means save_dir holds an earlier run.
-RUN_OUTPUTS = ("model", "metrics.jsonl", "results.json", "params.pt", checkpoint.CHECKPOINTS)
+RUN_OUTPUTS = ("model", "metrics.jsonl", "results.json", "params.pt", saved.CHECKPOINTS)
 # Written only once a run has ended (results.json too after a stop, which leaves a checkpoint).
 FINISHED_OUTPUTS = ("model", "params.pt", "results.json")
 # The lock files this process holds: open for its whole life (closing one would drop its lock).
@@ -149,7 +149,7 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
         found = [cfg.save_results]
     if not found or cfg.overwrite:
         return
-    newest = checkpoint.find_latest(out, lambda line: None)
+    newest = saved.find_latest(out, lambda line: None)
     if not cfg.resume:
         advice = "continue it with --resume latest or " if newest else "it has no checkpoint to continue from; "
         raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); {advice}write elsewhere "
@@ -296,7 +296,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
         build_generated_model(cfg)
         source = resolve_model(cfg)
     if source.weights_dir is not None:
-        from pipeline.model import weight_files
+        from pipeline.plan.weight_files import weight_files
 
         try:
             weight_files(source.weights_dir)

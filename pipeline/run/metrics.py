@@ -24,8 +24,8 @@ from typing import IO, Sequence
 
 import torch
 
-from pipeline.checkpoint import write_json_atomic
 from pipeline.dist import DistEnv, Log, barrier, gather_objects
+from pipeline.run.checkpoint import write_json_atomic
 
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"

@@ -11,8 +11,47 @@ from models import UnsupportedModel, supported_types, supports_sdpa, tied
 from models.selfcheck import family_spec
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
-from pipeline.model import PRESETS, check_tied_checkpoint, preset_config
-from pipeline.partition import given_counts
+from pipeline.plan.partition import given_counts
+from pipeline.plan.weight_files import check_tied_checkpoint
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=2048, max_position_embeddings=2048),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    # OpenLLaMA-3B's shapes: a model whose peers (DeepSpeed, RoundPipe) fit one GPU machine's host memory
+    "llama-3b": dict(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
+    # Llama-3-8B's shapes (GQA, 128K vocabulary): what RoundPipe's long-sequence figures are for
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Qwen3-4B's shapes (per-head q/k norms, GQA 32/8, head_dim 128, a tied 152K vocabulary)
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True),
+    # A small Qwen3-MoE (Qwen3-30B-A3B's layer with 64 of its 128 experts, 12 layers): 4.3B
+    # parameters, 1.0B active; the router loss on
+    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                            output_router_logits=True, router_aux_loss_coef=0.001, tie_word_embeddings=False),
+}
+
+
+def preset_config(name: str):
+    """The Hugging Face config of preset ``name`` (random weights; Llama unless it names a family)."""
+    from models import tiny_config
+
+    settings = dict(PRESETS[name])
+    family = settings.pop("model_type", "llama")
+    if family == "llama":
+        settings.update(rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return tiny_config(family, features=False, **settings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
 
 GENERATED_MODEL = "tiny-llama"
 
@@ -213,5 +252,5 @@ def generated_config():
                        max_position_embeddings=d["max_position_embeddings"], tie_word_embeddings=False)
 
 
-__all__ = ["GENERATED_MODEL", "ModelSource", "attention_kernel", "build_generated_model", "ensure_generated_model",
+__all__ = ["GENERATED_MODEL", "PRESETS", "preset_config", "ModelSource", "attention_kernel", "build_generated_model", "ensure_generated_model",
            "generated_config", "generated_model_dir", "needs_generated", "resolve_model"]

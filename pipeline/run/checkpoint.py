@@ -16,6 +16,8 @@ import torch
 
 from pipeline.config import RESUME_FREE, ConfigError
 from pipeline.dist import DistEnv, barrier, broadcast_object, gather_objects
+from pipeline.plan.saved import (CHECKPOINTS, MARKER, STATE_DIR, TRAINER_STATE, candidates, checkpoint_dir, find_latest,
+                                 rank_file, read_trainer_state, saved_at, stage_file, validate_checkpoint)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -73,7 +75,7 @@ def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stage
     index, config and tokenizer. Ends with a collective (the gather), no barrier."""
     from safetensors.torch import save_file
 
-    from pipeline.model import checkpoint_tensors
+    from pipeline.stage.weights import checkpoint_tensors
 
     mine = {}
     for s, store in stores.items():
@@ -141,33 +143,6 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
     barrier()
 
 
-# --- training checkpoints: save_dir/checkpoints/step_N/ ------------------------------------------
-# A checkpoint is a Hugging Face model directory (the stage shards are the fp32 master weights)
-# plus what exact continuation needs:
-#   train_state/stage{s}.pt   AdamW state of stage s (written by the rank that owns s)
-#   train_state/rank{r}.pt    RNG states of rank r
-#   trainer_state.json        iteration, lr-scheduler state, data position, config, stage->rank map
-#   COMPLETE                  written last, by rank 0: {"files": {relative path: bytes}, ...}
-# It is written as step_N.partial/ and renamed once COMPLETE is in it, so a directory without the
-# .partial suffix is complete unless a file was damaged later; validate_checkpoint checks that too.
-CHECKPOINTS = "checkpoints"
-MARKER = "COMPLETE"
-TRAINER_STATE = "trainer_state.json"
-STATE_DIR = "train_state"
-
-
-def checkpoint_dir(save_dir: Path, step: int) -> Path:
-    return Path(save_dir) / CHECKPOINTS / f"step_{step:08d}"
-
-
-def _stage_file(stage: int) -> str:
-    return f"{STATE_DIR}/stage{stage:05d}.pt"
-
-
-def _rank_file(rank: int) -> str:
-    return f"{STATE_DIR}/rank{rank:05d}.pt"
-
-
 def rng_state(device: torch.device) -> dict:
     """This process's RNG states, as plain types (``torch.load(weights_only=True)`` reads them)."""
     import random
@@ -212,11 +187,11 @@ def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, en
     barrier()
     _write_hf_files(tmp, stores, source, env, num_stages)
     for s, store in stores.items():
-        path = tmp / _stage_file(s)
+        path = tmp / stage_file(s)
         torch.save({"numel": store.numel, "optimizer": store.optimizer_state_dict()}, path)
         _fsync(path)
     if rank_state:
-        path = tmp / _rank_file(env.rank)
+        path = tmp / rank_file(env.rank)
         torch.save(rng_state(device), path)
         _fsync(path)
     barrier()  # every rank's files are on disk before the marker vouches for them
@@ -232,63 +207,11 @@ def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, en
     return final
 
 
-def validate_checkpoint(path: Path) -> str | None:
-    """None if ``path`` is a complete checkpoint, else why not (one line)."""
-    path = Path(path)
-    if path.name.endswith(".partial"):
-        return "an interrupted save (still named .partial)"
-    marker = path / MARKER
-    if not marker.is_file():
-        return f"no {MARKER} marker (the save did not finish)"
-    try:
-        manifest = json.loads(marker.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MARKER} marker ({e})"
-    if TRAINER_STATE not in files:
-        return f"{MARKER} does not list {TRAINER_STATE}"
-    for rel, size in files.items():
-        f = path / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if f.stat().st_size != size:
-            return f"{rel} has {f.stat().st_size} bytes, {MARKER} says {size} (truncated or changed)"
-    return None
-
-
-def _saved_at(path: Path) -> float:
-    try:
-        return float(json.loads((path / MARKER).read_text())["saved_at"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1.0
-
-
-def _candidates(save_dir: Path) -> list[Path]:
-    """step_N and step_N.partial directories; a step_N.old (the previous save of the same step,
-    left only if a replacement was cut short) is neither offered nor counted."""
-    root = Path(save_dir) / CHECKPOINTS
-    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".old")) if root.is_dir() else []
-
-
-def find_latest(save_dir: Path, warn) -> Path | None:
-    """The most recently completed valid checkpoint in ``save_dir/checkpoints`` (by save time, so
-    a run resumed from an older checkpoint supersedes the newer steps of the run it abandoned).
-    Every directory skipped is reported through ``warn``."""
-    valid = []
-    for path in _candidates(save_dir):
-        reason = validate_checkpoint(path)
-        if reason:
-            warn(f"resume: skipping {path}: {reason}")
-        else:
-            valid.append(path)
-    return max(valid, key=_saved_at, default=None)
-
-
 def prune_checkpoints(save_dir: Path, keep: int) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep`` and leftovers of interrupted saves.
     Runs on rank 0 right after a save completed, so no ``.partial`` is still being written."""
-    complete = [p for p in _candidates(save_dir) if not p.name.endswith(".partial") and (p / MARKER).is_file()]
-    complete.sort(key=_saved_at, reverse=True)
+    complete = [p for p in candidates(save_dir) if not p.name.endswith(".partial") and (p / MARKER).is_file()]
+    complete.sort(key=saved_at, reverse=True)
     root = Path(save_dir) / CHECKPOINTS
     doomed = complete[keep:] + sorted(root.glob("step_*.partial")) + sorted(root.glob("step_*.old"))
     for p in doomed:
@@ -296,13 +219,9 @@ def prune_checkpoints(save_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def read_trainer_state(path: Path) -> dict:
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
-
-
 def load_stage_state(path: Path, store, stage: int) -> None:
     """Restore stage ``stage``'s AdamW state from the checkpoint into ``store``."""
-    state = torch.load(Path(path) / _stage_file(stage), map_location="cpu", weights_only=True)
+    state = torch.load(Path(path) / stage_file(stage), map_location="cpu", weights_only=True)
     if state["numel"] != store.numel:
         raise ValueError(f"{path}: stage {stage} has {state['numel']} parameters in the checkpoint, "
                          f"{store.numel} in this run")
@@ -310,7 +229,7 @@ def load_stage_state(path: Path, store, stage: int) -> None:
 
 
 def load_rank_state(path: Path, rank: int) -> dict:
-    return torch.load(Path(path) / _rank_file(rank), map_location="cpu", weights_only=True)
+    return torch.load(Path(path) / rank_file(rank), map_location="cpu", weights_only=True)
 
 
 # --- resume -----------------------------------------------------------------------------------
@@ -352,21 +271,6 @@ def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | 
     return ResumePoint(Path(path), state)
 
 
-def saved_partition(resume: str, save_dir: str) -> list[int] | None:
-    """The decoder layers per stage of the checkpoint ``resume`` names ('latest' or a path), read
-    without collectives for ``resolve``; None without a readable one (``find_resume`` reports
-    what is wrong with it later)."""
-    if not resume:
-        return None
-    path = find_latest(Path(save_dir), lambda line: None) if resume == "latest" else Path(resume)
-    if path is None or validate_checkpoint(path):
-        return None
-    try:
-        return [b - a for a, b in read_trainer_state(path)["parts"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def check_resume_partition(point: ResumePoint | None, num_stages: int, parts: list[range], partition: str) -> None:
     """Raise ConfigError when ``point`` has this run's stage count and layers but other decoder
     layers per stage: its AdamW state is saved per stage, so it fits only the partition it was
@@ -401,7 +305,7 @@ class CheckpointManager:
 
     def save(self, step: int) -> Path:
         """Collective; the stores' steps must be done (``Executor.finish``)."""
-        from pipeline.optim import lr_at
+        from pipeline.run.optim import lr_at
 
         cfg = self.cfg
         t0 = time.perf_counter()

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.topology import GpuLink, Topology, discover, load_topology_file
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.dist import DistEnv, broadcast_object
-from pipeline.model import stage_param_counts
-from pipeline.partition import stage_layers
-from pipeline.programs import program_spec
+from pipeline.dist import DistEnv
+from pipeline.plan.partition import stage_layers
+from pipeline.plan.programs import program_spec
+from pipeline.plan.shapes import stage_param_counts
+from pipeline.plan.topology import GpuLink, Topology, discover, load_topology_file
 from schedule.mapping import MappingChoice, choose_mapping, describe_plan
 
 
@@ -84,7 +84,7 @@ def load_topology(cfg: TrainConfig, discover_ok: bool) -> Topology | None:
     return discover() if discover_ok else None
 
 
-def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
+def decide_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
     S = cfg.num_stages
     elem = torch.empty(0, dtype=dtype).element_size()
     stage_bytes = [n * elem for n in stage_param_counts(hf_config, S, stage_layers(cfg, hf_config, env.world_size))]
@@ -102,21 +102,6 @@ def _decide(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dty
     return Placement(choice, groups, links, stage_bytes)
 
 
-def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device,
-                      dtype: torch.dtype) -> Placement:
-    """Rank 0 decides the mapping, every rank gets the same ``Placement`` (collective)."""
-    result: Placement | str | None = None
-    if env.rank == 0:
-        try:
-            result = _decide(cfg, env, hf_config, device, dtype)
-        except ConfigError as e:
-            result = str(e)
-    result = broadcast_object(result)
-    if isinstance(result, str):
-        raise ConfigError(result)
-    return result
-
-
 def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
     """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
     assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
@@ -126,5 +111,4 @@ def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
                          link_gbps=topology.link_gbps(), tflops=cfg.plan_tflops)
 
 
-__all__ = ["Placement", "load_topology", "local_gpus", "plan_text", "rank_topology", "resolve_placement",
-           "visible_gpus"]
+__all__ = ["Placement", "load_topology", "local_gpus", "plan_text", "rank_topology", "visible_gpus"]

@@ -15,22 +15,11 @@ pass, and a tile is a part of a pass.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-# One tile's intermediate tensor (tokens x intermediate_size in the compute dtype) is at most this
-# (MMOC_MLP_TILE_BYTES: smaller tiles, for the tests' tiny models, whose MLPs never reach it).
-MLP_TILE_BYTES = int(os.environ.get("MMOC_MLP_TILE_BYTES", 256 * 2**20))
-
-
-def mlp_tile_tokens(intermediate: int, dtype_bytes: int) -> int:
-    """Tokens per tile: as many as keep one intermediate tensor of a tile within ``MLP_TILE_BYTES``
-    (Llama-3B in bf16: 15534 tokens)."""
-    return max(1, MLP_TILE_BYTES // (dtype_bytes * intermediate))
 
 
 class TiledForward:
@@ -67,4 +56,4 @@ def tile_mlps(layers: Iterable[nn.Module], tokens: int) -> None:
         mlp.forward = TiledForward(forward, tokens)
 
 
-__all__ = ["MLP_TILE_BYTES", "TiledForward", "mlp_tile_tokens", "tile_mlps"]
+__all__ = ["TiledForward", "tile_mlps"]

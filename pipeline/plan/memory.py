@@ -27,10 +27,10 @@ keeps a ledger of what the executor and the stores hold at every action.
   forwards of a micro-batch and its backwards (``offload.kv``), the next backward's brought back
   during the one before.
 * **Long rows** (issue 28). On a GPU sdpa computes every pass without a score matrix
-  (``pipeline.attention``): a layer's attention allocates flash's padded copies of q, k, v and
+  (``pipeline.stage.attention``): a layer's attention allocates flash's padded copies of q, k, v and
   the output (head dimension to a multiple of 8) and in its backward an fp32 query-gradient
   accumulator and the padded gradients; a segment concatenates its keys/values behind the carried
-  ones. A tiled MLP (``pipeline.tiled``) keeps no intermediate from forward to backward and
+  ones. A tiled MLP (``pipeline.stage.tiled``) keeps no intermediate from forward to backward and
   allocates one tile's in either. A layer's backward peaks in its MLP phase (everything saved)
   or its attention phase (the MLP side's saved tensors freed by then), whichever is higher.
 * **Not counted**: the CUDA context, NCCL and cuBLAS workspaces and the caching allocator's
@@ -42,9 +42,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
 from models import counts, spec_for
-from pipeline.model import loss_chunk_tokens
+from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
+from pipeline.plan.shapes import loss_chunk_tokens
 from schedule.ir import Action, Op, crosses, offloaded_stages
 
 GiB = 2**30
@@ -105,7 +105,7 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
     multiplies in float32, Gemma's, 4n for the last), per head for per-head q/k norms. Attention
     keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads; ``pad``:
     flash pads the head dimension to a multiple of 8 and keeps the padded copies); a gated MLP
-    keeps gate, up, their activation and product (4df), tiled (``pipeline.tiled``) only its input,
+    keeps gate, up, their activation and product (4df), tiled (``pipeline.stage.tiled``) only its input,
     which the projections' 2dh counts already. A routed token keeps, per expert it
     goes to, its gathered input and weighted output (2dh) and the expert's f-wide tensors, and the
     router its probabilities (twice: the routing and the router loss's). Eager attention keeps the
@@ -192,7 +192,7 @@ class MemoryInputs:
 
     @property
     def kernels(self) -> bool:
-        """Attention through kernels without a score matrix (``pipeline.attention`` on a GPU):
+        """Attention through kernels without a score matrix (``pipeline.stage.attention`` on a GPU):
         sdpa on a GPU; the CPU runs segments, windows and packed rows through explicit masks."""
         return self.attn == "sdpa" and not self.cpu
 

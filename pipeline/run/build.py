@@ -15,22 +15,25 @@ import schedule as sched
 from models import spec_for
 from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
 from offload.store import BufferPool, StageStore, Streams, Workers
-from pipeline import checkpoint
-from pipeline.comm import P2P
-from pipeline.config import ConfigError, TrainConfig, compiles_layers, fuses_last_stage
-from pipeline.dist import DistEnv, Log, cap_gpu_memory, pick_device
-from pipeline.evaluate import build_eval_batches
-from pipeline.executor import Executor
-from pipeline.model import build_stage, compile_layers, model_key_cost
-from pipeline.optim import LossScaler, compute_dtype, optim_settings
-from pipeline.partition import stage_layers
-from pipeline.placement import Placement, load_topology, local_gpus, resolve_placement
-from pipeline.programs import build_programs, program_spec
-from pipeline.replicas import GradSync, Layout, layout, shard_peers
-from pipeline.resolve import Resolved, resolve
-from pipeline.router_loss import RouterLoss
-from pipeline.source import ModelSource, resolve_model
-from pipeline.tiled import mlp_tile_tokens
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
+from pipeline.plan.layout import Layout, layout
+from pipeline.plan.partition import stage_layers
+from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
+from pipeline.plan.programs import build_programs, program_spec
+from pipeline.plan.resolve import Resolved, resolve
+from pipeline.plan.saved import saved_partition
+from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
+from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost
+from pipeline.plan.source import ModelSource, resolve_model
+from pipeline.run import checkpoint
+from pipeline.run.comm import P2P
+from pipeline.run.evaluate import build_eval_batches
+from pipeline.run.executor import Executor
+from pipeline.run.optim import LossScaler, optim_settings
+from pipeline.run.replicas import GradSync, shard_peers
+from pipeline.stage.model import build_stage, compile_layers
+from pipeline.stage.router_loss import RouterLoss
 
 if TYPE_CHECKING:
     from data import BatchStream
@@ -130,7 +133,7 @@ class Rank:
         placement: the stage -> rank mapping and why (``placement.choice``).
         loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
         schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
-        parts: each stage's decoder layers (``pipeline.partition.stage_layers``).
+        parts: each stage's decoder layers (``pipeline.plan.partition.stage_layers``).
         stages, stores: this rank's stages and their parameter stores, by stage id.
         replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
     """
@@ -161,6 +164,21 @@ class Rank:
     @property
     def mapping(self) -> list[int]:
         return self.placement.choice.stage_to_rank
+
+
+def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device,
+                      dtype: torch.dtype) -> Placement:
+    """Rank 0 decides the mapping, every rank gets the same ``Placement`` (collective)."""
+    result: Placement | str | None = None
+    if env.rank == 0:
+        try:
+            result = decide_placement(cfg, env, hf_config, device, dtype)
+        except ConfigError as e:
+            result = str(e)
+    result = broadcast_object(result)
+    if isinstance(result, str):
+        raise ConfigError(result)
+    return result
 
 
 def build_device(cfg: TrainConfig, env: DistEnv) -> tuple[torch.device, torch.dtype]:
@@ -264,10 +282,10 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     source = source or resolve_model(cfg)
     hf = source.config
     # data_parallel: this process is pipeline rank ``position`` of replica ``lay.replica``;
-    # schedules, placement and plans are of one replica's pipeline (pipeline.replicas)
+    # schedules, placement and plans are of one replica's pipeline (pipeline.run.replicas)
     lay = layout(cfg, env.rank, env.world_size)
     position, size = lay.position, lay.pipeline_size
-    resolved = resolved or resolve(cfg, env.world_size, hf, checkpoint.saved_partition(cfg.resume, cfg.save_dir))
+    resolved = resolved or resolve(cfg, env.world_size, hf, saved_partition(cfg.resume, cfg.save_dir))
     cfg, one = resolved.cfg, resolved.replica
     S = cfg.num_stages
     # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.

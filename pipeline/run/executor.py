@@ -17,8 +17,9 @@ import torch.distributed as dist
 from offload.activations import ActivationStash
 from offload.kv import CarriedKV
 from offload.store import StageStore, time_point
-from pipeline.router_loss import RouterLoss
-from pipeline.segments import SegmentStage, segment_bounds, segment_lengths
+from pipeline.plan.shapes import segment_bounds, segment_lengths
+from pipeline.stage.router_loss import RouterLoss
+from pipeline.stage.segments import SegmentStage
 from schedule.ir import Action, Op, crosses, peer_stage, tie_covers, tied_stages
 
 
@@ -164,7 +165,7 @@ class Executor:
                  grad_clip: float, timeline=None, replicas=None, start_offset_s: float = 0.0,
                  num_segments: int = 1, key_cost: float = 0.0, activation_offload: bool = False,
                  fuse_last_stage: bool = False, router_loss: RouterLoss | None = None):
-        """``rank`` is the pipeline rank (the position in a replica, ``pipeline.replicas``);
+        """``rank`` is the pipeline rank (the position in a replica, ``pipeline.run.replicas``);
         ``replicas``: with data parallelism, the ``GradSync`` that sums each stage's gradient over
         its peers in the other replicas before NORM (or, without NORM, before the stage's STEP).
         ``start_offset_s``: this rank's load stagger (``schedule.mapping.plan_stagger``): a training
@@ -180,7 +181,7 @@ class Executor:
         backward too (``Stage.forward_backward``: nothing checkpointed or recomputed, the logits
         made a chunk at a time) and its BACKWARD only hands the input's gradient on; the actions
         stay where they are, so the schedule's communication and parameter movement do not change.
-        ``router_loss``: a mixture-of-experts model's router loss (``pipeline.router_loss``), whose
+        ``router_loss``: a mixture-of-experts model's router loss (``pipeline.stage.router_loss``), whose
         partial sums travel with the activations and gradients in training."""
         self.rank, self.stages, self.stores, self.mapping, self.p2p = rank, stages, stores, mapping, p2p
         self.replicas = replicas

@@ -1,4 +1,6 @@
-"""Data-parallel replicas of the pipeline (``data_parallel: D``).
+"""Data-parallel replicas of the pipeline (``data_parallel: D``): the groups that sum their gradients
+and losses, and the peers that share a stage's CPU AdamW step; the layout (which rank is which)
+is ``pipeline.plan.layout``'s.
 
 The world of ``D x P`` processes is D replicas of one P-rank pipeline. Global rank
 ``g = replica * P + position``: the ranks of one replica are consecutive, so torchrun (which
@@ -14,75 +16,12 @@ of the whole batch: no averaging, the same normalisation as one pipeline.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError, TrainConfig
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where one process sits among ``data_parallel`` replicas of a ``pipeline_size``-rank pipeline."""
-
-    rank: int            # global rank
-    data_parallel: int   # D
-    pipeline_size: int   # P
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.pipeline_size
-
-    @property
-    def position(self) -> int:
-        """The pipeline rank: what schedules, mappings and the executor call ``rank``."""
-        return self.rank % self.pipeline_size
-
-    def global_rank(self, position: int, replica: int | None = None) -> int:
-        """The global rank of ``position`` in ``replica`` (default: this process's replica)."""
-        return (self.replica if replica is None else replica) * self.pipeline_size + position
-
-    def peers(self, position: int | None = None) -> list[int]:
-        """Global ranks of ``position`` (default: this one) in every replica, replica order."""
-        p = self.position if position is None else position
-        return [r * self.pipeline_size + p for r in range(self.data_parallel)]
-
-
-def layout(cfg: TrainConfig, rank: int, world_size: int) -> Layout:
-    return Layout(rank, cfg.data_parallel, world_size // cfg.data_parallel)
-
-
-def check_replicas(cfg: TrainConfig, world_size: int) -> int:
-    """Raise ConfigError unless ``world_size`` processes form ``data_parallel`` whole pipelines
-    whose micro-batches split the global batch evenly; return the pipeline size P."""
-    D = cfg.data_parallel
-    if D < 1 or world_size % D:
-        raise ConfigError(f"data_parallel ({D}) must be >= 1 and divide the number of processes ({world_size}); "
-                          f"e.g. launch {max(D, 1) * max(world_size // max(D, 1), 1)} processes, or data_parallel 1")
-    if cfg.num_chunks % D:
-        raise ConfigError(f"num_chunks ({cfg.num_chunks}) must be divisible by data_parallel ({D}): each replica "
-                          f"runs num_chunks / data_parallel of the global batch's micro-batches; "
-                          f"e.g. num_chunks={D * max(cfg.num_chunks // D, 1)}")
-    return world_size // D
-
-
-def replica_config(cfg: TrainConfig) -> TrainConfig:
-    """What one replica runs, as the config of a single pipeline: ``batch_size / D`` rows in
-    ``num_chunks / D`` micro-batches of the same size. Schedules, placement and the memory plan
-    take this; data and checkpoints keep the global config."""
-    D = cfg.data_parallel
-    if D == 1:
-        return cfg
-    return dataclasses.replace(cfg, batch_size=cfg.batch_size // D, num_chunks=cfg.num_chunks // D,
-                               data_parallel=1)
-
-
-def replica_share(items: list, lay: Layout) -> list:
-    """This replica's contiguous 1/D of ``items`` (the global batch's micro-batches)."""
-    n = len(items) // lay.data_parallel
-    return items[lay.replica * n:(lay.replica + 1) * n]
+from pipeline.plan.layout import Layout
 
 
 class GradSync:
@@ -155,5 +94,4 @@ def shard_peers(sync: "GradSync | None", numel: int) -> ShardPeers | None:
     return peers if all(hi > lo for lo, hi in peers.bounds(numel)) else None
 
 
-__all__ = ["GradSync", "Layout", "ShardPeers", "check_replicas", "layout", "replica_config", "replica_share",
-           "shard_peers"]
+__all__ = ["GradSync", "ShardPeers", "shard_peers"]

@@ -27,13 +27,13 @@ checks the segment order the schedule guarantees (``schedule.ir.kv_predecessor``
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
 
-from pipeline.attention import AttnMask, attend_mask
-from pipeline.model import Stage, additive_mask
+from pipeline.plan.shapes import segment_bounds
+from pipeline.stage.attention import AttnMask, attend_mask
+from pipeline.stage.model import Stage, additive_mask
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -67,32 +67,11 @@ class _KVCarry:
         return keys, values
 
 
-@functools.lru_cache(maxsize=64)
-def segment_lengths(width: int, num_segments: int, key_cost: float = 0.0) -> tuple[int, ...]:
-    """The segment lengths of rows ``width`` columns wide (``balanced_segments``). A batch is as
-    wide as its longest row (``data.batching.row_width``), so the cut is made per width, once:
-    every rank computes the same lengths from the same batch, and its receive buffers take them."""
-    from schedule.costmodel import balanced_segments
-
-    return tuple(balanced_segments(width, num_segments, key_cost))
-
-
-def segment_bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """``[start, end)`` columns of each segment of a row cut into ``lengths``."""
-    out, start = [], 0
-    for n in lengths:
-        if n < 1:
-            raise ValueError(f"segment lengths must be >= 1, got {list(lengths)}")
-        out.append((start, start + n))
-        start += n
-    return out
-
-
 def segment_allowed(start: int, end: int, window: int | None, device: torch.device,
                     doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask, True where a query of columns ``start..end-1`` may attend a key of columns
     ``0..end-1``: key column <= query column, within ``window`` columns for a sliding layer
-    (as ``pipeline.model.attend_mask``), and with packed rows (``doc_ids`` [B, end], the
+    (as ``pipeline.stage.model.attend_mask``), and with packed rows (``doc_ids`` [B, end], the
     columns' record ids so far) within the query's record. Shape [1, 1, T, end] or [B, 1, T, end]."""
     allowed = attend_mask(end, device, window, q_start=start)
     if doc_ids is None:
@@ -102,7 +81,7 @@ def segment_allowed(start: int, end: int, window: int | None, device: torch.devi
 
 
 class SegmentStage:
-    """Runs a ``pipeline.model.Stage`` one (rows, segment) at a time, exactly.
+    """Runs a ``pipeline.stage.model.Stage`` one (rows, segment) at a time, exactly.
 
     Args:
         stage: the stage, as built (``stage.recomputed`` layers under activation checkpointing).
@@ -297,7 +276,7 @@ class SegmentStage:
     def _mask(self, start: int, end: int, window: int | None, h: torch.Tensor,
               doc_ids: torch.Tensor | None):
         """The mask of a segment: for sdpa an ``AttnMask`` (queries ``start..end-1`` over keys
-        ``0..end-1``: ``pipeline.attention`` runs it through a kernel with the causal triangle
+        ``0..end-1``: ``pipeline.stage.attention`` runs it through a kernel with the causal triangle
         aligned to the bottom right on a GPU, the explicit mask on the CPU); for eager the
         explicit additive mask (eager reads None as no mask)."""
         if self.stage.attn_implementation == "sdpa":

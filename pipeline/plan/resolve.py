@@ -15,9 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipeline.config import TrainConfig, partition_counts
-from pipeline.partition import stage_layers
-from pipeline.plan import resolve_kept, resolve_long_rows, resolve_resident
-from pipeline.replicas import replica_config
+from pipeline.plan.fit import resolve_kept, resolve_resident
+from pipeline.plan.layout import replica_config
+from pipeline.plan.long_rows import resolve_long_rows
+from pipeline.plan.partition import stage_layers
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,14 @@ class Resolved:
 
     @property
     def replica(self) -> TrainConfig:
-        """One replica's pipeline as the config of a single pipeline (``pipeline.replicas``):
+        """One replica's pipeline as the config of a single pipeline (``pipeline.run.replicas``):
         what schedules, placement and the memory plan take."""
         return replica_config(self.cfg)
 
 
 def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int] | None = None) -> Resolved:
     """``saved_parts``: the decoder layers per stage of the checkpoint the run resumes from
-    (``checkpoint.saved_partition``), kept where they fit."""
+    (``pipeline.plan.saved.saved_partition``), kept where they fit."""
     size = world_size // cfg.data_parallel
     long_rows = ""
     if -1 in (cfg.num_stages, cfg.seq_chunks) or cfg.tiled_mlp == "auto":

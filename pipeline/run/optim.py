@@ -1,19 +1,11 @@
-"""Learning-rate schedule and AdamW settings shared by the pipeline and the reference trainer."""
+"""Learning-rate schedule, AdamW settings and float16 loss scaling, shared by the pipeline and the
+reference trainer."""
 from __future__ import annotations
 
 import math
 
-import torch
-
 from offload.store import OptimSettings
 from pipeline.config import TrainConfig
-
-
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """The dtype stages compute in (master weights are always float32)."""
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.dtype)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -36,12 +28,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def optim_settings(cfg: TrainConfig, fused: bool | None = None) -> OptimSettings:
     return OptimSettings(weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                          eps=cfg.adam_eps, fused=fused)
-
-
-def needs_norm(cfg: TrainConfig) -> bool:
-    """Whether the schedule needs the global gradient norm (NORM): to clip, to skip a step
-    whose gradients are not finite, or (float16) to find loss-scale overflows."""
-    return cfg.grad_clip > 0 or cfg.max_skipped_steps >= 0 or cfg.dtype == "float16"
 
 
 class LossScaler:

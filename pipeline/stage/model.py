@@ -1,14 +1,14 @@
 """A Hugging Face decoder LM cut into pipeline stages.
 
 Stage 0 holds the token embedding, the last stage the final norm and ``lm_head``; decoder
-layers are spread evenly (``partition_layers``) or by cost (``pipeline.partition``). A stage's ``state_dict`` keys are exactly the Hugging Face keys
+layers are spread evenly (``pipeline.plan.shapes.partition_layers``) or by cost
+(``pipeline.plan.partition``). A stage's ``state_dict`` keys are exactly the Hugging Face keys
 (``model.layers.7.mlp.up_proj.weight``), so loading reads only the owned tensors from the
-safetensors (or ``.bin``) files and saving writes a shard a stage.
+safetensors (or ``.bin``) files (``pipeline.stage.weights``) and saving writes a shard a stage.
 """
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -17,79 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models import counts, head_dim, logit_softcap, materialize_, skeleton, spec_for, tied
+from models import logit_softcap, materialize_, skeleton, spec_for, tied
 from models.moe import Routing
-from pipeline import attention
-from pipeline.attention import AttnMask, attend_mask
-from pipeline.programs import tied_across_stages
-from pipeline.tiled import tile_mlps
-
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=2048, max_position_embeddings=2048),
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
-    # OpenLLaMA-3B's shapes: a model whose peers (DeepSpeed, RoundPipe) fit one GPU machine's host memory
-    "llama-3b": dict(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
-                     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048),
-    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
-    # Llama-3-8B's shapes (GQA, 128K vocabulary): what RoundPipe's long-sequence figures are for
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-    # Qwen3-4B's shapes (per-head q/k norms, GQA 32/8, head_dim 128, a tied 152K vocabulary)
-    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=True),
-    # A small Qwen3-MoE (Qwen3-30B-A3B's layer with 64 of its 128 experts, 12 layers): 4.3B
-    # parameters, 1.0B active; the router loss on
-    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
-                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                            max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                            output_router_logits=True, router_aux_loss_coef=0.001, tie_word_embeddings=False),
-}
-
-
-def preset_config(name: str):
-    """The Hugging Face config of preset ``name`` (random weights; Llama unless it names a family)."""
-    from models import tiny_config
-
-    settings = dict(PRESETS[name])
-    family = settings.pop("model_type", "llama")
-    if family == "llama":
-        settings.update(rms_norm_eps=1e-5, tie_word_embeddings=False)
-    return tiny_config(family, features=False, **settings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def partition_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Decoder layers of each stage: as even as possible, extra layers to the middle stages
-    (the first and last stages also carry the embedding and the head). With more stages than
-    layers, the first (then the last) stage holds only the embedding (the head)."""
-    if not 1 <= num_stages <= num_layers + 2:
-        raise ValueError(f"num_stages ({num_stages}) must be between 1 and num_layers + 2 ({num_layers + 2})")
-    counts = [0] * num_stages
-    holders = list(range(num_stages))
-    if num_stages > num_layers:  # some stage holds no layer: embedding-only first, then head-only last
-        holders = holders[1:] if num_stages == num_layers + 1 else holders[1:-1]
-    base, extra = divmod(num_layers, len(holders))
-    for i, s in enumerate(holders):
-        counts[s] = base
-    # hand out the remainder from the middle outwards
-    order = sorted(holders, key=lambda s: abs(s - (num_stages - 1) / 2))
-    for s in order[:extra]:
-        counts[s] += 1
-    return layer_ranges(counts)
-
-
-def layer_ranges(counts: list[int]) -> list[range]:
-    """Consecutive decoder layers, ``counts[s]`` of them for stage s."""
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append(range(start, start + c))
-        start += c
-    return ranges
+from pipeline.plan.programs import tied_across_stages
+from pipeline.plan.shapes import loss_chunk_tokens
+from pipeline.stage import attention
+from pipeline.stage.attention import AttnMask, attend_mask
+from pipeline.stage.tiled import tile_mlps
+from pipeline.stage.weights import load_weights_
 
 
 def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -150,7 +85,7 @@ class Stage(nn.Module):
         if across and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
-        # sdpa runs through pipeline.attention: the same sdpa for a plain causal row, and on a GPU
+        # sdpa runs through pipeline.stage.attention: the same sdpa for a plain causal row, and on a GPU
         # kernels without a score matrix for segments, windows and packed rows
         self.config._attn_implementation = attention.register() if self.attn_implementation == "sdpa" \
             else self.attn_implementation
@@ -174,7 +109,7 @@ class Stage(nn.Module):
         self.rope_whole_row = getattr(self.rotary_emb, "rope_type", "default") in ("longrope", "dynamic")
         self.softcap = logit_softcap(config) if self.is_last else None
         self.routing = Routing(spec, config, dict(zip(layer_ids, self.model.layers.values())))
-        # A long row's MLP in tiles of tokens, each recomputed in the backward (pipeline.tiled)
+        # A long row's MLP in tiles of tokens, each recomputed in the backward (pipeline.stage.tiled)
         self.mlp_tile_tokens = mlp_tile_tokens
         if mlp_tile_tokens:
             if self.routing.routers:
@@ -262,7 +197,7 @@ class Stage(nn.Module):
                    checkpointed: int = 0, cache=None) -> torch.Tensor:
         """The stage's decoder layers on ``h``: layer i attends with ``masks[window]`` and the
         ``rope`` of its layer type; the first ``checkpointed`` layers are recomputed in the
-        backward. ``cache``: the carried keys/values of a sequence segment (``pipeline.segments``)."""
+        backward. ``cache``: the carried keys/values of a sequence segment (``pipeline.stage.segments``)."""
         extra = {} if cache is None else {_cache_keyword(self.model.layers): cache}
         for i, (layer, kind) in enumerate(zip(self.model.layers.values(), self.kinds)):
             run = functools.partial(layer, attention_mask=masks[kind.window], position_ids=position_ids,
@@ -313,7 +248,7 @@ class Stage(nn.Module):
               segment_ids: torch.Tensor | None = None):
         """The attention mask of layers with ``window`` (None: full causal), within segments if
         given: None for a plain causal row under sdpa (its causal kernel), an ``AttnMask`` for
-        sdpa with a window or packed rows (``pipeline.attention`` picks the kernel), the additive
+        sdpa with a window or packed rows (``pipeline.stage.attention`` picks the kernel), the additive
         mask for eager (where None would mean no mask at all)."""
         if self.attn_implementation == "flash_attention_2":
             if segment_ids is not None:
@@ -333,16 +268,6 @@ class Stage(nn.Module):
         logits = self.logits(h)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
                                reduction="sum")
-
-
-# fp32 logits of one loss chunk under checkpointing (its backward holds about three such tensors)
-LOSS_CHUNK_BYTES = 256 * 2**20
-
-
-def loss_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk of the checkpointed loss: as many as keep a chunk's fp32 logits within
-    ``LOSS_CHUNK_BYTES`` (Llama-2's 32000 vocabulary: 2097 tokens, Llama-3's 128256: 523)."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
 
 
 def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu") -> None:
@@ -369,133 +294,11 @@ def _stable_hash(text: str) -> int:
     return h
 
 
-# Weight files a Hugging Face directory may hold, in the order transformers prefers them.
-_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_SINGLES = ("model.safetensors", "pytorch_model.bin")
-
-
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file holding it, from an index (safetensors or ``.bin``) or a single file.
-
-    Raises:
-        FileNotFoundError: the directory holds no weights this reads.
-        ValueError: an index that cannot be read.
-    """
-    model_dir = Path(model_dir)
-    for name in _INDEXES:
-        index = model_dir / name
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e})") from None
-            missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
-            if missing:
-                raise FileNotFoundError(f"{index.name} names {len(missing)} missing file(s) in {model_dir}, "
-                                        f"e.g. {missing[0]}")
-            return {k: model_dir / v for k, v in weight_map.items()}
-    for name in _SINGLES:
-        single = model_dir / name
-        if single.exists():
-            return {k: single for k in _tensor_names(single)}
-    raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors, pytorch_model.bin or their "
-                            f"sharded .index.json")
-
-
-def _tensor_names(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    return list(_load_bin(path))
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    # mmap: only the tensors a stage copies are read from disk; weights_only: a pickle runs no code.
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-
-
-def load_weights_(stage: Stage, model_dir: Path) -> None:
-    """Read only this stage's tensors from the checkpoint (upcast to the stage's dtype); stacked
-    experts from their per-expert weights where the checkpoint keeps them so (``ExpertLayout``)."""
-    files = weight_files(model_dir)
-    wanted = {stage.source_name(k): p for k, p in stage.named_parameters()}
-    sources = {k: _sources(stage, k, files) for k in wanted}
-    missing = [k for k, src in sources.items() if src is None]
-    if missing:
-        raise KeyError(f"{model_dir}: checkpoint lacks {len(missing)} tensors of stage {stage.index}, e.g. {missing[0]}")
-    by_file: dict[Path, list[str]] = {}
-    for src in sources.values():
-        for name in (n for per_expert in src for n in per_expert):
-            by_file.setdefault(files[name], []).append(name)
-    read: dict[str, torch.Tensor] = {}
-    for path, keys in by_file.items():
-        read.update(_read(path, keys))
-    with torch.no_grad():
-        for k, src in sources.items():
-            parts = [torch.cat([read.pop(n) for n in per_expert]) if len(per_expert) > 1 else read.pop(per_expert[0])
-                     for per_expert in src]
-            t = parts[0] if src == [[k]] else torch.stack(parts)
-            if t.shape != wanted[k].shape:
-                raise ValueError(f"{model_dir}: {k} has shape {tuple(t.shape)}, model expects {tuple(wanted[k].shape)}")
-            wanted[k].copy_(t)
-
-
-def _sources(stage: Stage, name: str, files: dict[str, Path]) -> list[list[str]] | None:
-    """The checkpoint tensors parameter ``name`` is made of: itself, or (stacked experts) per
-    expert the weights its slice concatenates; None when the checkpoint has neither."""
-    if name in files:
-        return [[name]]
-    spec = spec_for(stage.config)
-    if spec.experts is None or spec.moe is None:
-        return None
-    src = spec.experts.sources(name, spec.moe.experts(stage.config))
-    return src if src is not None and all(n in files for per_expert in src for n in per_expert) else None
-
-
-def checkpoint_tensors(config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A stage's tensors under the names its family's checkpoints use (``ExpertLayout``)."""
-    spec = spec_for(config)
-    if spec.experts is None or spec.moe is None:
-        return tensors
-    return spec.experts.to_checkpoint(tensors, spec.moe.experts(config))
-
-
-def check_tied_checkpoint(model_dir: Path) -> None:
-    """Raise ValueError if ``model_dir``'s config ties the head to the embedding but its
-    checkpoint stores an lm_head.weight that differs: transformers then loads the two apart
-    (it ties only equal copies), which one shared matrix could not reproduce."""
-    files = weight_files(model_dir)
-    if "lm_head.weight" not in files:
-        return
-    names = ["model.embed_tokens.weight", "lm_head.weight"]
-    tensors = {k: t for name in names for k, t in _read(files[name], [name])}
-    if not torch.equal(*(tensors[k] for k in names)):
-        raise ValueError("config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from "
-                         "model.embed_tokens.weight (transformers would train them apart); set "
-                         "tie_word_embeddings to false in config.json to train them as two matrices")
-
-
-def _read(path: Path, keys: list[str]):
-    """(name, tensor) for ``keys`` of one weight file, one tensor at a time."""
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            for k in keys:
-                yield k, f.get_tensor(k)
-    else:
-        tensors = _load_bin(path)
-        for k in keys:
-            yield k, tensors[k]
-
-
 def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
                 seed: int, checkpointing: bool = False, kept_layers: int = 0,
                 init_device: torch.device | str = "cpu", mlp_tile_tokens: int = 0) -> Stage:
     """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random;
-    ``mlp_tile_tokens`` > 0: its MLPs run in tiles of that many tokens (``pipeline.tiled``)."""
+    ``mlp_tile_tokens`` > 0: its MLPs run in tiles of that many tokens (``pipeline.stage.tiled``)."""
     stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers, mlp_tile_tokens)
     materialize_(stage, "cpu")
     stage.tie_weights()
@@ -514,68 +317,5 @@ def compile_layers(stage: Stage) -> None:
         layer.compile()
 
 
-def stage_num_params(config, layer_ids: range, first: bool, last: bool, active: bool = False) -> int:
-    """Parameter count of a stage, from the config alone (for plans and memory estimates);
-    ``active``: a routed layer's experts count only ``top_k / num_experts`` (FLOPs)."""
-    c = counts(config)
-    per_layer = c.active if active else c.layers
-    own_head = last and not (tied(config) and first)  # one matrix for both uses
-    return sum(per_layer[i] for i in layer_ids) + (c.embed if first else 0) + \
-        ((c.head if own_head else 0) + c.norm if last else 0)
-
-
-def stage_param_counts(config, num_stages: int, parts: list[range] | None = None) -> list[int]:
-    """Parameter count of every stage when the model is cut into ``parts`` (default
-    ``partition_layers``: a run's are ``pipeline.partition.stage_layers``)."""
-    parts = partition_layers(config.num_hidden_layers, num_stages) if parts is None else parts
-    return [stage_num_params(config, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
-
-
-def _mean_active_layer(config) -> float:
-    c = counts(config)
-    return sum(c.active) / max(1, len(c.active))
-
-
-def model_key_cost(config) -> float:
-    """A decoder layer's attention cost per (query, key) pair relative to its cost per token
-    outside attention (``schedule.costmodel.balanced_segments``' ``key_cost``): 4 * q_dim FLOPs
-    per pair against 2 per active parameter of a layer. What the sequence segments of
-    ``seq_chunks`` are balanced by."""
-    return 4 * config.num_attention_heads * head_dim(config) / (2 * _mean_active_layer(config))
-
-
-def mean_keys(seq_len: int, window: int | None) -> float:
-    """Keys a causal query attends to on average over a row of ``seq_len`` (within ``window``)."""
-    if window is None or window >= seq_len:
-        return (seq_len + 1) / 2
-    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
-
-
-def attention_flops_per_token(config, seq_len: int) -> float:
-    """Forward FLOPs per token of the attention scores and weighted sums of every decoder layer
-    (4 * q_dim per key attended: causal, and within the window on sliding layers)."""
-    q = config.num_attention_heads * head_dim(config)
-    return sum(4 * q * mean_keys(seq_len, k.window) for k in spec_for(config).layer_kinds(config))
-
-
-def forward_flops_per_token(config, num_layers: int, last: bool, seq_len: int) -> float:
-    """Forward FLOPs per token of ``num_layers`` (average) decoder layers, and of the head when
-    ``last``: 2 per active parameter (matmuls; a routed layer's experts count top_k of them) and
-    the attention over the keys each query sees. The embedding is a lookup (no FLOPs), and the
-    loss's softmax is small beside the head's 2*V*h."""
-    L = config.num_hidden_layers
-    head = stage_num_params(config, range(0), False, True) if last else 0
-    return 2 * (num_layers * _mean_active_layer(config) + head) + \
-        num_layers * attention_flops_per_token(config, seq_len) / max(1, L)
-
-
-def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
-    return 3 * forward_flops_per_token(config, num_layers, True, seq_len)
-
-
-__all__ = ["LOSS_CHUNK_BYTES", "PRESETS", "Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask",
-           "attention_flops_per_token", "check_tied_checkpoint", "checkpoint_tensors", "compile_layers", "forward_flops_per_token", "init_weights_", "layer_ranges",
-           "load_weights_", "loss_chunk_tokens", "mean_keys", "model_flops_per_token", "model_key_cost",
-           "partition_layers",
-           "preset_config", "segment_attend_mask", "stage_num_params", "stage_param_counts"]
+__all__ = ["Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask", "compile_layers", "init_weights_",
+           "segment_attend_mask"]

@@ -1,6 +1,6 @@
 """One rank's training loop over the parts ``build_rank`` made: each iteration runs the executor
 on the next batch, logs one line, evaluates, checkpoints and stops when the ranks agree to. It
-saves and restores through the ``CheckpointManager`` and reports through ``pipeline.metrics``;
+saves and restores through the ``CheckpointManager`` and reports through ``pipeline.run.metrics``;
 it decides nothing the configuration or ``resolve`` decided."""
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint, faults, orphans
-from pipeline.build import build_rank
 from pipeline.config import TrainConfig
 from pipeline.dist import DistEnv, gather_objects
-from pipeline.evaluate import evaluate
-from pipeline.executor import MicroBatch
-from pipeline.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
-from pipeline.model import model_flops_per_token
-from pipeline.optim import lr_at
-from pipeline.replicas import replica_share
-from pipeline.resolve import Resolved
-from pipeline.source import ModelSource
-from pipeline.timeline import Timeline, write_run_timeline
+from pipeline.plan.layout import replica_share
+from pipeline.plan.resolve import Resolved
+from pipeline.plan.shapes import model_flops_per_token
+from pipeline.plan.source import ModelSource
+from pipeline.run import checkpoint, faults, orphans
+from pipeline.run.build import build_rank
+from pipeline.run.evaluate import evaluate
+from pipeline.run.executor import MicroBatch
+from pipeline.run.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
+from pipeline.run.optim import lr_at
+from pipeline.run.timeline import Timeline, write_run_timeline
 
 
 class GcClock:
@@ -46,7 +46,7 @@ class GcClock:
 
 class Trainer:
     """One rank's training loop over the parts ``build_rank`` made; checkpoints go through a
-    ``CheckpointManager``, step figures and results through ``pipeline.metrics``."""
+    ``CheckpointManager``, step figures and results through ``pipeline.run.metrics``."""
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
                  resolved: Resolved | None = None):

@@ -37,7 +37,7 @@ class P2P:
         ranks, those two get a group of their own for the TIE all-reduce.
 
         ``replicas``: the world is that many pipelines of ``P = world / replicas`` ranks
-        (``pipeline.replicas``: global rank = replica * P + pipeline rank). ``rank``, ``send``'s
+        (``pipeline.run.replicas``: global rank = replica * P + pipeline rank). ``rank``, ``send``'s
         ``dst`` and ``recv``'s ``src`` are pipeline ranks; each replica gets its own groups."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         size = world // replicas

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 
 import schedule as sched
-from pipeline.config import ConfigError, TrainConfig, fuses_last_stage, partition_counts
-from pipeline.model import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
-from pipeline.programs import program_spec
+from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.plan.programs import program_spec
+from pipeline.plan.settings import fuses_last_stage
+from pipeline.plan.shapes import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
 from schedule.costmodel import predict
 from schedule.partition import choose_counts
 from schedule.spec import ProgramSpec

@@ -1,0 +1,75 @@
+"""The world as data-parallel replicas of one pipeline: D x P processes, global rank = replica x P
++ position (docs/design.md, "Data-parallel replicas"). Pure: which rank is which, one replica's
+config (what schedules, placement and memory plans take) and its share of a batch; the groups
+that sum the replicas' gradients are ``pipeline.run.replicas``'s."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pipeline.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one process sits among ``data_parallel`` replicas of a ``pipeline_size``-rank pipeline."""
+
+    rank: int            # global rank
+    data_parallel: int   # D
+    pipeline_size: int   # P
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pipeline_size
+
+    @property
+    def position(self) -> int:
+        """The pipeline rank: what schedules, mappings and the executor call ``rank``."""
+        return self.rank % self.pipeline_size
+
+    def global_rank(self, position: int, replica: int | None = None) -> int:
+        """The global rank of ``position`` in ``replica`` (default: this process's replica)."""
+        return (self.replica if replica is None else replica) * self.pipeline_size + position
+
+    def peers(self, position: int | None = None) -> list[int]:
+        """Global ranks of ``position`` (default: this one) in every replica, replica order."""
+        p = self.position if position is None else position
+        return [r * self.pipeline_size + p for r in range(self.data_parallel)]
+
+
+def layout(cfg: TrainConfig, rank: int, world_size: int) -> Layout:
+    return Layout(rank, cfg.data_parallel, world_size // cfg.data_parallel)
+
+
+def check_replicas(cfg: TrainConfig, world_size: int) -> int:
+    """Raise ConfigError unless ``world_size`` processes form ``data_parallel`` whole pipelines
+    whose micro-batches split the global batch evenly; return the pipeline size P."""
+    D = cfg.data_parallel
+    if D < 1 or world_size % D:
+        raise ConfigError(f"data_parallel ({D}) must be >= 1 and divide the number of processes ({world_size}); "
+                          f"e.g. launch {max(D, 1) * max(world_size // max(D, 1), 1)} processes, or data_parallel 1")
+    if cfg.num_chunks % D:
+        raise ConfigError(f"num_chunks ({cfg.num_chunks}) must be divisible by data_parallel ({D}): each replica "
+                          f"runs num_chunks / data_parallel of the global batch's micro-batches; "
+                          f"e.g. num_chunks={D * max(cfg.num_chunks // D, 1)}")
+    return world_size // D
+
+
+def replica_config(cfg: TrainConfig) -> TrainConfig:
+    """What one replica runs, as the config of a single pipeline: ``batch_size / D`` rows in
+    ``num_chunks / D`` micro-batches of the same size. Schedules, placement and the memory plan
+    take this; data and checkpoints keep the global config."""
+    D = cfg.data_parallel
+    if D == 1:
+        return cfg
+    return dataclasses.replace(cfg, batch_size=cfg.batch_size // D, num_chunks=cfg.num_chunks // D,
+                               data_parallel=1)
+
+
+def replica_share(items: list, lay: Layout) -> list:
+    """This replica's contiguous 1/D of ``items`` (the global batch's micro-batches)."""
+    n = len(items) // lay.data_parallel
+    return items[lay.replica * n:(lay.replica + 1) * n]
+
+
+__all__ = ["Layout", "check_replicas", "layout", "replica_config", "replica_share"]

@@ -1,0 +1,108 @@
+"""What a save_dir holds from earlier runs, read before any process group: the layout of its
+training checkpoints, which of them are complete, the newest, and the partition a resumed
+checkpoint was saved with (``resolve`` keeps it). ``pipeline.run.checkpoint`` writes them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+# A checkpoint is a Hugging Face model directory (the stage shards are the fp32 master weights)
+# plus what exact continuation needs:
+#   train_state/stage{s}.pt   AdamW state of stage s (written by the rank that owns s)
+#   train_state/rank{r}.pt    RNG states of rank r
+#   trainer_state.json        iteration, lr-scheduler state, data position, config, stage->rank map
+#   COMPLETE                  written last, by rank 0: {"files": {relative path: bytes}, ...}
+# It is written as step_N.partial/ and renamed once COMPLETE is in it, so a directory without the
+# .partial suffix is complete unless a file was damaged later; validate_checkpoint checks that too.
+CHECKPOINTS = "checkpoints"
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+STATE_DIR = "train_state"
+
+
+def checkpoint_dir(save_dir: Path, step: int) -> Path:
+    return Path(save_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def stage_file(stage: int) -> str:
+    return f"{STATE_DIR}/stage{stage:05d}.pt"
+
+
+def rank_file(rank: int) -> str:
+    return f"{STATE_DIR}/rank{rank:05d}.pt"
+
+
+def validate_checkpoint(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint, else why not (one line)."""
+    path = Path(path)
+    if path.name.endswith(".partial"):
+        return "an interrupted save (still named .partial)"
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} marker (the save did not finish)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MARKER} marker ({e})"
+    if TRAINER_STATE not in files:
+        return f"{MARKER} does not list {TRAINER_STATE}"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {MARKER} says {size} (truncated or changed)"
+    return None
+
+
+def saved_at(path: Path) -> float:
+    try:
+        return float(json.loads((path / MARKER).read_text())["saved_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1.0
+
+
+def candidates(save_dir: Path) -> list[Path]:
+    """step_N and step_N.partial directories; a step_N.old (the previous save of the same step,
+    left only if a replacement was cut short) is neither offered nor counted."""
+    root = Path(save_dir) / CHECKPOINTS
+    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".old")) if root.is_dir() else []
+
+
+def find_latest(save_dir: Path, warn) -> Path | None:
+    """The most recently completed valid checkpoint in ``save_dir/checkpoints`` (by save time, so
+    a run resumed from an older checkpoint supersedes the newer steps of the run it abandoned).
+    Every directory skipped is reported through ``warn``."""
+    valid = []
+    for path in candidates(save_dir):
+        reason = validate_checkpoint(path)
+        if reason:
+            warn(f"resume: skipping {path}: {reason}")
+        else:
+            valid.append(path)
+    return max(valid, key=saved_at, default=None)
+
+
+def read_trainer_state(path: Path) -> dict:
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def saved_partition(resume: str, save_dir: str) -> list[int] | None:
+    """The decoder layers per stage of the checkpoint ``resume`` names ('latest' or a path), read
+    without collectives for ``resolve``; None without a readable one (``find_resume`` reports
+    what is wrong with it later)."""
+    if not resume:
+        return None
+    path = find_latest(Path(save_dir), lambda line: None) if resume == "latest" else Path(resume)
+    if path is None or validate_checkpoint(path):
+        return None
+    try:
+        return [b - a for a, b in read_trainer_state(path)["parts"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+__all__ = ["CHECKPOINTS", "MARKER", "STATE_DIR", "TRAINER_STATE", "candidates", "checkpoint_dir", "find_latest", "rank_file",
+           "read_trainer_state", "saved_at", "saved_partition", "stage_file", "validate_checkpoint"]

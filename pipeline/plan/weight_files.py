@@ -1,0 +1,91 @@
+"""The weight files of a Hugging Face directory: which file holds each tensor (safetensors or
+``.bin``, sharded or single), reading some of them one at a time, and the check that a tied head
+is stored as the embedding's copy. Read before any process group (``check_files``,
+``resolve_model``) and by the stages that load their own tensors (``pipeline.stage.weights``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+# Weight files a Hugging Face directory may hold, in the order transformers prefers them.
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+_SINGLES = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from an index (safetensors or ``.bin``) or a single file.
+
+    Raises:
+        FileNotFoundError: the directory holds no weights this reads.
+        ValueError: an index that cannot be read.
+    """
+    model_dir = Path(model_dir)
+    for name in _INDEXES:
+        index = model_dir / name
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e})") from None
+            missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
+            if missing:
+                raise FileNotFoundError(f"{index.name} names {len(missing)} missing file(s) in {model_dir}, "
+                                        f"e.g. {missing[0]}")
+            return {k: model_dir / v for k, v in weight_map.items()}
+    for name in _SINGLES:
+        single = model_dir / name
+        if single.exists():
+            return {k: single for k in _tensor_names(single)}
+    raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors, pytorch_model.bin or their "
+                            f"sharded .index.json")
+
+
+def _tensor_names(path: Path) -> list[str]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    return list(_load_bin(path))
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    # mmap: only the tensors a stage copies are read from disk; weights_only: a pickle runs no code.
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def check_tied_checkpoint(model_dir: Path) -> None:
+    """Raise ValueError if ``model_dir``'s config ties the head to the embedding but its
+    checkpoint stores an lm_head.weight that differs: transformers then loads the two apart
+    (it ties only equal copies), which one shared matrix could not reproduce."""
+    files = weight_files(model_dir)
+    if "lm_head.weight" not in files:
+        return
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    tensors = {k: t for name in names for k, t in _read(files[name], [name])}
+    if not torch.equal(*(tensors[k] for k in names)):
+        raise ValueError("config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from "
+                         "model.embed_tokens.weight (transformers would train them apart); set "
+                         "tie_word_embeddings to false in config.json to train them as two matrices")
+
+
+def _read(path: Path, keys: list[str]):
+    """(name, tensor) for ``keys`` of one weight file, one tensor at a time."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            for k in keys:
+                yield k, f.get_tensor(k)
+    else:
+        tensors = _load_bin(path)
+        for k in keys:
+            yield k, tensors[k]
+
+
+__all__ = ["check_tied_checkpoint", "weight_files"]
