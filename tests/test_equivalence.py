@@ -142,7 +142,7 @@ def test_activation_offload_matches_reference(tiny_model_dir, schedule, offload)
     trainer = in_process_trainer(cfg)
     assert all(stage.recomputed == 0 for stage in trainer.stages.values())
     history = trainer.train()
-    assert len(trainer.executor.stash) == 0  # every input went back to its backward
+    assert len(trainer.executor.runners.stash) == 0  # every input went back to its backward
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
@@ -248,18 +248,19 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
 def test_detects_fused_loss_gradient_scaled_wrong(tiny_model_dir, monkeypatch):
     """The fused last stage's backward must scale the loss by 1 / (predicted tokens of the
     batch), as the normalised loss's backward does: counting only the micro-batch's is caught."""
-    from pipeline.run.executor import Executor
+    from pipeline.runners.fused_last import FusedLast
 
-    original = Executor._forward_backward
+    original = FusedLast._forward_backward
 
-    def per_microbatch(self, a, x):
-        total, self.num_targets = self.num_targets, max(1, int((self.mbs[a.mb].targets != -100).sum()))
+    def per_microbatch(self, key, x):
+        it = self.it
+        total, it.num_targets = it.num_targets, max(1, int((it.microbatches[key[1]].targets != -100).sum()))
         try:
-            original(self, a, x)
+            original(self, key, x)
         finally:
-            self.num_targets = total
+            it.num_targets = total
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Executor, "_forward_backward", per_microbatch))
+    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(FusedLast, "_forward_backward", per_microbatch))
 
 
 # --- several processes over gloo ------------------------------------------------------------------

@@ -123,9 +123,11 @@ def test_step_has_no_host_sync(tmp_path, mode):
             torch.cuda.set_sync_debug_mode("default")
     trainer.executor.finish()
     assert seen, "the sync debug mode reported nothing: the check itself is not working"
-    allowed = ("float(torch.stack(self.losses)", "out.backward()", "torch.autograd.backward(out, grad)")
+    # the loss at the iteration's end (the executor) and autograd's own (a runner's backward)
+    allowed = {"pipeline/run/executor.py": ("float(torch.stack(it.losses)",),
+               "pipeline/runners/": ("torch.autograd.backward(",)}
     unexpected = {(f, n, code) for f, n, code in seen
-                  if not (f.endswith("pipeline/run/executor.py") and any(a in code for a in allowed))}
+                  if not any(where in f and any(a in code for a in codes) for where, codes in allowed.items())}
     assert not unexpected, sorted(unexpected)
 
 
@@ -162,7 +164,7 @@ def test_activation_offload_memory_does_not_grow_with_microbatches(tmp_path):
             peaks.append(torch.cuda.max_memory_allocated() - base)
             trainer.executor.finish()
             if mode == "actoff":
-                assert len(trainer.executor.stash) == 0
+                assert len(trainer.executor.runners.stash) == 0
             del trainer, run
         growth[mode] = peaks[1] - peaks[0]
     io = 2 * 128 * 256 * 2  # one micro-batch's hidden state (tiny preset, bf16)

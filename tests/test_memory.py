@@ -281,14 +281,14 @@ def test_auto_kept_layers_fill_the_spare_gpu_memory():
 def test_kept_layers_count_their_activations():
     """A kept layer's saved bytes replace its checkpointed input; keeping them all is the
     estimate without checkpointing, the head aside (it is recomputed either way)."""
-    from pipeline.plan.memory import MemoryInputs, StagePlan, _per_token
+    from pipeline.plan.footprint import MemoryInputs, StagePlan, per_token
 
     m = ModelShape.of(preset_config("llama-2-7b"))
     stages = [StagePlan(1, 4, False, False)]
     inp = lambda ckpt, kept: MemoryInputs(m, stages, [0], 4, 512, 2, False, ckpt, kept=kept)  # noqa: E731
     layer = layer_saved_bytes_per_token(m, 2, 512)
-    none, one, every = list(_per_token(inp(True, (k,)), 0)[0] for k in (0, 1, 4))
-    plain = _per_token(inp(False, ()), 0)[0]
+    none, one, every = list(per_token(inp(True, (k,)), 0)[0] for k in (0, 1, 4))
+    plain = per_token(inp(False, ()), 0)[0]
     assert one - none == layer - 2 * m.hidden and every == plain
 
 
@@ -296,15 +296,15 @@ def test_checkpointed_head_counts_one_loss_chunk():
     """A 128K vocabulary (Llama-3): checkpointed, the head's logits exist for one chunk of
     tokens at a time, so its transient is the chunk's, not the micro-batch's; unchunked
     (no checkpointing) it is the whole micro-batch's."""
-    from pipeline.plan.memory import MemoryInputs, StagePlan, _per_token
+    from pipeline.plan.footprint import MemoryInputs, StagePlan, per_token
     from pipeline.plan.shapes import LOSS_CHUNK_BYTES
 
     m = ModelShape(4096, 14336, 32, 1024, 128256)
     last = [StagePlan(1, 0, False, True)]  # the head alone
     tokens = 4 * 2048
-    _, fwd, bwd = _per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, True), 0)
+    _, fwd, bwd = per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, True), 0)
     assert max(fwd, bwd) * tokens <= 4 * LOSS_CHUNK_BYTES
-    _, fwd, bwd = _per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, False), 0)
+    _, fwd, bwd = per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, False), 0)
     assert max(fwd, bwd) * tokens >= 4 * 128256 * tokens
 
 

@@ -143,7 +143,7 @@ def test_activation_offload_with_segments(tiny_model_dir, schedule, offload):
     trainer = in_process_trainer(cfg)
     assert all(stage.recomputed == 0 for stage in trainer.stages.values())
     history = trainer.train()
-    assert len(trainer.executor.stash) == 0  # every segment's input went back to its backward
+    assert len(trainer.executor.runners.stash) == 0  # every segment's input went back to its backward
     assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
 
 
@@ -159,9 +159,9 @@ def test_activation_offload_rows_of_different_lengths(tiny_model_dir, tmp_path, 
 def _equal_segments(monkeypatch) -> None:
     """Cut rows into equal segments (64 columns: 4 of 16), so that another segment's input has
     this one's shape and a mix-up shows in the numbers, not as a shape error."""
-    import pipeline.run.executor as executor
+    import pipeline.runners as runners
 
-    monkeypatch.setattr(executor, "segment_lengths", lambda width, k, key_cost=0.0: shapes.segment_lengths(width, k))
+    monkeypatch.setattr(runners, "segment_lengths", lambda width, k, key_cost=0.0: shapes.segment_lengths(width, k))
 
 
 def _expect_offload_mismatch(tiny_model_dir, monkeypatch, patch) -> None:

@@ -1,7 +1,7 @@
 """How much GPU and host memory a run needs, from the model config and the action lists alone.
 
 No weights are loaded and no tensor is made: the estimate walks each rank's action list and
-keeps a ledger of what the executor and the stores hold at every action.
+keeps a ledger of what the executor and the stores hold at every action (``footprint.Ledger``).
 
 * **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
@@ -39,294 +39,14 @@ keeps a ledger of what the executor and the stores hold at every action.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
-
-from models import counts, spec_for
 from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
-from pipeline.plan.shapes import loss_chunk_tokens
+from pipeline.plan.footprint import (GiB, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
+                                     layer_saved_bytes_per_token, param_bytes_host, param_bytes_resident, per_token,
+                                     pinned, weight_grad_bytes)
+from pipeline.runners.fused_last import fused_transient
+from pipeline.runners.offloaded import offloaded_compute
+from pipeline.runners.segmented import kv_bytes, kv_grads_change
 from schedule.ir import Action, Op, crosses, offloaded_stages
-
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the estimate needs from a Hugging Face config (``of``); the fields after
-    ``vocab`` describe the family's layer (``models.LayerShape``; the defaults: Llama's)."""
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_dim: int       # num_key_value_heads * head_dim
-    vocab: int
-    q_dim: int = 0    # num_attention_heads * head_dim (0: hidden)
-    kv_heads: int = 0
-    pre_norms: int = 2
-    post_norms: int = 0
-    norm_fp32_out: bool = False
-    qk_norm: str = ""
-    experts_per_token: int = 0
-    num_experts: int = 0
-    expert_intermediate: int = 0
-    expert_saved: int = 4
-    attn_softcap: bool = False
-    fused_qkv: bool = False
-    largest_layer_param: int = 0  # 0: hidden * intermediate
-
-    @staticmethod
-    def of(config) -> "ModelShape":
-        L = spec_for(config).shape(config)
-        return ModelShape(L.hidden, L.intermediate, L.heads, L.kv_dim, config.vocab_size, L.q_dim, L.kv_heads,
-                          L.pre_norms, L.post_norms, L.norm_fp32_out, L.qk_norm, L.experts_per_token, L.num_experts,
-                          L.expert_intermediate, L.expert_saved, L.attn_softcap, L.fused_qkv,
-                          counts(config).largest)
-
-    @property
-    def q(self) -> int:
-        return self.q_dim or self.hidden
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP's intermediate width a token passes through (a routed token: its experts')."""
-        return self.experts_per_token * self.expert_intermediate if self.experts_per_token else self.intermediate
-
-    @property
-    def largest(self) -> int:
-        return self.largest_layer_param or self.hidden * self.intermediate
-
-
-def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa", *, tiled: bool = False,
-                                pad: float = 1.0, compiled: bool = False) -> float:
-    """Bytes autograd keeps per token for one decoder layer (``d``: compute dtype size).
-
-    The attention's and the MLP's projections save their inputs (2dh). An RMSNorm saves an fp32
-    copy of its input, its rsqrt and the normalised input (4n + 4 + dn; a (1 + w) norm that
-    multiplies in float32, Gemma's, 4n for the last), per head for per-head q/k norms. Attention
-    keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads; ``pad``:
-    flash pads the head dimension to a multiple of 8 and keeps the padded copies); a gated MLP
-    keeps gate, up, their activation and product (4df), tiled (``pipeline.stage.tiled``) only its input,
-    which the projections' 2dh counts already. A routed token keeps, per expert it
-    goes to, its gathered input and weighted output (2dh) and the expert's f-wide tensors, and the
-    router its probabilities (twice: the routing and the router loss's). Eager attention keeps the
-    fp32 softmax (heads * seq_len a token) and unscaled copies of its inputs instead of the
-    log-sum-exp.
-
-    ``compiled`` (``compile_layers``, a dense layer under sdpa): inductor's partition of the
-    layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
-    norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
-    gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
-    ``tests/test_memory.py``.
-    """
-    h, q, kv = m.hidden, m.q, m.kv_dim
-    if compiled and not m.experts_per_token and attn != "eager":
-        norms = (m.pre_norms + m.post_norms) * (2 * d * h + 4)
-        if m.qk_norm:
-            norms += d * (q + kv) + 4 * (m.heads + (m.kv_heads or m.heads))
-        return norms + (2 * d * q + 2 * d * kv) * pad + 4 * m.heads + (0 if tiled else 3 * d * m.intermediate)
-
-    def norm(n: int, groups: int = 1) -> float:
-        return 4 * n + 4 * groups + (4 * n if m.norm_fp32_out else d * n)
-
-    saved = 2 * d * h + (m.pre_norms + m.post_norms) * norm(h)
-    if m.qk_norm == "head":
-        saved += norm(q, m.heads) + norm(kv, m.kv_heads or m.heads)
-    elif m.qk_norm == "all":
-        saved += norm(q) + norm(kv)
-    saved += (2 * d * q + 2 * d * kv) * pad + 4 * m.heads
-    if m.fused_qkv and attn != "eager":  # sdpa saves v, a view that keeps the fused q/k/v output alive
-        saved += d * (q + kv)
-    if m.experts_per_token:
-        k, E = m.experts_per_token, m.num_experts
-        saved += 2 * (4 + d) * E + k * (2 * d * h + m.expert_saved * d * m.expert_intermediate + 24)
-    elif not tiled:
-        saved += 4 * d * m.intermediate
-    if attn == "eager":
-        saved += 4 * m.heads * seq_len + 4 * q - 4 * m.heads + (d * q if d < 4 else 0)
-        if m.attn_softcap:  # tanh(scores / c) * c keeps a score-sized tensor more
-            saved += d * m.heads * seq_len
-    return saved
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    numel: int
-    num_layers: int
-    first: bool
-    last: bool
-
-
-@dataclass
-class RankMemory:
-    """Peak bytes of one rank, and what the peak is made of."""
-
-    rank: int
-    device_peak: int = 0
-    host: int = 0
-    at: str = ""                                   # the action during which the peak occurs
-    parts: dict[str, int] = field(default_factory=dict)
-    host_parts: dict[str, int] = field(default_factory=dict)  # parameters, stash, carried_kv (GPU runs)
-
-
-@dataclass(frozen=True)
-class MemoryInputs:
-    shape: ModelShape
-    stages: list[StagePlan]
-    mapping: list[int]
-    micro_batch: int
-    seq_len: int
-    dtype_bytes: int
-    offload: bool
-    checkpointing: bool
-    attn: str = "sdpa"
-    cpu: bool = False  # device memory is host memory: count everything once
-    # With checkpointing: per stage, how many of its (last) layers keep their activations
-    # instead of recomputing them; () = none.
-    kept: tuple[int, ...] = ()
-    # seq_chunks: the lengths of a row's sequence segments (their sum is seq_len); () = whole rows.
-    segments: tuple[int, ...] = ()
-    activation_offload: bool = False
-    fused_last: bool = False  # fuse_last_stage (whole rows only: the executor fuses no segment)
-    mlp_tile_tokens: int = 0  # tiled_mlp: tokens per MLP tile (0: untiled)
-    compiled: bool = False    # compile_layers: inductor's graphs keep less than eager autograd
-
-    @property
-    def kernels(self) -> bool:
-        """Attention through kernels without a score matrix (``pipeline.stage.attention`` on a GPU):
-        sdpa on a GPU; the CPU runs segments, windows and packed rows through explicit masks."""
-        return self.attn == "sdpa" and not self.cpu
-
-    @property
-    def kv_offload(self) -> bool:
-        """seq_chunks with activation_offload on a GPU: the carried keys/values wait in host
-        memory between a stage's forwards of a micro-batch and its backwards (``offload.kv``)."""
-        return self.activation_offload and bool(self.segments) and not self.cpu
-
-    def span(self, seg: int | None) -> tuple[int, int, int]:
-        """(start, end) columns of segment ``seg`` of a row (the whole row for None), and the
-        tokens of a micro-batch's segment."""
-        if seg is None or not self.segments:
-            return 0, self.seq_len, self.micro_batch * self.seq_len
-        start = sum(self.segments[:seg])
-        return start, start + self.segments[seg], self.micro_batch * self.segments[seg]
-
-    def kept_layers(self, s: int) -> int:
-        return min(self.kept[s], self.stages[s].num_layers) if self.checkpointing and self.kept else 0
-
-
-def _weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
-    """Autograd computes a weight's gradient as a new tensor, then adds it into ``.grad``: the
-    largest weight of the stage is a transient of its backward."""
-    m, st = inp.shape, inp.stages[s]
-    largest = m.largest if st.num_layers else 0
-    if st.first or st.last:
-        largest = max(largest, m.vocab * m.hidden)
-    return largest * inp.dtype_bytes
-
-
-def _per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float, float, float]:
-    """(saved from F to B, transient during F, transient during B) per token of stage ``s``
-    (of segment ``seg``'s tokens, which attend to ``end`` keys)."""
-    m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
-    h, f, V = m.hidden, m.mlp_width, m.vocab
-    start, end, tokens = inp.span(seg)
-    tiled = inp.mlp_tile_tokens > 0 and not m.experts_per_token
-    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=_head_pad(inp), compiled=inp.compiled)
-    kept = inp.kept_layers(s)
-    # activation_offload: the backward's recompute of the stage checkpoints no layer again
-    layer_ckpt = inp.checkpointing and not inp.activation_offload
-    recomputed = st.num_layers - kept if layer_ckpt else 0  # layers that save only their input
-    saved = recomputed * d * h + (st.num_layers - recomputed) * layer
-    if seg is not None:
-        # A segment's own keys/values stay, carried for the later segments (a recomputed layer's
-        # too), and a layer that keeps its activations saves the attention's concatenation of
-        # every earlier segment's keys/values with its own: end columns, not the segment's.
-        saved += recomputed * 2 * d * m.kv_dim
-        if start > 0:
-            saved += (st.num_layers - recomputed) * 2 * d * m.kv_dim * end / (end - start)
-    if st.first:
-        saved += 8 + (d * h if layer_ckpt and st.num_layers else 0)  # token ids; embedding output
-    elif not recomputed and d == 4:
-        saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
-    fwd = bwd = 0.0
-    if st.num_layers:
-        mlp_fwd, mlp_bwd = _mlp_work(inp, tokens)
-        attn_fwd, attn_bwd = _attention_work(inp, start, end)
-        # backward of one layer: a few h-wide gradients and the worst of its two phases: the
-        # MLP's (three f-wide gradients, or a tile's recompute and gradients) with everything
-        # still saved, then the attention kernel's workspace, by when the MLP side's saved
-        # tensors (its input, the norm before it, untiled its intermediates) are freed; a
-        # recomputed layer's saved tensors are made again first.
-        mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
-            (0 if tiled or m.experts_per_token else 4 * d * f)
-        bwd = 4 * d * h + max(mlp_bwd, attn_bwd - mlp_side) + (layer if recomputed else 0)
-        # forward of one layer: the MLP's intermediates where nothing keeps them (a checkpointed
-        # layer, a tile), the attention kernel's padded copies (and a segment's keys concatenated)
-        fwd = max(mlp_fwd if recomputed or tiled else 0, attn_fwd)
-    if st.last:
-        upcast = 4 * V if d < 4 else 0
-        # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a time
-        share = min(1.0, loss_chunk_tokens(V) / tokens) if inp.checkpointing else 1.0
-        fwd = max(fwd, (d * V + upcast) * share)       # the logits and their fp32 copy
-        if inp.checkpointing:  # the head and loss are recomputed: only their input and the targets stay
-            saved += d * h + 8
-            bwd = max(bwd, (12 * V + (d * V if d < 4 else 0)) * share)
-        else:
-            saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
-            bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
-    return saved, fwd, bwd
-
-
-def _head_pad(inp: MemoryInputs) -> float:
-    """How much bigger flash keeps q, k, v and the output: the head dimension padded to a multiple
-    of 8 (Llama-3B's 100 to 104); 1 where no flash kernel runs (the CPU, float32, eager)."""
-    if not inp.kernels or inp.dtype_bytes >= 4:
-        return 1.0
-    hd = inp.shape.q // max(1, inp.shape.heads)
-    return -(-hd // 8) * 8 / hd
-
-
-def _mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
-    """Per token of a pass of ``tokens``: the MLP's intermediates while one layer's forward runs
-    (gate, up, activation, product) and its backward's (three f-wide gradients); tiled, one
-    tile's: its recompute's four tensors and three gradients in the backward."""
-    d, f = inp.dtype_bytes, inp.shape.mlp_width
-    if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token or tokens <= inp.mlp_tile_tokens:
-        return 4 * d * f, 3 * d * f
-    share = inp.mlp_tile_tokens / tokens
-    return 4 * d * f * share, 7 * d * f * share
-
-
-def _attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, float]:
-    """Per query token of a pass whose queries are columns ``start..end-1`` over keys
-    ``0..end-1``: what a layer's attention allocates beyond the saved tensors, in the forward and
-    in the backward. On a GPU (flash): the padded copies of q, k, v and the output (head dimension
-    to a multiple of 8), and in the backward flash's fp32 query-gradient accumulator, the padded
-    q, k, v gradients (keys expanded to the query heads with GQA) and the output gradient padded;
-    a segment's keys/values concatenated with the carried ones (``end`` columns) in the forward
-    and their gradient in the backward. The CPU's explicit-mask kernels are not modelled here
-    (the layer formula and the CPU check cover them)."""
-    m, d = inp.shape, inp.dtype_bytes
-    keys = end / max(1, end - start)  # keys per query token
-    concat = 2 * d * m.kv_dim * keys if start > 0 else 0.0
-    if not inp.kernels:
-        return concat, concat
-    pad = _head_pad(inp)
-    padded = pad > 1
-    fwd = (d * pad * (2 * m.q + 2 * m.kv_dim * keys) if padded else 0.0) + concat
-    bwd = 4 * m.q * pad + d * pad * (2 * m.q + 2 * m.q * keys) + concat
-    return fwd, bwd
-
-
-def _param_bytes_resident(numel: int, d: int) -> int:
-    # compute copy + its grad + fp32 master + master grad + AdamW moments; fp32 compute aliases
-    return numel * (d + d + 4 + 4 + 8 - (8 if d == 4 else 0))
-
-
-def _param_bytes_host(numel: int, d: int) -> int:
-    # fp32 master + master grad (the offload's destination) + AdamW moments, and the pinned
-    # compute copy of the weights
-    return numel * (4 + 4 + 8 + (d if d < 4 else 0))
 
 
 def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMemory:
@@ -336,9 +56,9 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     mine = [s for s, r in enumerate(inp.mapping) if r == rank]
     out = RankMemory(rank)
     offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
-    out.host = sum(_param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+    out.host = sum(param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
     out.host_parts = {"parameters": out.host}
-    params_static = sum(_param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
+    params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
     if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
         params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
 
@@ -390,13 +110,13 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 if inp.activation_offload:
                     held, sent = held - sent, 0.0
                 held += io if s > 0 else 0.0  # the input's gradient (a received input freed for it)
-                note_peak(a, _fused_transient(inp, s, n) + _weight_grad_bytes(inp, s))
+                note_peak(a, fused_transient(inp, s, n) + weight_grad_bytes(inp, s))
             elif inp.activation_offload and crossing:
                 sent += io  # sent now, freed at the next compute
             continue
         if inp.activation_offload and a.op in (Op.FORWARD, Op.BACKWARD):
             held, sent = held - sent, 0.0
-            extra, held_delta, sent = _offloaded_compute(inp, a, io)
+            extra, held_delta, sent = offloaded_compute(inp, a, io)
             held += held_delta + sent
             carried = 0.0  # seq_chunks: this segment's carried keys/values, freed after its backward
             if a.seg is not None:
@@ -407,20 +127,20 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 # started their copy) and they leave the device segment by segment.
                 if a.op is Op.FORWARD:
                     last = a.seg == len(inp.segments) - 1
-                    per_mb[(s, a.mb, a.seg)] = 0.0 if last else _kv_bytes(inp, s, n)
+                    per_mb[(s, a.mb, a.seg)] = 0.0 if last else kv_bytes(inp, s, n)
                     saved += per_mb[(s, a.mb, a.seg)]
                 else:
                     for key in {(s, a.mb), next_backward.get((s, a.mb, a.seg), (None, None))[:2]}:
                         saved += kv_host.pop(key, 0.0)  # back on the device (its own, or prefetched)
                     carried = per_mb.pop((s, a.mb, a.seg))
-                    saved += _kv_grads_change(inp, a, per_mb)
+                    saved += kv_grads_change(inp, a, per_mb)
             if a.op is Op.BACKWARD and s in offloaded and s not in has_grad:
                 take(inp.stages[s].numel)
                 has_grad.add(s)
             if s > 0:
                 stashed += io if a.op is Op.FORWARD else -io
                 stash_peak = max(stash_peak, stashed)
-            note_peak(a, extra + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
+            note_peak(a, extra + (weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
             saved -= carried
             if inp.kv_offload and a.op is Op.FORWARD and a.seg == len(inp.segments) - 1:
                 moved = sum(v for (st_, mb_, sg), v in per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
@@ -439,7 +159,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             if d < 4:  # the fp32 chunk the gradients go through on their way to the host
                 fwd_t = min(inp.stages[s].numel, GRAD_SLICE_NUMEL) * 4 / tokens
         elif a.op is Op.FORWARD:
-            per_tok, fwd_t, _ = _per_token(inp, s, a.seg)
+            per_tok, fwd_t, _ = per_token(inp, s, a.seg)
             per_mb[(s, a.mb, a.seg)] = per_tok * n
             saved += per_tok * n
             if crosses(inp.mapping, s, s - 1):
@@ -447,93 +167,32 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
             if not inp.stages[s].last:
                 held += io  # the output: kept for backward and, when sent, until the iteration ends
         elif a.op is Op.BACKWARD:
-            _, _, bwd_t = _per_token(inp, s, a.seg)
+            _, _, bwd_t = per_token(inp, s, a.seg)
             if s in offloaded and s not in has_grad:
                 take(inp.stages[s].numel)
                 has_grad.add(s)
             saved -= per_mb.pop((s, a.mb, a.seg))
             if a.seg is not None:
-                saved += _kv_grads_change(inp, a, per_mb)
+                saved += kv_grads_change(inp, a, per_mb)
             if s > 0 and not crosses(inp.mapping, s, s - 1):
                 held += io  # the input's gradient, handed to the previous stage of this rank
             # a received input is freed and its gradient, sent on, lives until the iteration ends
             if not inp.stages[s].last and not crosses(inp.mapping, s, s + 1):
                 held -= 2 * io  # the output (the next stage's input) and the gradient it got back
-        note_peak(a, (fwd_t + bwd_t) * n + (_weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
+        note_peak(a, (fwd_t + bwd_t) * n + (weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
     if inp.cpu:  # one memory: the "device" tensors are host tensors (the stash's inputs counted in the walk)
         out.host += out.device_peak
         out.device_peak = 0
     else:
         # pinned host blocks are rounded up to a power of two by torch's caching host allocator
-        out.host_parts.update(stash=int(stash_peak), carried_kv=int(_pinned(kv_host_peak, inp) if kv_host_peak else 0))
+        out.host_parts.update(stash=int(stash_peak), carried_kv=int(pinned(kv_host_peak, inp) if kv_host_peak else 0))
         out.host += out.host_parts["stash"] + out.host_parts["carried_kv"]
     return out
-
-
-def _pinned(total: float, inp: MemoryInputs) -> float:
-    """Host bytes the pinned allocator takes for ``total`` bytes of carried keys/values, held as
-    one block per layer and segment (each rounded up to a power of two)."""
-    block = 2 * inp.dtype_bytes * inp.shape.kv_dim * inp.micro_batch * max(inp.segments) / 2
-    return total * 2 ** math.ceil(math.log2(block)) / block
-
-
-def _fused_transient(inp: MemoryInputs, s: int, tokens: int) -> float:
-    """fuse_last_stage: what the last stage's forward of one micro-batch adds while it runs its
-    backward: every layer's activations (none checkpointed), the detached final hidden state's
-    gradient and the worst of a loss chunk's and a layer's backward."""
-    whole = replace(inp, checkpointing=True, activation_offload=True)  # nothing recomputed, loss chunked
-    saved, _, bwd = _per_token(whole, s)
-    return (saved + inp.dtype_bytes * inp.shape.hidden + bwd) * tokens
-
-
-def _kv_bytes(inp: MemoryInputs, s: int, tokens: int) -> float:
-    """Every layer's keys and values of stage ``s`` for ``tokens`` tokens."""
-    return inp.stages[s].num_layers * 2 * inp.dtype_bytes * inp.shape.kv_dim * tokens
-
-
-def _kv_grads_change(inp: MemoryInputs, a: Action, per_mb: dict) -> float:
-    """seq_chunks: the backward of segment ``a.seg`` leaves the gradients of the earlier
-    segments' carried keys/values (columns 0..start) until those segments' own backwards; the
-    change of what is held, kept in ``per_mb`` under (stage, micro-batch, "kv")."""
-    kv_grads = _kv_bytes(inp, a.stage, inp.micro_batch * inp.span(a.seg)[0])
-    change = kv_grads - per_mb.pop((a.stage, a.mb, "kv"), 0.0)
-    per_mb[(a.stage, a.mb, "kv")] = kv_grads
-    return change
-
-
-def _offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, float, float]:
-    """activation_offload: one F or B of stage ``a.stage`` as (transient bytes, change of the
-    tensors held after it, bytes of it sent to another rank). A forward runs without a graph:
-    its input (until copied to the host) and one layer's working set. A backward holds the
-    input brought back (and the next backward's, prefetched), the received gradient and the
-    stage's whole activations of one micro-batch (segment: of its tokens, attending to the
-    earlier segments' keys). Outputs and input gradients are held until a stage of this rank
-    takes them, or, sent, until the next compute."""
-    s, st = a.stage, inp.stages[a.stage]
-    tokens = inp.span(a.seg)[2]
-    full, fwd_t, bwd_t = _per_token(inp, s, a.seg)
-    if a.op is Op.FORWARD:
-        start, end, _ = inp.span(a.seg)  # a forward without a graph: one layer's working set at a time
-        layer_work = max(_mlp_work(inp, tokens)[0], _attention_work(inp, start, end)[0]) if st.num_layers else 0
-        transient = max(fwd_t, layer_work) * tokens + (io if s > 0 else 0)
-        local_in = s > 0 and not crosses(inp.mapping, s, s - 1)
-        out = io if not st.last else 0.0
-        to_peer = out if not st.last and crosses(inp.mapping, s, s + 1) else 0.0
-        return transient, out - to_peer - (io if local_in else 0.0), to_peer
-    transient = (full + bwd_t) * tokens + (2 * io if s > 0 else 0) + (io if not st.last else 0)
-    local_grad = not st.last and not crosses(inp.mapping, s, s + 1)
-    grad = io if s > 0 else 0.0
-    to_peer = grad if s > 0 and crosses(inp.mapping, s, s - 1) else 0.0
-    return transient, grad - to_peer - (io if local_grad else 0.0), to_peer
 
 
 def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:
     return [estimate_rank(inp, r, schedule[r]) for r in sorted(schedule)]
 
 
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
-__all__ = ["MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "estimate", "estimate_rank", "gib",
+__all__ = ["GiB", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "estimate", "estimate_rank", "gib",
            "layer_saved_bytes_per_token"]

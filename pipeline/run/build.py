@@ -32,6 +32,7 @@ from pipeline.run.evaluate import build_eval_batches
 from pipeline.run.executor import Executor
 from pipeline.run.optim import LossScaler, optim_settings
 from pipeline.run.replicas import GradSync, shard_peers
+from pipeline.runners import RankRunners
 from pipeline.stage.model import build_stage, compile_layers
 from pipeline.stage.router_loss import RouterLoss
 
@@ -322,11 +323,14 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
                                            device, dtype, replicas, log)
     p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
-    executor = Executor(position, stages, stores, mapping, p2p, device=device, dtype=dtype,
+    # How each stage's work runs, chosen once here (pipeline.runners)
+    runners = RankRunners(stages, stores, device=device, num_stages=S, num_segments=cfg.seq_chunks,
+                          key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload,
+                          fused_last=fuses_last_stage(cfg))
+    executor = Executor(position, stores, mapping, p2p, runners, device=device, dtype=dtype,
                         hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
-                        start_offset_s=placement.choice.start_offset_s[position], num_segments=cfg.seq_chunks,
-                        key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload,
-                        fuse_last_stage=fuses_last_stage(cfg), router_loss=build_router_loss(cfg, hf, stages, device))
+                        start_offset_s=placement.choice.start_offset_s[position],
+                        router_loss=build_router_loss(cfg, hf, stages, device))
     scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
     return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
                 schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)

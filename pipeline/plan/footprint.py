@@ -1,0 +1,424 @@
+"""The memory plan's arithmetic: the sizes it reads from a model config (``ModelShape``), what a
+stage saves and allocates per token (``per_token`` and its parts), what parameters cost, and the
+``Ledger`` of one rank that the walk (``pipeline.plan.memory``) and the runners' ``account``
+write to. No weights, no tensors: numbers of bytes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from models import counts, spec_for
+from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
+from pipeline.plan.shapes import loss_chunk_tokens
+from schedule.ir import Action, Op, crosses, offloaded_stages
+
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the estimate needs from a Hugging Face config (``of``); the fields after
+    ``vocab`` describe the family's layer (``models.LayerShape``; the defaults: Llama's)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_dim: int       # num_key_value_heads * head_dim
+    vocab: int
+    q_dim: int = 0    # num_attention_heads * head_dim (0: hidden)
+    kv_heads: int = 0
+    pre_norms: int = 2
+    post_norms: int = 0
+    norm_fp32_out: bool = False
+    qk_norm: str = ""
+    experts_per_token: int = 0
+    num_experts: int = 0
+    expert_intermediate: int = 0
+    expert_saved: int = 4
+    attn_softcap: bool = False
+    fused_qkv: bool = False
+    largest_layer_param: int = 0  # 0: hidden * intermediate
+
+    @staticmethod
+    def of(config) -> "ModelShape":
+        L = spec_for(config).shape(config)
+        return ModelShape(L.hidden, L.intermediate, L.heads, L.kv_dim, config.vocab_size, L.q_dim, L.kv_heads,
+                          L.pre_norms, L.post_norms, L.norm_fp32_out, L.qk_norm, L.experts_per_token, L.num_experts,
+                          L.expert_intermediate, L.expert_saved, L.attn_softcap, L.fused_qkv,
+                          counts(config).largest)
+
+    @property
+    def q(self) -> int:
+        return self.q_dim or self.hidden
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's intermediate width a token passes through (a routed token: its experts')."""
+        return self.experts_per_token * self.expert_intermediate if self.experts_per_token else self.intermediate
+
+    @property
+    def largest(self) -> int:
+        return self.largest_layer_param or self.hidden * self.intermediate
+
+
+def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str = "sdpa", *, tiled: bool = False,
+                                pad: float = 1.0, compiled: bool = False) -> float:
+    """Bytes autograd keeps per token for one decoder layer (``d``: compute dtype size).
+
+    The attention's and the MLP's projections save their inputs (2dh). An RMSNorm saves an fp32
+    copy of its input, its rsqrt and the normalised input (4n + 4 + dn; a (1 + w) norm that
+    multiplies in float32, Gemma's, 4n for the last), per head for per-head q/k norms. Attention
+    keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads; ``pad``:
+    flash pads the head dimension to a multiple of 8 and keeps the padded copies); a gated MLP
+    keeps gate, up, their activation and product (4df), tiled (``pipeline.stage.tiled``) only its input,
+    which the projections' 2dh counts already. A routed token keeps, per expert it
+    goes to, its gathered input and weighted output (2dh) and the expert's f-wide tensors, and the
+    router its probabilities (twice: the routing and the router loss's). Eager attention keeps the
+    fp32 softmax (heads * seq_len a token) and unscaled copies of its inputs instead of the
+    log-sum-exp.
+
+    ``compiled`` (``compile_layers``, a dense layer under sdpa): inductor's partition of the
+    layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
+    norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
+    gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
+    ``tests/test_memory.py``.
+    """
+    h, q, kv = m.hidden, m.q, m.kv_dim
+    if compiled and not m.experts_per_token and attn != "eager":
+        norms = (m.pre_norms + m.post_norms) * (2 * d * h + 4)
+        if m.qk_norm:
+            norms += d * (q + kv) + 4 * (m.heads + (m.kv_heads or m.heads))
+        return norms + (2 * d * q + 2 * d * kv) * pad + 4 * m.heads + (0 if tiled else 3 * d * m.intermediate)
+
+    def norm(n: int, groups: int = 1) -> float:
+        return 4 * n + 4 * groups + (4 * n if m.norm_fp32_out else d * n)
+
+    saved = 2 * d * h + (m.pre_norms + m.post_norms) * norm(h)
+    if m.qk_norm == "head":
+        saved += norm(q, m.heads) + norm(kv, m.kv_heads or m.heads)
+    elif m.qk_norm == "all":
+        saved += norm(q) + norm(kv)
+    saved += (2 * d * q + 2 * d * kv) * pad + 4 * m.heads
+    if m.fused_qkv and attn != "eager":  # sdpa saves v, a view that keeps the fused q/k/v output alive
+        saved += d * (q + kv)
+    if m.experts_per_token:
+        k, E = m.experts_per_token, m.num_experts
+        saved += 2 * (4 + d) * E + k * (2 * d * h + m.expert_saved * d * m.expert_intermediate + 24)
+    elif not tiled:
+        saved += 4 * d * m.intermediate
+    if attn == "eager":
+        saved += 4 * m.heads * seq_len + 4 * q - 4 * m.heads + (d * q if d < 4 else 0)
+        if m.attn_softcap:  # tanh(scores / c) * c keeps a score-sized tensor more
+            saved += d * m.heads * seq_len
+    return saved
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    numel: int
+    num_layers: int
+    first: bool
+    last: bool
+
+
+@dataclass
+class RankMemory:
+    """Peak bytes of one rank, and what the peak is made of."""
+
+    rank: int
+    device_peak: int = 0
+    host: int = 0
+    at: str = ""                                   # the action during which the peak occurs
+    parts: dict[str, int] = field(default_factory=dict)
+    host_parts: dict[str, int] = field(default_factory=dict)  # parameters, stash, carried_kv (GPU runs)
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    shape: ModelShape
+    stages: list[StagePlan]
+    mapping: list[int]
+    micro_batch: int
+    seq_len: int
+    dtype_bytes: int
+    offload: bool
+    checkpointing: bool
+    attn: str = "sdpa"
+    cpu: bool = False  # device memory is host memory: count everything once
+    # With checkpointing: per stage, how many of its (last) layers keep their activations
+    # instead of recomputing them; () = none.
+    kept: tuple[int, ...] = ()
+    # seq_chunks: the lengths of a row's sequence segments (their sum is seq_len); () = whole rows.
+    segments: tuple[int, ...] = ()
+    activation_offload: bool = False
+    fused_last: bool = False  # fuse_last_stage (whole rows only: the executor fuses no segment)
+    mlp_tile_tokens: int = 0  # tiled_mlp: tokens per MLP tile (0: untiled)
+    compiled: bool = False    # compile_layers: inductor's graphs keep less than eager autograd
+
+    @property
+    def kernels(self) -> bool:
+        """Attention through kernels without a score matrix (``pipeline.stage.attention`` on a GPU):
+        sdpa on a GPU; the CPU runs segments, windows and packed rows through explicit masks."""
+        return self.attn == "sdpa" and not self.cpu
+
+    @property
+    def kv_offload(self) -> bool:
+        """seq_chunks with activation_offload on a GPU: the carried keys/values wait in host
+        memory between a stage's forwards of a micro-batch and its backwards (``offload.kv``)."""
+        return self.activation_offload and bool(self.segments) and not self.cpu
+
+    def span(self, seg: int | None) -> tuple[int, int, int]:
+        """(start, end) columns of segment ``seg`` of a row (the whole row for None), and the
+        tokens of a micro-batch's segment."""
+        if seg is None or not self.segments:
+            return 0, self.seq_len, self.micro_batch * self.seq_len
+        start = sum(self.segments[:seg])
+        return start, start + self.segments[seg], self.micro_batch * self.segments[seg]
+
+    def kept_layers(self, s: int) -> int:
+        return min(self.kept[s], self.stages[s].num_layers) if self.checkpointing and self.kept else 0
+
+
+def weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
+    """Autograd computes a weight's gradient as a new tensor, then adds it into ``.grad``: the
+    largest weight of the stage is a transient of its backward."""
+    m, st = inp.shape, inp.stages[s]
+    largest = m.largest if st.num_layers else 0
+    if st.first or st.last:
+        largest = max(largest, m.vocab * m.hidden)
+    return largest * inp.dtype_bytes
+
+
+def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float, float, float]:
+    """(saved from F to B, transient during F, transient during B) per token of stage ``s``
+    (of segment ``seg``'s tokens, which attend to ``end`` keys)."""
+    m, d, st = inp.shape, inp.dtype_bytes, inp.stages[s]
+    h, f, V = m.hidden, m.mlp_width, m.vocab
+    start, end, tokens = inp.span(seg)
+    tiled = inp.mlp_tile_tokens > 0 and not m.experts_per_token
+    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=head_pad(inp), compiled=inp.compiled)
+    kept = inp.kept_layers(s)
+    # activation_offload: the backward's recompute of the stage checkpoints no layer again
+    layer_ckpt = inp.checkpointing and not inp.activation_offload
+    recomputed = st.num_layers - kept if layer_ckpt else 0  # layers that save only their input
+    saved = recomputed * d * h + (st.num_layers - recomputed) * layer
+    if seg is not None:
+        # A segment's own keys/values stay, carried for the later segments (a recomputed layer's
+        # too), and a layer that keeps its activations saves the attention's concatenation of
+        # every earlier segment's keys/values with its own: end columns, not the segment's.
+        saved += recomputed * 2 * d * m.kv_dim
+        if start > 0:
+            saved += (st.num_layers - recomputed) * 2 * d * m.kv_dim * end / (end - start)
+    if st.first:
+        saved += 8 + (d * h if layer_ckpt and st.num_layers else 0)  # token ids; embedding output
+    elif not recomputed and d == 4:
+        saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
+    fwd = bwd = 0.0
+    if st.num_layers:
+        mlp_fwd, mlp_bwd = mlp_work(inp, tokens)
+        attn_fwd, attn_bwd = attention_work(inp, start, end)
+        # backward of one layer: a few h-wide gradients and the worst of its two phases: the
+        # MLP's (three f-wide gradients, or a tile's recompute and gradients) with everything
+        # still saved, then the attention kernel's workspace, by when the MLP side's saved
+        # tensors (its input, the norm before it, untiled its intermediates) are freed; a
+        # recomputed layer's saved tensors are made again first.
+        mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
+            (0 if tiled or m.experts_per_token else 4 * d * f)
+        bwd = 4 * d * h + max(mlp_bwd, attn_bwd - mlp_side) + (layer if recomputed else 0)
+        # forward of one layer: the MLP's intermediates where nothing keeps them (a checkpointed
+        # layer, a tile), the attention kernel's padded copies (and a segment's keys concatenated)
+        fwd = max(mlp_fwd if recomputed or tiled else 0, attn_fwd)
+    if st.last:
+        upcast = 4 * V if d < 4 else 0
+        # checkpointed, the head runs in chunks of tokens: its logits exist for one chunk at a time
+        share = min(1.0, loss_chunk_tokens(V) / tokens) if inp.checkpointing else 1.0
+        fwd = max(fwd, (d * V + upcast) * share)       # the logits and their fp32 copy
+        if inp.checkpointing:  # the head and loss are recomputed: only their input and the targets stay
+            saved += d * h + 8
+            bwd = max(bwd, (12 * V + (d * V if d < 4 else 0)) * share)
+        else:
+            saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
+            bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
+    return saved, fwd, bwd
+
+
+def head_pad(inp: MemoryInputs) -> float:
+    """How much bigger flash keeps q, k, v and the output: the head dimension padded to a multiple
+    of 8 (Llama-3B's 100 to 104); 1 where no flash kernel runs (the CPU, float32, eager)."""
+    if not inp.kernels or inp.dtype_bytes >= 4:
+        return 1.0
+    hd = inp.shape.q // max(1, inp.shape.heads)
+    return -(-hd // 8) * 8 / hd
+
+
+def mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
+    """Per token of a pass of ``tokens``: the MLP's intermediates while one layer's forward runs
+    (gate, up, activation, product) and its backward's (three f-wide gradients); tiled, one
+    tile's: its recompute's four tensors and three gradients in the backward."""
+    d, f = inp.dtype_bytes, inp.shape.mlp_width
+    if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token or tokens <= inp.mlp_tile_tokens:
+        return 4 * d * f, 3 * d * f
+    share = inp.mlp_tile_tokens / tokens
+    return 4 * d * f * share, 7 * d * f * share
+
+
+def attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, float]:
+    """Per query token of a pass whose queries are columns ``start..end-1`` over keys
+    ``0..end-1``: what a layer's attention allocates beyond the saved tensors, in the forward and
+    in the backward. On a GPU (flash): the padded copies of q, k, v and the output (head dimension
+    to a multiple of 8), and in the backward flash's fp32 query-gradient accumulator, the padded
+    q, k, v gradients (keys expanded to the query heads with GQA) and the output gradient padded;
+    a segment's keys/values concatenated with the carried ones (``end`` columns) in the forward
+    and their gradient in the backward. The CPU's explicit-mask kernels are not modelled here
+    (the layer formula and the CPU check cover them)."""
+    m, d = inp.shape, inp.dtype_bytes
+    keys = end / max(1, end - start)  # keys per query token
+    concat = 2 * d * m.kv_dim * keys if start > 0 else 0.0
+    if not inp.kernels:
+        return concat, concat
+    pad = head_pad(inp)
+    padded = pad > 1
+    fwd = (d * pad * (2 * m.q + 2 * m.kv_dim * keys) if padded else 0.0) + concat
+    bwd = 4 * m.q * pad + d * pad * (2 * m.q + 2 * m.q * keys) + concat
+    return fwd, bwd
+
+
+def param_bytes_resident(numel: int, d: int) -> int:
+    # compute copy + its grad + fp32 master + master grad + AdamW moments; fp32 compute aliases
+    return numel * (d + d + 4 + 4 + 8 - (8 if d == 4 else 0))
+
+
+def param_bytes_host(numel: int, d: int) -> int:
+    # fp32 master + master grad (the offload's destination) + AdamW moments, and the pinned
+    # compute copy of the weights
+    return numel * (4 + 4 + 8 + (d if d < 4 else 0))
+
+
+def pinned(total: float, inp: MemoryInputs) -> float:
+    """Host bytes the pinned allocator takes for ``total`` bytes of carried keys/values, held as
+    one block per layer and segment (each rounded up to a power of two)."""
+    block = 2 * inp.dtype_bytes * inp.shape.kv_dim * inp.micro_batch * max(inp.segments) / 2
+    return total * 2 ** math.ceil(math.log2(block)) / block
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+class Ledger:
+    """What one rank holds while the memory plan walks its action list, and its peak so far.
+
+    The walk (``estimate_rank``) counts the parameter actions here (``parameters``); every
+    FORWARD and BACKWARD is its stage's runner's to count (``Runner.account``), through these
+    fields and methods. Bytes, as floats where formulas per token make them:
+
+    * ``saved``: autograd's saved tensors of forwards whose backward has not run, by
+      (stage, micro-batch, segment) in ``per_mb`` (segments add (stage, micro-batch, "kv") for
+      the carried keys' gradients);
+    * ``held``: stage inputs, outputs and gradients the executor or a runner keeps;
+    * ``sent``: activation_offload's sent tensors, released at the next compute;
+    * ``stashed`` (peak ``stash_peak``): stage inputs in host memory;
+    * ``kv_host`` (peak ``kv_host_peak``): carried keys/values in host memory, by (stage, micro-batch);
+    * the parameter buffers: resident stages' (``params_static``) and the offload pool's
+      (``pool_bytes``, replayed take by take as ``offload/store.py``'s ``BufferPool``).
+    """
+
+    def __init__(self, inp: MemoryInputs, rank: int, actions: list[Action]):
+        d = inp.dtype_bytes
+        self.inp, self.rank = inp, rank
+        self.tokens = inp.micro_batch * inp.seq_len
+        mine = [s for s, r in enumerate(inp.mapping) if r == rank]
+        self.out = out = RankMemory(rank)
+        self.offloaded = offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
+        out.host = sum(param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+        out.host_parts = {"parameters": out.host}
+        self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
+        if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
+            self.params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
+        self.pool_free: dict[int, int] = {}   # numel -> free buffers
+        self.pool_bytes = 0
+        self.has_grad: set[int] = set()
+        self.saved = 0.0
+        self.held = 0.0
+        self.per_mb: dict[tuple[int, int, int | str | None], float] = {}
+        self.stashed = self.stash_peak = 0.0
+        self.sent = 0.0
+        self.kv_host: dict[tuple[int, int], float] = {}
+        self.kv_host_peak = 0.0
+        # each backward that recomputes starts bringing back the next backward's inputs
+        order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD]
+        self.next_backward = dict(zip(order, order[1:]))
+
+    # --- what the runners use ---------------------------------------------------------------
+    def compute(self, a: Action) -> tuple[int, int, float]:
+        """(stage, tokens, bytes of one hidden state) of a FORWARD or BACKWARD (of its segment)."""
+        n = self.inp.span(a.seg)[2]
+        return a.stage, n, self.inp.dtype_bytes * self.inp.shape.hidden * n
+
+    def crosses(self, s: int, t: int) -> bool:
+        """The tensor between stage ``s`` and its neighbour ``t`` goes to another rank."""
+        return crosses(self.inp.mapping, s, t)
+
+    def release_sent(self) -> None:
+        """activation_offload: the sent tensors are dropped at the next compute."""
+        self.held, self.sent = self.held - self.sent, 0.0
+
+    def grad_buffer(self, s: int) -> None:
+        """An offloaded stage's first gradient-making compute of the iteration takes its device
+        gradient buffer from the pool (``StageStore.before_compute(backward=True)``)."""
+        if s in self.offloaded and s not in self.has_grad:
+            self.take(self.inp.stages[s].numel)
+            self.has_grad.add(s)
+
+    def note_peak(self, a: Action, transient: float) -> None:
+        """What the device holds at action ``a``, plus its ``transient``: a new peak is kept with its parts."""
+        now = self.params_static + self.pool_bytes + self.saved + self.held + (self.stashed if self.inp.cpu else 0)
+        if now + transient > self.out.device_peak:
+            self.out.device_peak, self.out.at = int(now + transient), str(a)
+            self.out.parts = {"parameters": int(self.params_static + self.pool_bytes), "activations": int(self.saved),
+                              "in_flight": int(self.held), "transient": int(transient)}
+
+    # --- the parameter actions --------------------------------------------------------------
+    def take(self, numel: int) -> None:
+        if self.pool_free.get(numel):
+            self.pool_free[numel] -= 1
+        else:
+            self.pool_bytes += numel * self.inp.dtype_bytes
+
+    def give(self, numel: int) -> None:
+        self.pool_free[numel] = self.pool_free.get(numel, 0) + 1
+
+    def parameters(self, a: Action) -> None:
+        """Any action but a FORWARD or BACKWARD: LOAD takes a buffer of the pool, DROP gives it
+        back, OFFLOAD_GRADS gives back the weights' and the gradients' (through an fp32 chunk on
+        its way to the host); the rest move no parameter."""
+        transient = 0.0
+        if a.op is Op.LOAD:
+            self.take(self.inp.stages[a.stage].numel)
+        elif a.op is Op.DROP:
+            self.give(self.inp.stages[a.stage].numel)
+        elif a.op is Op.OFFLOAD_GRADS:
+            numel = self.inp.stages[a.stage].numel
+            self.give(numel)
+            self.give(numel)
+            self.has_grad.discard(a.stage)
+            if self.inp.dtype_bytes < 4:  # the fp32 chunk the gradients go through on their way to the host
+                transient = min(numel, GRAD_SLICE_NUMEL) * 4 / self.tokens
+        self.note_peak(a, transient * self.tokens)
+
+    def finish(self) -> RankMemory:
+        out, inp = self.out, self.inp
+        if inp.cpu:  # one memory: the "device" tensors are host tensors (the stash's inputs counted in the walk)
+            out.host += out.device_peak
+            out.device_peak = 0
+        else:
+            # pinned host blocks are rounded up to a power of two by torch's caching host allocator
+            out.host_parts.update(stash=int(self.stash_peak),
+                                  carried_kv=int(pinned(self.kv_host_peak, inp) if self.kv_host_peak else 0))
+            out.host += out.host_parts["stash"] + out.host_parts["carried_kv"]
+        return out
+
+
+__all__ = ["GiB", "Ledger", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "attention_work", "gib",
+           "layer_saved_bytes_per_token", "mlp_work", "per_token", "weight_grad_bytes"]

@@ -1,0 +1,101 @@
+"""Long rows (issue 28): sequence segments with activation offload, in training. A segment's
+forward runs without a graph but keeps its keys/values as carried leaves (the later segments
+attend to them); after a micro-batch's last forward at the stage they go to pinned host memory
+(``offload.kv``) and come back before its first backward there, prefetched at the backward
+before. The backward (last segment first) restores the segment's input, recomputes it against
+the earlier segments' carried keys/values and feeds in the dK/dV the later segments left. The GPU
+then holds one segment's activations during a backward, plus the keys/values of the stages in
+their backward sweep.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.runners.base import Arrival, Iteration, Key, Mode, Shared, forward_input, forward_result, routing
+from pipeline.runners.offloaded import recomputed
+from pipeline.runners.segmented import kv_bytes, kv_grads_change, segment_backward, segment_pass
+from pipeline.stage.segments import SegmentStage
+from schedule.ir import Action, Op
+
+if TYPE_CHECKING:
+    from pipeline.plan.footprint import Ledger
+
+
+class OffloadedSegments:
+    """A stage one (rows, segment) at a time, its inputs and carried keys/values in host memory
+    between forwards and backwards, every backward recomputing its segment."""
+
+    @staticmethod
+    def applies(mode: Mode) -> bool:
+        return mode.training and mode.activation_offload and mode.segmented
+
+    def __init__(self, stage, store, shared: Shared):
+        self.stage, self.store, self.host = stage, store, shared.host
+        self.last = stage.is_last
+        self.host.recomputing.add(stage.index)
+        self.begin(None)
+
+    def begin(self, it: Iteration | None) -> None:
+        self.it = it
+        # a segment's forward keeps only its carried keys/values; its backward recomputes it
+        self.segments = None if it is None else SegmentStage(self.stage, it.lengths, recompute=True,
+                                                             kv_host=self.host.kv)
+
+
+    def forward(self, key: Key, x: Arrival) -> torch.Tensor | None:
+        it = self.it
+        x = forward_input(self, x)
+        if not self.stage.is_first:
+            self.host.stash.save(key, x)
+        it.release_sent()
+        start = it.clock.mark()
+        with torch.no_grad(), routing(self.stage, key, it):
+            out, loss = segment_pass(self, key, x)
+        return forward_result(it, key, self.last, out, loss, start)
+
+    def backward(self, key: Key, grad: Arrival) -> torch.Tensor | None:
+        it = self.it
+        with routing(self.stage, key, it):
+            self.store.before_compute(backward=True, clock=it.clock)
+            it.release_sent()
+            # the recompute needs no gradient yet: it runs before the wait for the one sent back;
+            # it attends to the keys/values its earlier segments carried (its SegmentStage holds them)
+            x = self.host.input_back(key, it)
+            start = it.clock.mark()
+            out = segment_pass(self, key, x, recompute=True)[0]
+            g = segment_backward(self, key, out, grad.take())
+            it.clock.span("compute", start, it.clock.mark())
+        self.stage.routing.release(key)
+        return g
+
+    @classmethod
+    def account(cls, a: Action, L: "Ledger") -> None:
+        """As a recomputing stage (``offloaded.recomputed``), and the carried keys/values: a
+        forward keeps its segment's on the device for the later segments (the last segment's
+        nothing attends to); a backward brings its micro-batch's back (its own, or prefetched by
+        the backward before), frees its segment's and leaves the gradients of the earlier
+        segments'. On a GPU they wait in host memory from the micro-batch's last forward here."""
+        s, n, _ = L.compute(a)
+        inp, key = L.inp, (s, a.mb, a.seg)
+        last_segment = a.seg == len(inp.segments) - 1
+        carried = 0.0  # this segment's carried keys/values, freed after its backward
+        if a.op is Op.FORWARD:
+            L.per_mb[key] = 0.0 if last_segment else kv_bytes(inp, s, n)
+            L.saved += L.per_mb[key]
+        else:
+            for mb_key in {(s, a.mb), L.next_backward.get(key, (None, None))[:2]}:
+                L.saved += L.kv_host.pop(mb_key, 0.0)  # back on the device (its own, or prefetched)
+            carried = L.per_mb.pop(key)
+            L.saved += kv_grads_change(inp, a, L.per_mb)
+        recomputed(a, L)
+        L.saved -= carried
+        if inp.kv_offload and a.op is Op.FORWARD and last_segment:
+            moved = sum(v for (st_, mb_, sg), v in L.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
+            L.kv_host[(s, a.mb)] = moved
+            L.saved -= moved
+            L.kv_host_peak = max(L.kv_host_peak, sum(L.kv_host.values()))
+
+
+__all__ = ["OffloadedSegments"]
