@@ -14,6 +14,7 @@ from models import FAMILIES, supports_sdpa, tiny_config
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.memory import ModelShape, layer_saved_bytes_per_token
 from pipeline.plan.source import preset_config
+from pipeline.runners import RUNNERS
 from pipeline.stage.model import build_stage
 
 
@@ -157,6 +158,39 @@ def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
     ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cpu")
     estimate = sum(r.host for r in ranks)
     measured = _measured_peak(Trainer(cfg, DistEnv(0, 1, 0, 1)))
+    assert abs(estimate / measured - 1) <= 0.15, (estimate, measured)
+
+
+# One configuration per runner (pipeline.runners.RUNNERS) in which it runs every stage of the rank
+# (the fused last stage: the only stage), so that the rank's peak is that runner's account.
+RUNNER_CASES = {
+    "WholeRows": dict(schedule="gpipe", num_chunks=4, fuse_last_stage="false"),
+    "FusedLast": dict(schedule="gpipe", num_chunks=4, num_stages=1, fuse_last_stage="true"),
+    "OffloadedRows": dict(schedule="1f1b", num_chunks=8, activation_offload=True, fuse_last_stage="false"),
+    "Segmented": dict(schedule="1f1b", num_chunks=8, seq_chunks=4),
+    "OffloadedSegments": dict(schedule="gpipe", num_chunks=4, seq_chunks=4, activation_offload=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", [r.__name__ for r in RUNNERS])
+def test_runner_account_within_15_percent_of_measured_cpu_peak(tiny_model_dir, runner):
+    """Each runner's ``account``, summed by the memory plan, against the profiler's peak of live
+    CPU tensors of the same training where that runner runs every stage."""
+    from pipeline.dist import DistEnv
+    from pipeline.plan.fit import memory_plan
+    from pipeline.plan.source import resolve_model
+    from pipeline.run.trainer import Trainer
+
+    assert runner in RUNNER_CASES, f"runner {runner} has no measured configuration here"
+    cfg = make_config(dict(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32",
+                                num_iterations=2, num_stages=4, seq_length=128, batch_size=16, save_model=False,
+                                save_metrics=False, save_dir=scratch_save_dir()), **RUNNER_CASES[runner]))
+    ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cpu")
+    estimate = sum(r.host for r in ranks)
+    trainer = Trainer(cfg, DistEnv(0, 1, 0, 1))
+    assert {type(r).__name__ for r in trainer.executor.runners.training.values()} == {runner}
+    measured = _measured_peak(trainer)
     assert abs(estimate / measured - 1) <= 0.15, (estimate, measured)
 
 

@@ -2,6 +2,9 @@
 
 No weights are loaded and no tensor is made: the estimate walks each rank's action list and
 keeps a ledger of what the executor and the stores hold at every action (``footprint.Ledger``).
+The walk counts the parameter actions itself; every FORWARD and BACKWARD is counted by its
+stage's runner (``pipeline.runners``: ``Runner.account``), the same object that runs it, chosen
+by the same ``runner_for`` from the same mode. The walk has no mode of its own.
 
 * **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
@@ -39,155 +42,24 @@ keeps a ledger of what the executor and the stores hold at every action (``footp
 """
 from __future__ import annotations
 
-from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
-from pipeline.plan.footprint import (GiB, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
-                                     layer_saved_bytes_per_token, param_bytes_host, param_bytes_resident, per_token,
-                                     pinned, weight_grad_bytes)
-from pipeline.runners.fused_last import fused_transient
-from pipeline.runners.offloaded import offloaded_compute
-from pipeline.runners.segmented import kv_bytes, kv_grads_change
-from schedule.ir import Action, Op, crosses, offloaded_stages
+from pipeline.plan.footprint import (GiB, Ledger, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
+                                     layer_saved_bytes_per_token)
+from pipeline.runners import Mode, runner_for
+from schedule.ir import Action, Op
 
 
 def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMemory:
     """Walk one rank's action list and return its peak device memory and its host memory."""
-    d, tokens = inp.dtype_bytes, inp.micro_batch * inp.seq_len
-    h = inp.shape.hidden
-    mine = [s for s, r in enumerate(inp.mapping) if r == rank]
-    out = RankMemory(rank)
-    offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
-    out.host = sum(param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
-    out.host_parts = {"parameters": out.host}
-    params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
-    if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
-        params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
-
-    pool_free: dict[int, int] = {}   # numel -> free buffers
-    pool_bytes = 0
-    has_grad: set[int] = set()
-
-    def take(numel: int) -> None:
-        nonlocal pool_bytes
-        if pool_free.get(numel):
-            pool_free[numel] -= 1
-        else:
-            pool_bytes += numel * d
-
-    def give(numel: int) -> None:
-        pool_free[numel] = pool_free.get(numel, 0) + 1
-
-    saved = 0.0           # autograd's saved tensors of forwards whose backward has not run
-    held = 0.0            # executor-held inputs/outputs/sent tensors
-    per_mb: dict[tuple[int, int, int | str | None], float] = {}  # by (stage, micro-batch, segment)
-    stashed = stash_peak = 0.0  # activation_offload: stage inputs in host memory
-    sent = 0.0                  # activation_offload: sent tensors, released at the next compute
-    kv_host: dict[tuple[int, int], float] = {}  # kv_offload: carried keys/values in host memory by (stage, mb)
-    kv_host_peak = 0.0
-    # kv_offload: each backward starts bringing back the next backward's carried keys/values
-    order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD]
-    next_backward = dict(zip(order, order[1:]))
-
-    def note_peak(a: Action, transient: float) -> None:
-        """What the device holds at action ``a``, plus its ``transient``: a new peak is kept with its parts."""
-        now = params_static + pool_bytes + saved + held + (stashed if inp.cpu else 0)
-        if now + transient > out.device_peak:
-            out.device_peak, out.at = int(now + transient), str(a)
-            out.parts = {"parameters": int(params_static + pool_bytes), "activations": int(saved),
-                         "in_flight": int(held), "transient": int(transient)}
-
+    ledger = Ledger(inp, rank, actions)
+    segmented = bool(inp.segments)
+    runners = {s: runner_for(Mode(True, st.last, inp.fused_last, inp.activation_offload, segmented))
+               for s, st in enumerate(inp.stages) if inp.mapping[s] == rank}
     for a in actions:
-        s = a.stage
-        n = inp.span(a.seg)[2] if a.op in (Op.FORWARD, Op.BACKWARD) else tokens  # tokens of this compute
-        io = d * h * n   # one hidden-state tensor of a micro-batch (segment)
-        fwd_t = bwd_t = 0.0
-        if inp.fused_last and inp.stages[s].last and a.seg is None and a.op in (Op.FORWARD, Op.BACKWARD):
-            # fuse_last_stage: the forward runs the backward; the backward only hands the gradient on
-            crossing = s > 0 and crosses(inp.mapping, s, s - 1)
-            if a.op is Op.FORWARD:
-                if s in offloaded and s not in has_grad:
-                    take(inp.stages[s].numel)
-                    has_grad.add(s)
-                if inp.activation_offload:
-                    held, sent = held - sent, 0.0
-                held += io if s > 0 else 0.0  # the input's gradient (a received input freed for it)
-                note_peak(a, fused_transient(inp, s, n) + weight_grad_bytes(inp, s))
-            elif inp.activation_offload and crossing:
-                sent += io  # sent now, freed at the next compute
-            continue
-        if inp.activation_offload and a.op in (Op.FORWARD, Op.BACKWARD):
-            held, sent = held - sent, 0.0
-            extra, held_delta, sent = offloaded_compute(inp, a, io)
-            held += held_delta + sent
-            carried = 0.0  # seq_chunks: this segment's carried keys/values, freed after its backward
-            if a.seg is not None:
-                # The forward keeps its keys/values on the device for the later segments (the last
-                # segment's nothing attends to); the backward adds the gradients of the earlier
-                # segments' keys/values. kv_offload: after the micro-batch's last forward here
-                # they wait in host memory; a backward brings them back (the one before it
-                # started their copy) and they leave the device segment by segment.
-                if a.op is Op.FORWARD:
-                    last = a.seg == len(inp.segments) - 1
-                    per_mb[(s, a.mb, a.seg)] = 0.0 if last else kv_bytes(inp, s, n)
-                    saved += per_mb[(s, a.mb, a.seg)]
-                else:
-                    for key in {(s, a.mb), next_backward.get((s, a.mb, a.seg), (None, None))[:2]}:
-                        saved += kv_host.pop(key, 0.0)  # back on the device (its own, or prefetched)
-                    carried = per_mb.pop((s, a.mb, a.seg))
-                    saved += kv_grads_change(inp, a, per_mb)
-            if a.op is Op.BACKWARD and s in offloaded and s not in has_grad:
-                take(inp.stages[s].numel)
-                has_grad.add(s)
-            if s > 0:
-                stashed += io if a.op is Op.FORWARD else -io
-                stash_peak = max(stash_peak, stashed)
-            note_peak(a, extra + (weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
-            saved -= carried
-            if inp.kv_offload and a.op is Op.FORWARD and a.seg == len(inp.segments) - 1:
-                moved = sum(v for (st_, mb_, sg), v in per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
-                kv_host[(s, a.mb)] = moved
-                saved -= moved
-                kv_host_peak = max(kv_host_peak, sum(kv_host.values()))
-            continue
-        if a.op is Op.LOAD:
-            take(inp.stages[s].numel)
-        elif a.op is Op.DROP:
-            give(inp.stages[s].numel)
-        elif a.op is Op.OFFLOAD_GRADS:
-            give(inp.stages[s].numel)
-            give(inp.stages[s].numel)
-            has_grad.discard(s)
-            if d < 4:  # the fp32 chunk the gradients go through on their way to the host
-                fwd_t = min(inp.stages[s].numel, GRAD_SLICE_NUMEL) * 4 / tokens
-        elif a.op is Op.FORWARD:
-            per_tok, fwd_t, _ = per_token(inp, s, a.seg)
-            per_mb[(s, a.mb, a.seg)] = per_tok * n
-            saved += per_tok * n
-            if crosses(inp.mapping, s, s - 1):
-                held += io  # the received input, kept for its gradient (a local one is counted as an output)
-            if not inp.stages[s].last:
-                held += io  # the output: kept for backward and, when sent, until the iteration ends
-        elif a.op is Op.BACKWARD:
-            _, _, bwd_t = per_token(inp, s, a.seg)
-            if s in offloaded and s not in has_grad:
-                take(inp.stages[s].numel)
-                has_grad.add(s)
-            saved -= per_mb.pop((s, a.mb, a.seg))
-            if a.seg is not None:
-                saved += kv_grads_change(inp, a, per_mb)
-            if s > 0 and not crosses(inp.mapping, s, s - 1):
-                held += io  # the input's gradient, handed to the previous stage of this rank
-            # a received input is freed and its gradient, sent on, lives until the iteration ends
-            if not inp.stages[s].last and not crosses(inp.mapping, s, s + 1):
-                held -= 2 * io  # the output (the next stage's input) and the gradient it got back
-        note_peak(a, (fwd_t + bwd_t) * n + (weight_grad_bytes(inp, s) if a.op is Op.BACKWARD else 0))
-    if inp.cpu:  # one memory: the "device" tensors are host tensors (the stash's inputs counted in the walk)
-        out.host += out.device_peak
-        out.device_peak = 0
-    else:
-        # pinned host blocks are rounded up to a power of two by torch's caching host allocator
-        out.host_parts.update(stash=int(stash_peak), carried_kv=int(pinned(kv_host_peak, inp) if kv_host_peak else 0))
-        out.host += out.host_parts["stash"] + out.host_parts["carried_kv"]
-    return out
+        if a.op in (Op.FORWARD, Op.BACKWARD):
+            runners[a.stage].account(a, ledger)
+        else:
+            ledger.parameters(a)
+    return ledger.finish()
 
 
 def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:
