@@ -1,6 +1,6 @@
 """How fast the host runs one stage's optimizer step, and what bounds it.
 
-The offloaded stages' AdamW runs on the CPU (offload/store.py: torch's fused AdamW over the
+The offloaded stages' AdamW runs on the CPU (offload/adamw.py: torch's fused AdamW over the
 fp32 masters). With gradient clipping every step waits for the global norm, so a rank's steps
 run back to back after its last backward and their speed sets how much of them the next
 iteration's forwards can hide. This measures, for a stage-sized flat parameter (default: a 7B

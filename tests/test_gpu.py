@@ -235,7 +235,7 @@ def test_every_schedule_runs_under_nccl(tmp_path, nproc, offload):
 def test_host_empty_pins_exactly():
     """A stage's pinned host buffers take their size, not the caching allocator's next power of two,
     and copies through them are asynchronous and intact."""
-    from offload.store import host_empty
+    from offload.streams import host_empty
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     n = 3 * 2**20 + 5  # 12 MiB and a bit: rounding would take 16 MiB
     t = host_empty(n, torch.float32, pin=True)

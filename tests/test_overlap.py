@@ -16,7 +16,7 @@ SLOW_S = 0.5
 def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
     trainer = in_process_trainer(tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, use_prefetch=True))
     slow = trainer.stores[3]  # the last stage: stepped last, computed last
-    real_step, step_ends = slow._fused_step_chunks, []
+    real_step, step_ends = slow.adamw.step_chunks, []
 
     def slow_step(*args, **kw):
         time.sleep(SLOW_S)
@@ -24,7 +24,7 @@ def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
         step_ends.append(time.perf_counter())
         return out
 
-    slow._fused_step_chunks = slow_step
+    slow.adamw.step_chunks = slow_step
     real_forward, first_forward = trainer.executor._handlers[Op.FORWARD], []
 
     def forward(a):

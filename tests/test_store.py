@@ -1,4 +1,4 @@
-"""offload/store.py on its own: the chunked CPU step is AdamW bit for bit, a load from the
+"""offload/ on its own (store, residencies, AdamW, loader): the chunked CPU step is AdamW bit for bit, a load from the
 masters streams behind a running step, and a failed step reaches the compute that needs it."""
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-import offload.store as store_mod
-from offload.store import BufferPool, OptimSettings, StageStore, Streams, Workers
+from offload import owners, slices
+from offload.adamw import OptimSettings
+from offload.loader import Workers
+from offload.store import StageStore, make_store
+from offload.streams import BufferPool, Streams
 from reference import assert_same_training, in_process_trainer, trainer_masters
 from runs import tiny_cfg
 
@@ -25,7 +28,7 @@ def _module(seed: int = 0) -> nn.Module:
 
 def _store(offload: bool, dtype=torch.float32, workers=None) -> StageStore:
     optim = OptimSettings(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    return StageStore(_module(), device=CPU, compute_dtype=dtype, offload=offload, optim=optim,
+    return make_store(_module(), device=CPU, compute_dtype=dtype, offload=offload, optim=optim,
                       streams=Streams(CPU), pool=BufferPool(CPU), workers=workers)
 
 
@@ -38,12 +41,12 @@ def _set_grads(stores, seed: int) -> None:
 
 @pytest.mark.parametrize("chunk", [64, 192, 1 << 20])
 def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
-    """The offloaded stage's step (``_fused_step_chunks``, chunk by chunk) against the resident
+    """The offloaded stage's step (``FlatAdamW.step_chunks``, chunk by chunk) against the resident
     one (``optimizer.step()`` with ``fused=True``): masters and AdamW state identical, with the
     clip coefficient folded in and without, over several steps, both parameter groups.
     (Chunks must start at multiples of the kernel's vector width: an element that falls in a
     scalar tail is rounded differently, chunks of 5 elements differ in the last bit.)"""
-    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", chunk)
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", chunk)
     chunked, whole = _store(offload=True), _store(offload=False)
     for i, coef in enumerate([0.37, None, 0.81]):
         _set_grads([chunked, whole], seed=i)
@@ -60,7 +63,7 @@ def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
 def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
     """With the step still running, the loader thread copies chunk by chunk behind it: the
     load has copied the first chunks before the step is done, and ends with the new weights."""
-    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 64)
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 64)
     workers = Workers(ThreadPoolExecutor(1), CPU)
     st = _store(offload=True, workers=workers)
     copied, step_done = [], threading.Event()
@@ -70,14 +73,14 @@ def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
         time.sleep(0.05)
         return real_kernel(*args, **kw)
 
-    real_copy_chunk = st._copy_chunk
+    real_copy_chunk = st.residency.copy_chunk
 
-    def copy_chunk(src, dev, lo, hi, timed):
+    def copy_chunk(store, src, dev, lo, hi, timed):
         copied.append((hi, step_done.is_set()))
-        real_copy_chunk(src, dev, lo, hi, timed)
+        real_copy_chunk(store, src, dev, lo, hi, timed)
 
     monkeypatch.setattr(torch, "_fused_adamw_", slow_kernel)
-    st._copy_chunk = copy_chunk
+    st.residency.copy_chunk = copy_chunk
     _set_grads([st], seed=0)
     step = st.step(1e-2, None)
     step.add_done_callback(lambda _: step_done.set())
@@ -92,7 +95,7 @@ def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
 
 
 def test_failed_step_reaches_the_compute_instead_of_hanging(monkeypatch):
-    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 64)
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 64)
     workers = Workers(ThreadPoolExecutor(1), CPU)
     st = _store(offload=True, workers=workers)
     gate = threading.Event()
@@ -121,7 +124,7 @@ def test_squared_norm_does_not_depend_on_the_thread_count():
     must not be split by thread, else clipping differs in the last bit between the two (with
     ``torch.dot``, MKL's, it did: the bf16 comparison below failed under ``OMP_NUM_THREADS=1``)."""
     torch.manual_seed(0)
-    st = StageStore(nn.Linear(300, 400), device=CPU, compute_dtype=torch.float32, offload=False,
+    st = make_store(nn.Linear(300, 400), device=CPU, compute_dtype=torch.float32, offload=False,
                     optim=OptimSettings(fused=True), streams=Streams(CPU), pool=BufferPool(CPU))
     st.master_grad.copy_(torch.randn(st.numel) * torch.rand(st.numel) * 10)  # 120k: above torch's grain
     norms = {}
@@ -147,7 +150,7 @@ def test_bf16_offload_trains_like_bf16_resident(tiny_model_dir, monkeypatch, pre
     On the even split: with the cost partition's [1, 2, 2, 1] the embedding's masters differed by
     1.1e-8 (relative) without prefetch, with one thread and unsliced steps too (cause not found;
     both stay within the reference tolerance)."""
-    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 4096)
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 4096)
     runs = []
     for offload in (False, True):
         trainer = in_process_trainer(tiny_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload,
@@ -167,7 +170,7 @@ def test_bf16_offload_without_the_refresh_is_caught(tiny_model_dir, monkeypatch)
         trainer = in_process_trainer(tiny_cfg(tiny_model_dir, dtype="bfloat16", use_offload=offload, resident_stages=0))
         if offload:
             for st in trainer.stores.values():
-                st._refresh_work = lambda: None
+                st.residency.refresh_work = lambda *args: None
         history = trainer.train()
         runs.append(([h["loss"] for h in history], trainer_masters(trainer)))
     with pytest.raises(AssertionError):
@@ -179,37 +182,37 @@ def test_offloaded_stage_holds_no_weights_until_loaded():
     offloaded model's host memory at start-up. A LOAD brings the masters' values back."""
     module = _module()
     want = [p.detach().clone() for p in module.parameters()]
-    st = StageStore(module, device=CPU, compute_dtype=torch.float32, offload=True,
+    st = make_store(module, device=CPU, compute_dtype=torch.float32, offload=True,
                     optim=OptimSettings(), streams=Streams(CPU), pool=BufferPool(CPU))
     assert all(p.numel() == 0 for p in module.parameters())
     st.load().result()  # no workers: the copy is done when load returns
     assert all(torch.equal(p, w) for p, w in zip(module.parameters(), want))
 
 
-# --- ownership (offload/store.py, "Threads and streams"; MMOC_DEBUG_THREADS=1) ----------------
+# --- ownership (offload/owners.py; MMOC_DEBUG_THREADS=1) ----------------
 
 @pytest.mark.parametrize("dtype, delayed", [("float32", False), ("bfloat16", False), ("float32", True)])
 def test_offload_keeps_its_thread_owners(tiny_model_dir, monkeypatch, dtype, delayed):
     """Offload with prefetch under the debug checks (the CPU streams are no-ops; the checks of
     who issues on them and who writes the stores still run): every load goes through the loader
     thread, no other thread writes a store's fields, and the training is the one without them."""
-    monkeypatch.setattr(store_mod, "CHECK_THREADS", True)
-    monkeypatch.setattr(store_mod, "MASTER_SLICE_NUMEL", 4096)  # loads from the masters in chunks
+    monkeypatch.setattr(owners, "CHECK_THREADS", True)
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 4096)  # loads from the masters in chunks
     cfg = dict(dtype=dtype, use_offload=True, use_prefetch=True, resident_stages=0, delayed_update=delayed,
                num_iterations=2)
     checked = in_process_trainer(tiny_cfg(tiny_model_dir, **cfg))
     copiers = set()
     for st in checked.stores.values():
-        real = st._copy_chunk
+        real = st.residency.copy_chunk
 
         def copy_chunk(*args, real=real, **kw):
             copiers.add(threading.current_thread().name)
             real(*args, **kw)
 
-        st._copy_chunk = copy_chunk
+        st.residency.copy_chunk = copy_chunk
     history = checked.train()
     assert copiers == {"param-loader"}, copiers
-    monkeypatch.setattr(store_mod, "CHECK_THREADS", False)
+    monkeypatch.setattr(owners, "CHECK_THREADS", False)
     plain = in_process_trainer(tiny_cfg(tiny_model_dir, **cfg))
     ref = plain.train()
     assert_same_training([h["loss"] for h in history], trainer_masters(checked),
@@ -222,7 +225,7 @@ def test_a_second_producer_on_the_load_stream_is_caught(monkeypatch):
     workers = Workers(ThreadPoolExecutor(1), CPU)
     st = _store(offload=True, workers=workers)
     st.streams.event("load")  # unchecked
-    monkeypatch.setattr(store_mod, "CHECK_THREADS", True)
+    monkeypatch.setattr(owners, "CHECK_THREADS", True)
     with pytest.raises(AssertionError, match="the load stream belongs to 'param-loader'"):
         st.streams.event("load")
     st.streams.event("compute")  # the main thread's

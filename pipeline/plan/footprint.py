@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from models import counts, spec_for
-from offload.store import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
+from offload.slices import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
 from pipeline.plan.shapes import loss_chunk_tokens
 from schedule.ir import Action, Op, crosses, offloaded_stages
 
@@ -321,7 +321,7 @@ class Ledger:
     * ``stashed`` (peak ``stash_peak``): stage inputs in host memory;
     * ``kv_host`` (peak ``kv_host_peak``): carried keys/values in host memory, by (stage, micro-batch);
     * the parameter buffers: resident stages' (``params_static``) and the offload pool's
-      (``pool_bytes``, replayed take by take as ``offload/store.py``'s ``BufferPool``).
+      (``pool_bytes``, replayed take by take as ``offload/streams.py``'s ``BufferPool``).
     """
 
     def __init__(self, inp: MemoryInputs, rank: int, actions: list[Action]):

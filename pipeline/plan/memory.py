@@ -8,7 +8,7 @@ by the same ``runner_for`` from the same mode. The walk has no mode of its own.
 
 * **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
-  the action list loads) the device holds only the buffer pool of ``offload/store.py``: the
+  the action list loads) the device holds only the buffer pool of ``offload/streams.py``: the
   walk replays its take/give on LOAD, the first backward, DROP and OFFLOAD_GRADS, so prefetch and
   buffer reuse are counted as they happen, plus the load stream's fp32 staging buffer; their
   masters and AdamW state are host memory.

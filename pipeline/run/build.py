@@ -14,7 +14,9 @@ import torch
 import schedule as sched
 from models import spec_for
 from offload.cpus import intra_op_threads, node_cpus, optimizer_cpus, pin_current_thread
-from offload.store import BufferPool, StageStore, Streams, Workers
+from offload.loader import Workers
+from offload.store import make_store
+from offload.streams import BufferPool, Streams
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
 from pipeline.plan.layout import Layout, layout
@@ -243,10 +245,10 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             # copy's (both copies must step alike) nor a delayed one's.
             sharded = s in offloaded and stage.tied_name is None and not cfg.delayed_update
             shard = shard_peers(replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
-            stores[s] = StageStore(stage, device=device, compute_dtype=dtype, offload=s in offloaded,
-                                   optim=optim_settings(cfg, fused=True), streams=streams, pool=pool,
-                                   workers=workers, delayed=cfg.delayed_update, tied=stage.tied_name,
-                                   tied_copy=s == S - 1, shard=shard)
+            stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update, device=device,
+                                   compute_dtype=dtype, optim=optim_settings(cfg, fused=True), streams=streams,
+                                   pool=pool, workers=workers, tied=stage.tied_name, tied_copy=s == S - 1,
+                                   shard=shard)
             stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
     sharded = [s for s in stage_ids if stores[s].shard is not None]

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from offload.store import StageStore, time_point
+from offload.store import StageStore
+from offload.streams import time_point
 from pipeline.runners import RankRunners
 from pipeline.runners.base import Arrival, Iteration
 from pipeline.stage.router_loss import RouterLoss

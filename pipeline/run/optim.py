@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from offload.store import OptimSettings
+from offload.adamw import OptimSettings
 from pipeline.config import TrainConfig
 
 

@@ -65,7 +65,7 @@ class GradSync:
 
 class ShardPeers:
     """The D peers of a position splitting an offloaded stage's CPU AdamW step (ZeRO-1 on host
-    state, ``offload.store.ShardPeers``): peer r (replica r) steps the r-th range of the flat
+    state, ``offload.adamw.ShardPeers``): peer r (replica r) steps the r-th range of the flat
     parameters, ranges aligned to ``ALIGN`` elements so each is a whole number of the fused
     kernel's vectors (the same bits as one step over everything)."""
 

@@ -68,7 +68,7 @@ class Timeline:
         ev = torch.cuda.Event(enable_timing=True)
         # A DROP enqueues nothing on the load stream (its buffer goes back to the pool behind a
         # compute event) and is not drawn: timed on the current stream, so the load stream keeps
-        # its one producer, the store's loader thread (offload/store.py).
+        # its one producer, the store's loader thread (offload/loader.py).
         stream = self.streams.get(LANE_OF_OP[action.op]) if action.op is not Op.DROP else None
         if stream is not None and begin and action.op is Op.OFFLOAD_GRADS:
             # The offload copy starts once the backward before it is done: the store makes the

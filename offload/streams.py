@@ -1,0 +1,148 @@
+"""The device side of a rank's stores: the compute stream with its load and offload side streams
+(each with one producing thread, ``offload.owners``), points in time on them, the pool of device
+buffers the offloaded stages share, and page-locked host buffers. On the CPU the streams are
+no-ops and their checks still run."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from typing import Protocol
+
+import torch
+
+from offload import owners, slices
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor of ``numel`` elements, page-locked with ``pin``.
+
+    torch's pinned allocator rounds every block up to a power of two: a 7B model's 16 stage masters
+    of 1.6 GB take 2 GiB each, and the host memory of an offloaded run grows by a third over what
+    the plan counts (enough to be killed on a 128 GiB host). So an ordinary allocation's pages are
+    registered with CUDA instead, exactly, and unregistered when the tensor object goes; views of
+    it (the optimizer's leaves) must not outlive it, which holds since the store keeps it.
+    """
+    t = torch.empty(numel, dtype=dtype)
+    if pin and numel:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.nbytes / 2**30:.2f} GiB failed ({err}): host memory is "
+                               "short or locked-memory limits are low (ulimit -l)")
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
+
+
+class Streams:
+    """The compute stream plus side streams for loads and offloads (CUDA only), each with one
+    producing host thread (``producer``): the thread that made them, until ``hand_to`` gives
+    one to another. Every method that enqueues on a stream checks it under ``CHECK_THREADS``,
+    on the CPU too, where the streams are no-ops."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            # Loads gate the next compute: give them priority over gradient offloads.
+            self.load = torch.cuda.Stream(device, priority=-1)
+            self.offload = torch.cuda.Stream(device, priority=0)
+        self.device = device
+        self._staging: torch.Tensor | None = None
+        me = threading.current_thread()
+        self.producer: dict[str, threading.Thread] = {"compute": me, "load": me, "offload": me}
+        self._handed: set[str] = set()
+
+    def hand_to(self, which: str, thread: threading.Thread) -> None:
+        """From now on ``thread`` alone issues work on stream ``which`` (the loader takes the load
+        stream). A second, different hand-off is an error: it would give the stream two producers."""
+        if which in self._handed and self.producer[which] is not thread:
+            raise RuntimeError(f"stream {which!r} already belongs to {self.producer[which].name!r}; "
+                               f"{thread.name!r} cannot produce on it too (one Workers per Streams)")
+        self.producer[which] = thread
+        self._handed.add(which)
+
+    def _use(self, which: str) -> None:
+        if owners.CHECK_THREADS:
+            owners.assert_owner(self.producer[which], f"the {which} stream")
+
+    def staging(self, numel: int) -> torch.Tensor:
+        """The load stream's fp32 buffer (one per rank, ``min(MASTER_SLICE_NUMEL, numel)``
+        elements for the largest stage it served): a master chunk lands here and is converted
+        into the stage's device buffer. Made, used and replaced only by the load stream's
+        producer, on the load stream, so stream order alone keeps one chunk's use before the next."""
+        self._use("load")
+        want = min(slices.MASTER_SLICE_NUMEL, numel)
+        if self._staging is None or self._staging.numel() < want:
+            with self.on("load"):
+                self._staging = torch.empty(want, dtype=torch.float32, device=self.device)
+        return self._staging
+
+    def on(self, which: str):
+        """Context: torch work of the calling thread goes to ``which`` (its producer's only)."""
+        self._use(which)
+        return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
+
+    def event(self, which: str, timing: bool = False):
+        """An event recorded on ``which`` now (None on CPU)."""
+        self._use(which)
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=timing)
+        ev.record(getattr(self, which))
+        return ev
+
+    def wait(self, which: str, event) -> None:
+        """Make stream ``which`` wait for ``event`` (device-side; the host does not block)."""
+        self._use(which)
+        if event is not None:
+            getattr(self, which).wait_event(event)
+
+    def mark(self, which: str = "compute"):
+        """A point in time on ``which``: a timing event on CUDA, the wall clock on the CPU."""
+        self._use(which)
+        return time_point(getattr(self, which) if self.cuda else None)
+
+
+def time_point(stream=None):
+    """A point in time: a timing event recorded on CUDA ``stream``, or (None) the wall clock."""
+    if stream is None:
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+class Clock(Protocol):
+    """Where the store reports what a compute waited for (``pipeline.run.executor.StepClock``)."""
+
+    def span(self, key: str, start, end) -> None: ...
+
+    def add(self, key: str, seconds: float) -> None: ...
+
+
+class BufferPool:
+    """Reuses device buffers across stages and iterations instead of re-allocating them.
+
+    A returned buffer carries the event after which its last user is done; whoever takes it
+    next makes its own stream wait on that event before writing, so no host sync is needed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, object]]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device), None
+
+    def give(self, buf: torch.Tensor, done_event) -> None:
+        self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, done_event))
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+__all__ = ["BufferPool", "Clock", "Streams", "host_empty", "time_point"]
