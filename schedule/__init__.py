@@ -7,7 +7,9 @@ from schedule.ir import (Action, Op, Schedule, channel, format_schedule, offload
                          stages_of, tie_actions, tied_stages)
 from schedule.lower import (add_load_offload, add_optimizer, add_send_recv, add_tie, build, build_forward, resident_stages,
                             stage_intervals)
-from schedule.validate import ScheduleError, SimResult, format_grid, simulate, validate
+from schedule.grid import ScheduleError, format_grid
+from schedule.simulate import SimResult, simulate
+from schedule.validate import validate
 
 __all__ = [
     "SCHEDULE_NAMES",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from schedule import Action, Op, ScheduleError, build, build_forward, format_schedule, round_robin, validate
-from schedule.validate import simulate
+from schedule.simulate import simulate
 
 ALLOWED = {Op.FORWARD, Op.SEND_F, Op.RECV_F, Op.LOAD, Op.DROP}
 

@@ -20,7 +20,7 @@ import schedule as sched
 from pipeline.config import ConfigError
 from reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from schedule.ir import Action, Op
-from schedule.validate import ScheduleError, simulate, validate
+from schedule import ScheduleError, simulate, validate
 
 
 @pytest.fixture(scope="module")
