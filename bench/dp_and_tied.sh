@@ -14,6 +14,6 @@ for dp in 1 2; do
     --out "$out/dp$dp" > "$out/dp$dp.txt" 2>&1
   echo "[$(( $(date +%s) - t0 ))s] data_parallel $dp rc=$?"; grep -E "^\| pcie" "$out/dp$dp.txt"; clean
 done
-NCCL_P2P_DISABLE=1 timeout 150 python3 -m pytest -q -m gpu tests/test_tied.py -k nccl > "$out/tied.txt" 2>&1
+NCCL_P2P_DISABLE=1 timeout 150 python3 -m pytest -q -m gpu tests/one_process/test_tied.py -k nccl > "$out/tied.txt" 2>&1
 echo "[$(( $(date +%s) - t0 ))s] tied rc=$?"; tail -2 "$out/tied.txt"
 tar czf "$out/rows.tgz" -C "$out" dp1 dp2 && rm -rf "$out/dp1" "$out/dp2"

@@ -22,7 +22,7 @@ export PATH=$PWD/.whl-site/bin:$PATH   # ninja, for RoundPipe's JIT build
 jit=$!
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   # -k: an in-process trainer takes SIGTERM as "stop after this step", so timeout must be able to kill
-  timeout -k 10 "${TESTS_S:-120}" python3 -m pytest -q -m gpu tests/test_families.py -p no:logging -o faulthandler_timeout=60 \
+  timeout -k 10 "${TESTS_S:-120}" python3 -m pytest -q -m gpu tests/one_process/test_families.py -p no:logging -o faulthandler_timeout=60 \
     --durations=0 ${TESTS_K:+-k "$TESTS_K"} >"$out/gpu_tests.log" 2>&1
   echo "gpu tests rc $? at $(( $(date +%s) - t0 ))s: $(tail -n 1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log"

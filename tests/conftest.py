@@ -1,15 +1,11 @@
 """Shared fixtures: a tiny Llama model (GQA, 6 layers) and tokenizer built locally once per session."""
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tests.helpers.paths import ROOT, set_scratch_save_dir
 
 
 def pytest_configure(config):
@@ -25,6 +21,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny"
     return ensure_tiny_model(path, data_files=[SAMPLE_TRAIN], hidden_size=64, intermediate_size=128, num_layers=6,
                              num_heads=4, num_kv_heads=2, vocab_size=512, max_position_embeddings=256, seed=1)
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory) -> str:
+    """Where a module's tiny models of other architectures go (tests.helpers.architectures.make_model)."""
+    return str(tmp_path_factory.mktemp("arch_models"))
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +47,6 @@ def _single_thread(monkeypatch):
     torch.set_num_threads(before)
 
 
-_SAVE_DIR: list[Path] = []
-
-
 def _user_outputs() -> list[tuple[str, float]]:
     out = ROOT / "outputs"
     return sorted((str(p), p.stat().st_mtime) for p in out.rglob("*")) if out.exists() else []
@@ -65,23 +64,5 @@ def _user_outputs_untouched():
 @pytest.fixture(autouse=True)
 def _scratch_save_dir(tmp_path_factory):
     """A fresh empty directory per test: tests write runs there, never into the user's outputs/run."""
-    _SAVE_DIR[:] = [tmp_path_factory.mktemp("save_dir")]
+    set_scratch_save_dir(tmp_path_factory.mktemp("save_dir"))
     yield
-
-
-def scratch_save_dir() -> str:
-    """This test's scratch save_dir (see _scratch_save_dir); a fixture of wider scope, set up
-    before it, gets a directory of its own."""
-    if not _SAVE_DIR:
-        import tempfile
-
-        return tempfile.mkdtemp(prefix="mmoc-save_dir-")
-    return str(_SAVE_DIR[0])
-
-
-def env_without_dist() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    return env

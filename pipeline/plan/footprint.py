@@ -82,7 +82,7 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
     layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
     norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
     gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
-    ``tests/test_memory.py``.
+    ``tests/pure/test_memory.py``.
     """
     h, q, kv = m.hidden, m.q, m.kv_dim
     if compiled and not m.experts_per_token and attn != "eager":

@@ -13,7 +13,7 @@ by the same ``runner_for`` from the same mode. The walk has no mode of its own.
   buffer reuse are counted as they happen, plus the load stream's fp32 staging buffer; their
   masters and AdamW state are host memory.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
-  layer with sdpa attention (measured with saved-tensor hooks; ``tests/test_memory.py``
+  layer with sdpa attention (measured with saved-tensor hooks; ``tests/pure/test_memory.py``
   checks the formula against autograd for float32 and bfloat16), held from a stage's forward
   to its backward; with activation checkpointing only each recomputed layer's input (the
   ``kept`` layers keep everything) and the head's: the last stage recomputes its logits and

@@ -17,7 +17,7 @@ materialised. ``attention`` then picks the kernel:
   ``flex_attention`` (compiled) with a block mask, built once per pass and shared by its layers.
 * ``reference``: the explicit boolean mask through Hugging Face's sdpa function. On the CPU every
   segment, window and packed row takes it (flex has no CPU backward): it is the reference the
-  GPU kernels are checked against (``tests/test_gpu_long.py``).
+  GPU kernels are checked against (``tests/gpu/test_gpu_long.py``).
 
 ``kernels(mode)`` forces ``reference`` everywhere, or the kernels' dispatch on the CPU as well
 (``lower_right``'s CPU form is its materialised mask: the tests check its alignment there).

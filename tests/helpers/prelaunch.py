@@ -1,0 +1,40 @@
+"""main.py --check_only run as a user runs it, and its one-line refusal."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
+
+
+def check_only(args, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", "--check_only", "--device", "cpu",
+           "--num_stages", "2", "--seq_length", "64", *args]
+    if "--save_dir" not in args:
+        cmd += ["--save_dir", scratch_save_dir()]
+    return subprocess.run(cmd, cwd=ROOT, env={**env_without_dist(), "WORLD_SIZE": "2"}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def one_error(proc: subprocess.CompletedProcess, needle: str) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-2000:]
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def refused_before_launch(proc: subprocess.CompletedProcess, needle: str) -> str:
+    """train.sh's refusal: one error line, exit 2, and no worker started (no start line, no launcher)."""
+    line = one_error(proc, needle)
+    assert "run: " not in proc.stdout and "launcher:" not in proc.stderr, (line, proc.stdout[-2000:])
+    return line
+
+
+def chat_file(path):
+    """16 chat records (the tiny test model's tokenizer has no chat template)."""
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                     {"role": "assistant", "content": "answer"}]}) + "\n"
+                            for i in range(16)))
+    return path

@@ -1,0 +1,237 @@
+"""The pre-launch checks (``main.py --check_only``, which train.sh runs, and every rank of a direct
+torchrun launch): each bad file, path or value is one ``error:`` line and exit 2, no traceback;
+``--help`` works; weights as ``.bin``; XSum truncation keeps some document."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
+from tests.helpers.prelaunch import chat_file, check_only, one_error, refused_before_launch
+
+
+@pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])
+@pytest.mark.slow
+def test_help(cmd):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--resident_stages" in proc.stdout and "80%" in proc.stdout and "--overwrite" in proc.stdout
+
+
+@pytest.mark.slow
+def test_yaml_syntax_error_through_train_sh(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_size: 8\nlr: [1, 2\nseed: 3\n")
+    proc = subprocess.run(["bash", "train.sh"], cwd=ROOT, env={**env_without_dist(), "CONFIG": str(bad)},
+                          capture_output=True, text=True, timeout=60)
+    one_error(proc, f"config file '{bad}' is not valid YAML at line 3, column 5")
+
+
+def _model_copy(tiny_model_dir, tmp_path, drop=(), config=None):
+    out = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, out)
+    for name in drop:
+        (out / name).unlink()
+    if config is not None:
+        c = json.loads((out / "config.json").read_text())
+        c.update(config)
+        (out / "config.json").write_text(json.dumps(c))
+    return out
+
+
+@pytest.mark.slow
+def test_model_directory_errors(tiny_model_dir, tmp_path):
+    one_error(check_only(["--model", str(tmp_path / "nope")]), f"{tmp_path / 'nope'} does not exist")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_error(check_only(["--model", str(empty)]), f"no config.json in {empty}")
+    weights = [p.name for p in tiny_model_dir.iterdir() if p.name.startswith("model") and "safetensors" in p.name]
+    no_weights = _model_copy(tiny_model_dir, tmp_path / "a", drop=weights)
+    one_error(check_only(["--model", str(no_weights)]), f"no weights in {no_weights}")
+    gpt2 = _model_copy(tiny_model_dir, tmp_path / "b", config={"model_type": "gpt2"})
+    one_error(check_only(["--model", str(gpt2)]), "model_type 'gpt2'")
+    alien = _model_copy(tiny_model_dir, tmp_path / "c", config={"model_type": "no_such_arch"})
+    one_error(check_only(["--model", str(alien)]), "model_type 'no_such_arch'")
+
+
+@pytest.mark.slow
+def test_tokenizer_stages_dims_errors(tiny_model_dir, tmp_path):
+    base = ["--model", str(tiny_model_dir)]
+    one_error(check_only(base + ["--tokenizer", str(tmp_path)]), f"no tokenizer.json or tokenizer_config.json in {tmp_path}")
+    one_error(check_only(base + ["--num_stages", "10"]), "num_stages (10) exceeds the model's decoder layers + 2")
+    one_error(check_only(base + ["--ff_dim", "7"]), "ff_dim=7 contradicts the model's intermediate_size=128")
+    one_error(check_only(base + ["--num_heads", "7"]), "num_heads=7 contradicts the model's num_attention_heads=4")
+
+
+@pytest.mark.slow
+def test_activation_offload_refusals(tiny_model_dir, tmp_path):
+    """activation_offload recomputes each stage whole from its input: kept layers mean nothing
+    there, and dropout would draw other masks in the recompute."""
+    base = ["--model", str(tiny_model_dir), "--activation_offload"]
+    one_error(check_only(base + ["--keep_layers", "1"]), "keep_layers (1) must be 0 or -1 with it")
+    dropout = _model_copy(tiny_model_dir, tmp_path / "d", config={"attention_dropout": 0.1})
+    one_error(check_only(["--model", str(dropout), "--activation_offload"]), "attention_dropout 0.1")
+    assert check_only(base).returncode == 0
+
+
+@pytest.mark.slow
+def test_seq_length_beyond_positions(tiny_model_dir):
+    base = ["--model", str(tiny_model_dir), "--seq_length", "512"]  # the model has 256 positions
+    one_error(check_only(base), "seq_length (512) exceeds the model's max_position_embeddings (256)")
+    assert check_only(base + ["--allow_long_sequences"]).returncode == 0
+
+
+@pytest.mark.slow
+def test_data_file_errors(tiny_model_dir, tmp_path):
+    base = ["--model", str(tiny_model_dir)]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    one_error(check_only(base + ["--dataset", str(empty)]), f"{empty} is empty")
+    bad = tmp_path / "bad.jsonl"
+    good = json.dumps({"document": "a text", "summary": "short"})
+    bad.write_text(f"{good}\n{good}\n{{\"document\": broken\n{good}\n")
+    one_error(check_only(base + ["--dataset", str(bad)]), f"{bad} line 3 is not valid JSON")
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text(json.dumps({"document": None, "summary": None}) + "\n")
+    one_error(check_only(base + ["--dataset", str(nulls)]), "none of the first 1 records has document and summary")
+
+
+@pytest.mark.slow
+def test_save_dir_with_an_earlier_run(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    base = ["--model", str(tiny_model_dir), "--save_dir", str(run)]
+    one_error(check_only(base), f"save_dir '{run}' holds an earlier run (model, metrics.jsonl); it has no checkpoint "
+                             "to continue from; write elsewhere with --save_dir (--overwrite would discard it)")
+    assert check_only(base + ["--overwrite"]).returncode == 0
+    # a finished run (its model is there) with no checkpoint: --resume latest would train it again
+    one_error(check_only(base + ["--resume", "latest"]), f"save_dir '{run}' holds a finished run (model) with no "
+                                                      "checkpoint to continue from")
+    shutil.rmtree(run / "model")  # a run that died before its first checkpoint: the restart starts afresh
+    assert check_only(base + ["--resume", "latest"]).returncode == 0
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    one_error(check_only(["--model", str(tiny_model_dir), "--save_dir", str(blocked / "run")]), "is not writable")
+
+
+@pytest.mark.slow
+def test_torchrun_file_error_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "main.py"),
+           "--config", "", "--model", str(tiny_model_dir), "--num_stages", "2", "--device", "cpu",
+           "--seq_length", "32", "--save_dir", str(run)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds an earlier run" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr.split("error:")[0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_start_up_is_one_line(tiny_model_dir):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "--config", "", "--model", str(tiny_model_dir),
+                             "--num_stages", "2", "--device", "cpu", "--save_dir", scratch_save_dir()],
+                            cwd=ROOT, env=env_without_dist(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # importing torch and checking files
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # fail, and leave nothing running
+        raise
+    assert proc.returncode == 130, err[-2000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "error: interrupted by Ctrl-C (SIGINT) outside the training steps; no checkpoint was written by this stop"]
+
+
+@pytest.mark.slow
+def test_bin_weights_load_like_safetensors(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from pipeline.stage.model import build_stage
+    from pipeline.plan.shapes import partition_layers
+    from pipeline.stage.weights import weight_files
+    from pipeline.plan.source import resolve_model
+    from pipeline.config import make_config
+
+    tensors = {}
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    single = _model_copy(tiny_model_dir, tmp_path / "single",
+                         drop=[p.name for p in tiny_model_dir.glob("model*.safetensors*")])
+    torch.save(tensors, single / "pytorch_model.bin")
+    sharded = _model_copy(tiny_model_dir, tmp_path / "sharded",
+                          drop=[p.name for p in tiny_model_dir.glob("model*.safetensors*")])
+    names = sorted(tensors)
+    halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in halves.items():
+        torch.save({k: tensors[k] for k in keys}, sharded / file)
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in halves.items() for k in keys}}))
+    assert set(weight_files(sharded)) == set(weight_files(single)) == set(tensors)
+    for model in (tiny_model_dir, single, sharded):
+        hf = resolve_model(make_config({"model": str(model), "num_stages": 2})).config
+        parts = partition_layers(hf.num_hidden_layers, 2)
+        for s in range(2):
+            stage = build_stage(hf, s, 2, parts[s], model_dir=model, seed=0)
+            for k, v in stage.state_dict().items():
+                torch.testing.assert_close(v, tensors[k].float(), rtol=0, atol=0)
+    assert check_only(["--model", str(sharded)]).returncode == 0
+
+
+def test_long_summary_keeps_a_quarter_of_the_document():
+    from data import IGNORE_INDEX, tokenize_records
+
+    class CharTokenizer:  # one token a character
+        bos_token_id, eos_token_id = 1, 2
+
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[3 + ord(c) % 200 for c in t] for t in texts]}
+
+    stats: dict[str, int] = {}
+    records = [{"document": "d" * 500, "summary": "s" * 500}, {"document": "d" * 10, "summary": "s" * 5}]
+    examples, skipped = tokenize_records(records, CharTokenizer(), 200, stats=stats)
+    assert skipped == 0 and stats == {"truncated": 1, "summary_cut": 1, "unusable": 0}
+    ids = examples[0].input_ids
+    assert len(ids) == 200 and ids.count(3 + ord("d")) == 200 // 4
+    assert any(label != IGNORE_INDEX for label in examples[0].labels[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unknown flag", "prefix flag", "proc", "chat", "seq_length", "fresh clone",
+                                  "empty yaml", "negative"])
+def test_refused_by_train_sh_before_any_worker(tiny_model_dir, tmp_path, case):
+    """Each bad input of a run through train.sh: one error line, exit 2, before any worker
+    starts (no start line, no launcher line), and, on a fresh clone, before the model is built."""
+    base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--save_dir", str(tmp_path / "run")]
+    env = {**env_without_dist(), "NPROC": "2"}
+    args, needle = {
+        "unknown flag": (base + ["--nproc_per_node", "2"], "unrecognized arguments: --nproc_per_node 2 (did you mean "),
+        "prefix flag": (base + ["--master", "29611"], "unrecognized arguments: --master 29611"),
+        "proc": (base[:-1] + ["/proc/mmoc_run"], "save_dir '/proc/mmoc_run' is not writable"),
+        "chat": (base + ["--dataset", str(chat_file(tmp_path / "chat.jsonl"))],
+                 "'messages' (chat) records need a tokenizer with a chat template and this one has none"),
+        "seq_length": (base + ["--seq_length", "24"], "leaves no trainable token in any of the first 64 records of "
+                                                      "'sample' (their prompts fill it); the shortest seq_length"),
+        "fresh clone": (["--num_stages", "40", "--cache_dir", str(tmp_path / "cache"), "--save_dir",
+                         str(tmp_path / "run")], "num_stages (40) exceeds the model's decoder layers + 2 (8 + 2)"),
+        "empty yaml": (base, "is empty (no key: value); give its keys, or --config '' for the built-in defaults"),
+        "negative": (base + ["--weight_decay", "-0.5"], "weight_decay (-0.5) must be >= 0"),
+    }[case]
+    if case == "empty yaml":
+        env["CONFIG"] = str(tmp_path / "empty.yaml")
+        (tmp_path / "empty.yaml").write_text("# nothing\n")
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    refused_before_launch(proc, needle)
+    if case == "fresh clone":
+        assert not (tmp_path / "cache").exists()  # refused from the shape alone: nothing was generated

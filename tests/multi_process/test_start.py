@@ -1,0 +1,105 @@
+"""What a run prints before it starts: the settings that differ from the defaults and where
+the processes meet; no GPU advice on a CPU machine; --plan without torchrun."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.helpers.paths import ROOT, env_without_dist
+from main import start_line
+from pipeline.config import make_config
+from pipeline.dist import DistEnv
+from schedule.mapping import choose_mapping
+from schedule.spec import ProgramSpec
+
+
+def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29611")
+    cfg = make_config({"batch_size": 16, "schedule": "gpipe"})
+    lines = start_line(cfg, "fine_tune.yaml", DistEnv(0, 2, 0, 2)).splitlines()
+    assert lines[0].startswith("run: 2 processes, rendezvous 127.0.0.1:29611; config fine_tune.yaml + flags, "
+                               "2 settings differ from the defaults:")
+    assert lines[1:] == ["  batch_size: 16", "  schedule: 'gpipe'"]
+
+
+def test_no_topology_advice_without_gpus():
+    choice = choose_mapping("planned", 2, ProgramSpec("interleaved", 4, 1, offload=True, prefetch=True),
+                            rank_groups=None, stage_bytes=None, has_gpus=False)
+    assert choice.reason == "mapping planned -> round_robin: no GPUs"
+
+
+@pytest.mark.slow
+def test_plan_through_train_sh_runs_no_torchrun(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--plan", "--save_dir", str(tmp_path)], cwd=ROOT,
+                          env={**env_without_dist(), "NPROC": "2"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("host:") == 1 and "torch.distributed" not in proc.stderr
+    assert "rank 1 actions" in proc.stdout and "rank 2 actions" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_train_sh_after_launch_is_two_lines(tmp_path):
+    """Ctrl-C (to the whole process group, as a terminal sends it) once the workers are being
+    started: rank 0's line and the launcher's, exit 130, no traceback, nothing left running;
+    a rank still waiting in the rendezvous leaves at once instead of after comm_timeout_s."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(["bash", str(ROOT / "train.sh"), "--save_dir", str(tmp_path / "run")], cwd=ROOT,
+                                env={**env_without_dist(), "MASTER_PORT": "29611"}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 120
+        while "run: " not in out.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    text = out.read_text()
+    assert proc.returncode == 130, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert text.rstrip().endswith("launcher: stopped by SIGINT"), text[-2000:]
+
+
+def _port_in_time_wait() -> int:
+    """A port whose only socket is in TIME-WAIT, as a run's rendezvous leaves it: the server side
+    closed first, and its socket had SO_REUSEADDR (as torch's TCPStore sets it, so that the next
+    store, which sets it too, may bind beside the TIME-WAIT socket; a plain bind may not)."""
+    import socket
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()
+    client.close()
+    server.close()
+    with socket.socket() as probe:
+        with pytest.raises(OSError):  # what the old check tried: a plain bind, refused here
+            probe.bind(("127.0.0.1", port))
+    return port
+
+
+@pytest.mark.slow
+def test_train_sh_launch_flags_take_effect(tiny_model_dir, tmp_path):
+    """--nproc and --master_port are train.sh's (over NPROC and MASTER_PORT), and a port in TIME-WAIT
+    has no listener: the run starts on it."""
+    port = _port_in_time_wait()
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--nproc", "1", "--master_port", str(port), "--model",
+                           str(tiny_model_dir), "--num_stages", "2", "--seq_length", "64", "--num_iterations", "1",
+                           "--no_save_model", "--save_dir", str(tmp_path / "run")], cwd=ROOT,
+                          env={**env_without_dist(), "NPROC": "2", "MASTER_PORT": "29999"}, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"run: 1 process, rendezvous 127.0.0.1:{port}; " in proc.stdout, proc.stdout[:2000]
+    assert "nproc" not in proc.stdout.split("mapping")[0]  # train.sh's flags are not main.py's settings

@@ -1,0 +1,230 @@
+"""Configuration: precedence (defaults < YAML < flags), typing, unknown keys, and bad input
+reported as one line from one rank with a non-zero exit before any training."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
+from pipeline.config import RESUME_FREE, SECTIONS, ConfigError, launch_settings, load_yaml, make_config, parse_args
+
+
+def _yaml(tmp_path, text: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_defaults_yaml_flags(tmp_path):
+    path = _yaml(tmp_path, "batch_size: 16\nnum_chunks: 8\nuse_offload: true\nlr: 0.001\n")
+    cfg, used, mode = parse_args(["--config", path, "--num_chunks", "2", "--no_offload", "--no_prefetch"])
+    assert used == path and mode == "train"
+    assert parse_args(["--config", path, "--check_only"])[2] == "check"
+    assert parse_args(["--config", path, "--dry_run"])[2] == parse_args(["--config", path, "--plan"])[2] == "plan"
+    assert cfg.batch_size == 16          # YAML over default
+    assert cfg.num_chunks == 2           # flag over YAML
+    assert cfg.use_offload is False      # --no_offload over YAML's true
+    assert cfg.use_prefetch is False
+    assert cfg.lr == 0.001
+    assert cfg.seq_length == make_config().seq_length  # untouched default
+
+
+def test_yaml_sections_read_like_flat_keys(tmp_path):
+    flat = _yaml(tmp_path, "model: tiny\nlr: 0.001\nuse_offload: true\nnproc: 2\n")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model: {model: tiny}\noptimizer:\n  lr: 0.001\noffload: {use_offload: true}\n"
+                      "launch: {nproc: 2}\n")
+    assert load_yaml(str(nested)) == load_yaml(flat) == {"model": "tiny", "lr": 0.001, "use_offload": True, "nproc": 2}
+    assert parse_args(["--config", str(nested), "--lr", "0.5"])[0] == make_config({"model": "tiny", "lr": 0.5,
+                                                                                     "use_offload": True, "nproc": 2})
+    with pytest.raises(ConfigError, match=r"key 'lr' is in section 'optimizer', not 'data'"):
+        make_config({"data": {"lr": 0.1}})
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice"):
+        make_config({"lr": 0.1, "optimizer": {"lr": 0.2}})
+    with pytest.raises(ConfigError, match="unknown config key 'batchsize'"):
+        make_config({"data": {"batchsize": 3}})
+
+
+def test_auto_true_false_keys_take_yaml_booleans(tmp_path):
+    """compile_layers is auto/true/false: YAML's true, false, on and off mean true and false, and
+    anything else is one error line."""
+    for text, want in (("true", "true"), ("off", "false"), ("auto", "auto")):
+        assert parse_args(["--config", _yaml(tmp_path, f"compile_layers: {text}\n")])[0].compile_layers == want
+    assert parse_args(["--config", "", "--compile_layers", "false"])[0].compile_layers == "false"
+    with pytest.raises(ConfigError, match="compile_layers must be one of auto, true, false; got 'yes please'"):
+        make_config({"compile_layers": "yes please"})
+
+
+def test_sections_cover_every_key_once():
+    names = [n for keys in SECTIONS.values() for n in keys]
+    assert sorted(names) == sorted(make_config().to_dict()) and len(names) == len(set(names))
+    assert {"nproc", "master_port", "cuda_visible_devices"} <= RESUME_FREE and "lr" not in RESUME_FREE
+
+
+def test_legacy_flag_names_exist():
+    cfg, _, _ = parse_args(["--config", "", "--batch_size", "4", "--num_chunks", "2", "--seq_length", "32",
+                            "--embedding_dim", "64", "--ff_dim", "128", "--num_iterations", "3", "--num_stages", "2",
+                            "--num_layers", "2", "--num_heads", "4", "--model", "tiny",
+                            "--dataset", "sample", "--save_results", "r.json", "--save_params", "--save_dir", "d",
+                            "--use_prefetch", "--use_offload"])
+    assert (cfg.batch_size, cfg.use_offload, cfg.save_params, cfg.embedding_dim) == (4, True, True, 64)
+
+
+def test_model_path_alias():
+    cfg, _, _ = parse_args(["--config", "", "--model_path", "/some/dir"])
+    assert cfg.model == "/some/dir"
+
+
+def test_unknown_key_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'batchsize'"):
+        make_config({"batchsize": 3})
+
+
+def test_empty_yaml_is_refused(tmp_path):
+    """An empty file would train with the built-in defaults, not the shipped fine_tune.yaml's."""
+    for text in ("", "# only a comment\n"):
+        with pytest.raises(ConfigError, match=r"is empty \(no key: value\); give its keys, or --config '' for"):
+            parse_args(["--config", _yaml(tmp_path, text)])
+    assert parse_args(["--config", ""])[1] is None  # no file at all: the defaults, as asked
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc_per", "3"], "unrecognized arguments: --nproc_per 3 (did you mean --nproc?)"),
+    (["--lr_sched", "cosine"], "(did you mean --loss_scale, --lr_schedule, --schedule?)"),
+    (["--save", "x"], "unrecognized arguments: --save x"),  # a prefix is not a flag
+    (["--lr"], "argument --lr: expected one argument"),
+    (["--lr", "x"], "argument --lr: invalid float value: 'x'"),
+])
+def test_bad_flags_are_one_line(argv, message):
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", "", *argv])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_help_groups_flags_by_section_with_the_yaml_values(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fine_tune.yaml").write_text("lr: 0.0003\nseed: 0\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    heads = [line for line in text.splitlines() if line.endswith(":") and "(YAML keys" in line]
+    assert [h.split(" ")[0] for h in heads] == list(SECTIONS)
+    assert text.index("--lr LR") > text.index("optimizer (YAML keys") > text.index("--use_offload, --no_offload")
+    words = " ".join(text.split())
+    assert "(default: 0.0001; fine_tune.yaml: 0.0003)" in words
+    assert "(default: 0; fine_tune.yaml" not in words  # a value equal to the default is not repeated
+    assert "fine_tune.yaml" in text.split("options:")[0]  # where a train.sh run's defaults come from
+
+
+def test_launch_settings_flag_over_environment_over_yaml(tmp_path):
+    path = _yaml(tmp_path, "nproc: 4\nmaster_port: 29600\ncuda_visible_devices: '0,1'\n")
+    base = ["--config", path]
+    assert launch_settings(base, {}) == {"cuda_visible_devices": "0,1", "nproc": 4, "master_port": 29600}
+    env = {"NPROC": "3", "MASTER_PORT": "29700", "CUDA_VISIBLE_DEVICES": "2"}
+    assert launch_settings(base, env) == {"cuda_visible_devices": None, "nproc": 3, "master_port": 29700}
+    flags = ["--nproc", "1", "--master_port", "29611", "--cuda_visible_devices", "3", "--lr", "0.1"]
+    assert launch_settings(base + flags, env) == {"cuda_visible_devices": "3", "nproc": 1, "master_port": 29611}
+    assert launch_settings(["--config", ""], {}) == {"cuda_visible_devices": None, "nproc": 0, "master_port": 29500}
+    for argv, environ, message in ((base, {"NPROC": "two"}, "NPROC='two' must be a whole number"),
+                                   (base + ["--nproc", "-1"], {}, r"nproc \(-1\) must be >= 0"),
+                                   (base + ["--master_port", "70000"], {}, r"master_port \(70000\) must be a TCP port"),
+                                   (base + ["--bogus"], {}, "unrecognized arguments: --bogus")):
+        with pytest.raises(ConfigError, match=message):
+            launch_settings(argv, environ)
+
+
+def test_negative_optimizer_values_are_named():
+    from pipeline.plan.preflight import check_config
+
+    with pytest.raises(ConfigError, match=r"^weight_decay \(-0.1\) must be >= 0$"):
+        check_config(make_config({"weight_decay": -0.1, "device": "cpu"}), 2)
+    with pytest.raises(ConfigError, match=r"^lr \(-1.0\) and grad_clip \(-2.0\) must be >= 0$"):
+        check_config(make_config({"lr": -1.0, "grad_clip": -2.0, "device": "cpu"}), 2)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"batch_size": "eight"}, "must be an integer"),
+    ({"use_offload": "yes"}, "must be true or false"),
+    ({"schedule": "zigzag"}, "schedule must be one of"),
+])
+def test_bad_types(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)
+
+
+def _main(args, nproc: int = 1):
+    args = ["--save_dir", scratch_save_dir(), *args]
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "main.py"), "--config", "", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=180)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--num_stages", "3"], "num_stages (3) must be a positive multiple of the number of processes (2)"),
+    (["--batch_size", "6", "--num_chunks", "4"], "batch_size (6) must be divisible by num_chunks (4)"),
+    (["--seq_length", "1"], "seq_length (1) must be at least 2"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model does not exist"),
+    (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl': no such file or directory"),
+    (["--num_stages", "12"], "exceeds the model's decoder layers + 2"),
+    (["--embedding_dim", "99"], "embedding_dim=99 contradicts the model's hidden_size=64"),
+    (["--resident_stages", "2"], "resident_stages (2) must be -1 (auto) or 0..1 (the stages per process)"),
+])
+@pytest.mark.slow
+def test_bad_input_one_line_from_one_rank(tiny_model_dir, args, needle):
+    base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--device", "cpu", "--num_iterations", "1",
+            "--no_save_model", "--seq_length", "32"]
+    proc = _main(base + args, nproc=2)
+    assert proc.returncode != 0
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_missing_columns(tiny_model_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"article": "a", "highlights": "b"}\n' * 20)
+    proc = _main(["--model", str(tiny_model_dir), "--dataset", str(data), "--num_stages", "2",
+                  "--device", "cpu", "--no_save_model"])
+    assert proc.returncode == 2
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "document" in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_port_in_use_is_reported_by_train_sh(tiny_model_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**env_without_dist(), "MASTER_PORT": str(port), "NPROC": "2"}
+        proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--model", str(tiny_model_dir),
+                               "--save_dir", scratch_save_dir()], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2
+    assert _error_lines(proc.stderr) == [f"error: master_port {port} is in use; set master_port in fine_tune.yaml, "
+                                         f"--master_port <port> or MASTER_PORT=<free port>"], proc.stderr[-2000:]
+
+
+def test_activation_offload_refuses_what_it_does_not_make_exact():
+    from pipeline.plan.preflight import check_config
+
+    with pytest.raises(ConfigError, match=r"keep_layers \(1\) must be 0 or -1"):
+        check_config(make_config({"activation_offload": True, "keep_layers": 1, "device": "cpu"}), 2)
+    check_config(make_config({"activation_offload": True, "device": "cpu"}), 2)
+    # sequence segments: the stash is keyed by segment too, and a segment's recompute attends
+    # to the keys/values its earlier segments carried (tests/one_process/test_seq_chunks.py)
+    check_config(make_config({"activation_offload": True, "seq_chunks": 2, "device": "cpu"}), 2)

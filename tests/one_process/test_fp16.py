@@ -1,0 +1,76 @@
+"""float16 compute with dynamic loss scaling: trains like float32 within float16's precision,
+and an overflow skips the step on every rank and halves the scale."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import make_config
+from pipeline.run.metrics import TrainingError
+from pipeline.run.optim import LossScaler
+from tests.helpers.reference import in_process_trainer, trainer_masters
+
+
+def test_loss_scaler_policy():
+    s = LossScaler(1024.0, window=2)
+    assert s.update(overflow=True) is True  # a scale overflow: expected, not a fault
+    assert s.scale == 512.0
+    s.update(False)
+    assert s.scale == 512.0
+    s.update(False)
+    assert s.scale == 1024.0 and s.good_steps == 0
+    s.update(False)
+    s.update(True)  # an overflow also resets the run of good steps
+    assert s.scale == 512.0 and s.good_steps == 0
+    fixed = LossScaler(8.0, window=0)
+    assert fixed.update(True) is False
+    assert fixed.scale == 8.0
+    restored = LossScaler(1.0, 2)
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
+
+
+def tiny_cfg(model_dir, tmp_path, **kw):
+    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
+                num_iterations=3, num_stages=4, device="cpu", lr=1e-3, grad_clip=1.0, schedule="1f1b",
+                attn_implementation="eager", save_model=False, save_metrics=False, save_dir=str(tmp_path))
+    base.update(kw)
+    return make_config(base)
+
+
+def _train(cfg):
+    trainer = in_process_trainer(cfg)
+    history = trainer.train()
+    return trainer, history, trainer_masters(trainer)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.slow
+def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
+    _, ref, ref_params = _train(tiny_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
+    trainer, half, params = _train(tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
+    assert trainer.scaler is not None and not any(h["skipped"] for h in half)
+    for a, b in zip(half, ref):
+        assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
+    for k, v in ref_params.items():
+        assert (params[k] - v).norm() <= 1e-2 * v.norm(), k
+
+
+def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
+               num_iterations=1)
+    trainer = in_process_trainer(cfg)
+    before = trainer_masters(trainer)
+    history = trainer.train()
+    assert history[0]["skipped"] and trainer.scaler.scale == 2.0 ** 39
+    after = trainer_masters(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
+               num_iterations=4, max_skipped_steps=2)
+    with pytest.raises(TrainingError, match="3 steps in a row"):
+        _train(cfg)

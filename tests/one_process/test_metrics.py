@@ -1,0 +1,286 @@
+"""Metrics, validation and non-finite steps.
+
+L1 (one process holding several stages): the validation loss equals a single-process Hugging
+Face computation on the same batches; a NaN step is reported and skipped (weights and AdamW
+state unchanged), training goes on, and too many in a row stop it. The files a run writes
+(metrics.jsonl, metrics.png) are checked here too.
+L2: the same validation check over torchrun.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from pipeline.config import make_config
+from pipeline.run.metrics import SkipGuard, TrainingError, plot_size, write_plot_png
+from tests.helpers.images import distinct_colours, png_size
+from tests.helpers.reference import in_process_trainer, trainer_masters
+
+EVAL_BATCHES = 3
+
+
+def tiny_cfg(model_dir, tmp_path, **kw):
+    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
+                num_iterations=2, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
+                grad_clip=1.0, attn_implementation="eager", save_model=False, save_dir=str(tmp_path),
+                progress_bar=False)
+    base.update(kw)
+    return make_config(base)
+
+
+def hf_eval_loss(model_dir, params, cfg) -> float:
+    """Token-weighted mean loss of the plain HF model over the first EVAL_BATCHES batches of the
+    bundled validation file, in file order (the documented eval batching)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data import SAMPLE_VALIDATION, collate, load_records, tokenize_records
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    model.load_state_dict(params)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples, _ = tokenize_records(load_records(str(SAMPLE_VALIDATION)), tok, cfg.seq_length)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(EVAL_BATCHES):
+            batch = collate(examples[i * cfg.batch_size:(i + 1) * cfg.batch_size], pad_id=tok.pad_token_id
+                            if tok.pad_token_id is not None else tok.eos_token_id, seq_length=cfg.seq_length)
+            # HF's loss is the batch's mean over its trained tokens: weight it back by their count.
+            total += model(input_ids=batch.input_ids, labels=batch.labels).loss.item() * batch.num_targets
+            tokens += batch.num_targets
+    return total / tokens
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- validation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule,offload", [pytest.param("gpipe", False, marks=pytest.mark.slow), ("interleaved", True)])
+def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offload):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
+               eval_batches=EVAL_BATCHES)
+    trainer = in_process_trainer(cfg)
+    assert {a.op.value for a in trainer.eval_actions} <= {"F", "SEND_F", "RECV_F", "L", "D"}
+    trainer.train()
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [r["kind"] for r in rows] == ["train", "train", "eval", "summary"]
+    ev = rows[2]
+    assert ev["split"] == "validation" and ev["step"] == 2 and ev["num_batches"] == EVAL_BATCHES
+    ref = hf_eval_loss(tiny_model_dir, trainer_masters(trainer), cfg)  # the weights after step 2
+    assert ev["loss"] == pytest.approx(ref, rel=1e-5)
+    assert ev["perplexity"] == pytest.approx(math.exp(ref), rel=1e-5)
+    # Evaluation builds no graph and leaves no gradients behind.
+    assert all(p.grad is None or not p.grad.any() for st in trainer.stages.values() for p in st.parameters())
+
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("step", "eval", "summary"))]
+    assert re.fullmatch(r"step    1/2 loss \d+\.\d{4} grad_norm \d+\.\d{4} lr \d\.\d\de[-+]\d\d tok/s \d+ "
+                        r"tflops \d+\.\d{3} mem \d+\.\d\dGiB time \d+\.\d{3}s", lines[0]), lines[0]
+    assert lines[2].startswith("eval step    2 loss ") and " ppl " in lines[2]
+    assert lines[3].startswith("summary: 2 steps in ") and "peak memory per rank (GiB): " in lines[3]
+    summary = rows[3]
+    assert summary["mean_step_time_s"] == pytest.approx(rows[1]["step_time_s"])  # the first step is left out
+    assert len(summary["peak_mem_bytes_per_rank"]) == 1 and summary["peak_mem_bytes_per_rank"][0] > 0
+    assert summary["eval_loss"] == ev["loss"]
+    assert png_size(tmp_path / "metrics.png") == plot_size(rows[:2]) == (1200, 960)  # all six panels
+
+
+@pytest.mark.slow
+def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
+               save_metrics=True)
+    in_process_trainer(cfg).train()
+    assert [(r["kind"], r.get("step")) for r in _rows(tmp_path / "metrics.jsonl")] == [
+        ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("eval", 3), ("summary", None)]
+
+
+def test_eval_needs_a_validation_split(tiny_model_dir, tmp_path):
+    from data import SAMPLE_TRAIN
+    from pipeline.config import ConfigError
+
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
+    with pytest.raises(ConfigError, match="has no validation split .* set eval_dataset"):
+        in_process_trainer(cfg)
+
+
+# --- non-finite steps ---------------------------------------------------------------------------
+def _poison(monkeypatch, bad_iterations: set[int], num_chunks: int = 4) -> None:
+    """The last stage's loss of micro-batch 0 is NaN in the given (0-based) iterations."""
+    import pipeline.stage.model as ex  # the last stage computes the loss
+
+    calls = {"n": 0}
+    real = ex.F.cross_entropy
+
+    def cross_entropy(*args, **kw):
+        it, mb = divmod(calls["n"], num_chunks)
+        calls["n"] += 1
+        loss = real(*args, **kw)
+        return loss * float("nan") if it in bad_iterations and mb == 0 else loss
+
+    monkeypatch.setattr(ex.F, "cross_entropy", cross_entropy)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.slow
+def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offload):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
+    trainer = in_process_trainer(cfg)
+    _poison(monkeypatch, {1})
+    snaps, steps = [], []
+    real_run = trainer.executor.run
+
+    def run(*args, **kw):  # the weights and AdamW step counts after every iteration
+        res = real_run(*args, **kw)
+        snaps.append(trainer_masters(trainer))
+        steps.append([int(st["step"]) for store in trainer.stores.values()
+                      for st in store.optimizer.state.values()])
+        return res
+
+    trainer.executor.run = run
+    history = trainer.train()
+    assert [h["skipped"] for h in history] == [False, True, False]
+    assert math.isnan(history[1]["loss"]) and not math.isfinite(history[1]["grad_norm"])
+    assert all(torch.equal(snaps[1][k], snaps[0][k]) for k in snaps[0])  # step 2 changed nothing
+    assert steps[1] == steps[0] and steps[2] == [s + 1 for s in steps[1]]
+    # Training goes on: the next step is finite (no NaN gradient left over) and moves the weights.
+    assert math.isfinite(history[2]["loss"]) and math.isfinite(history[2]["grad_norm"])
+    assert any(not torch.equal(snaps[2][k], snaps[1][k]) for k in snaps[1])
+    assert all(torch.isfinite(v).all() for v in snaps[2].values())
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(err) == 1 and err[0].startswith("[rank 0] warning: step 2: non-finite loss nan")
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert rows[1]["skipped"] is True and rows[1]["loss"] is None  # strict JSON: NaN -> null
+    assert rows[-1]["skipped_steps"] == 1
+
+
+@pytest.mark.slow
+def test_too_many_nan_steps_stop(tiny_model_dir, tmp_path, monkeypatch):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
+    trainer = in_process_trainer(cfg)
+    assert any(a.op.value == "NORM" for a in trainer.actions)  # skipping needs the norm even without clipping
+    _poison(monkeypatch, {1, 2, 3, 4, 5})
+    with pytest.raises(TrainingError, match=r"^stopping at step 4: 3 steps in a row \(steps 2-4\) .* "
+                                            r"max_skipped_steps=2"):
+        trainer.train()
+    assert len(_rows(tmp_path / "metrics.jsonl")) == 4  # the rows up to the stop are kept
+
+
+def test_skip_guard_counts_consecutive():
+    guard = SkipGuard(1)
+    for step, skipped in enumerate([True, False, True, False, True], start=1):
+        guard.update(step, skipped)  # never two in a row
+    guard.update(6, False)
+    guard.update(7, True)
+    with pytest.raises(TrainingError, match=r"stopping at step 8: 2 steps in a row \(steps 7-8\)"):
+        guard.update(8, True)
+    SkipGuard(-1).update(1, True)  # -1: no bound
+    with pytest.raises(TrainingError):
+        SkipGuard(0).update(1, True)
+
+
+def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
+    from pipeline.plan.settings import needs_norm
+
+    assert needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
+    assert not needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))
+
+
+# --- the plot -----------------------------------------------------------------------------------
+def _train_rows(n: int) -> list[dict]:
+    return [{"kind": "train", "step": i, "loss": 3 / i, "grad_norm": 1 + 1 / i, "lr": 1e-4, "tokens": 512,
+             "tokens_per_s": 500.0 + i, "tflops_per_gpu": 0.01, "step_time_s": 1.0, "peak_mem_bytes": 2**29,
+             "skipped": False} for i in range(1, n + 1)]
+
+
+@pytest.mark.slow  # matplotlib rendering, seconds each
+def test_plot_is_a_valid_png(tmp_path):
+    rows = _train_rows(12)
+    rows[3].update(loss=math.nan, grad_norm=math.inf, skipped=True)  # a gap and a red band, not a crash
+    evals = [{"step": 6, "loss": 0.6}, {"step": 12, "loss": 0.4}]
+    path = tmp_path / "metrics.png"
+    size = write_plot_png(path, rows, evals)
+    # Loss, throughput, step time, gradient norm, memory, learning rate: two panels a row.
+    assert size == plot_size(rows) == (1200, 960) == png_size(path)
+    assert 30_000 < path.stat().st_size < 300_000
+    assert distinct_colours(path) > 50  # lines, text and axes, not a blank canvas
+
+
+@pytest.mark.slow  # matplotlib rendering, seconds each
+def test_plot_edge_cases(tmp_path):
+    # One iteration, no validation.
+    assert write_plot_png(tmp_path / "one.png", _train_rows(1)) == png_size(tmp_path / "one.png") == (1200, 960)
+    # Only the keys the plot needs: the panels of missing keys are left out.
+    rows = [{"step": i, "loss": 3 / i, "tokens_per_s": 100.0 + i} for i in range(1, 9)]
+    assert write_plot_png(tmp_path / "min.png", rows, width=800) == png_size(tmp_path / "min.png") == (800, 360)
+    # A resumed run's rows start past step 1; every loss non-finite.
+    rows = [{**r, "step": r["step"] + 40, "loss": math.nan} for r in _train_rows(3)]
+    assert write_plot_png(tmp_path / "nan.png", rows, [{"step": 43, "loss": 2.0}]) == png_size(tmp_path / "nan.png")
+
+
+# --- several processes --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
+    from tests.helpers.runs import cli_flags, run_torchrun
+
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule="1f1b", eval_every=2, eval_batches=EVAL_BATCHES,
+               save_params=True)
+    proc = run_torchrun(2, cli_flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "metrics.jsonl")
+    ev = [r for r in rows if r["kind"] == "eval"]
+    assert len(ev) == 1 and ev[0]["step"] == 2
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert ev[0]["loss"] == pytest.approx(hf_eval_loss(tiny_model_dir, params, cfg), rel=1e-5)
+    assert len(rows[-1]["peak_mem_bytes_per_rank"]) == 2  # gathered from both ranks
+    assert png_size(tmp_path / "metrics.png") == (1200, 960)
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("[rank")]  # only the loss rank speaks
+
+
+@pytest.mark.slow
+def test_torchrun_stops_after_too_many_nan_steps(tiny_model_dir, tmp_path, monkeypatch):
+    from tests.helpers.runs import cli_flags, run_torchrun
+
+    # Every loss is NaN in the workers: a sitecustomize patches cross_entropy before main runs.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if 'RANK' in os.environ:\n"
+        "    import torch.nn.functional as F\n"
+        "    _ce = F.cross_entropy\n"
+        "    F.cross_entropy = lambda *a, **k: _ce(*a, **k) * float('nan')\n")
+    monkeypatch.setenv("PYTHONPATH", str(hook))  # env_without_dist puts the repo root first
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
+    proc = run_torchrun(2, cli_flags(cfg))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: stopping at step 2: 2 steps in a row (steps 1-2)")
+    warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
+    assert [w.split(":")[1] for w in warnings] == [" step 1", " step 2"], proc.stderr[-4000:]  # from the loss rank only
+    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from pipeline.dist import Log
+    from pipeline.run.metrics import Metrics
+
+    row = {"step": 1, "loss": 2.5, "grad_norm": 1.0, "lr": 1e-4, "tokens": 64, "tokens_per_s": 640.0,
+           "tflops_per_gpu": 0.001, "step_time_s": 0.1, "peak_mem_bytes": 2**30, "skipped": False}
+    assert Metrics(Log(0), speaks=True, num_steps=2, save_dir=None, progress_bar=True).bar is None  # not a TTY
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert Metrics(Log(0), speaks=True, num_steps=2, save_dir=None, progress_bar=False).bar is None
+    assert Metrics(Log(1), speaks=False, num_steps=2, save_dir=None, progress_bar=True).bar is None
+    m = Metrics(Log(0), speaks=True, num_steps=2, save_dir=tmp_path, progress_bar=True)
+    m.start()
+    m.log_step(row)
+    assert m.bar.n == 1 and "loss 2.5000" in m.bar.postfix
+    summary = m.finish(123)
+    assert summary["peak_mem_bytes_per_rank"] == [123] and m.bar is None
+    out = capsys.readouterr().out
+    assert "step    1/2 loss 2.5000" in out and "summary: 1 steps" in out

@@ -1,0 +1,152 @@
+"""The documentation stays true to the repository: docs/config.md is what docs/gen_config.py makes
+of pipeline/config.py, the README stays short, and relative links (and their #anchors) resolve."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import ROOT
+README_MAX_LINES = 220
+LINKED_DOCS = ["README.md", "docs/design.md", "bench/README.md"]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _gen_config():
+    """docs/gen_config.py, loaded from its file (docs/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gen_config", ROOT / "docs" / "gen_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_md_is_up_to_date():
+    expected = _gen_config().render()
+    actual = (ROOT / "docs" / "config.md").read_text()
+    assert actual == expected, (
+        "docs/config.md is out of date with pipeline/config.py; regenerate it with "
+        "`python3 docs/gen_config.py > docs/config.md`")
+
+
+def test_config_md_lists_every_field():
+    import dataclasses
+
+    from pipeline.config import TrainConfig
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if f"| `{f.name}` |" not in text]
+    assert not missing
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+
+
+def test_readme_test_command_is_ci_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "python3 -m pytest -q tests" in ci
+    assert "python3 -m pytest -q tests" in readme
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    out, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            out.add(_slug(line.lstrip("#")))
+    return out
+
+
+def _links(path: Path) -> list[str]:
+    out, fenced = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out += LINK.findall(line)
+    return out
+
+
+@pytest.mark.parametrize("doc", LINKED_DOCS)
+def test_relative_links_exist(doc):
+    path = ROOT / doc
+    broken = []
+    for target in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(target)
+    assert not broken, f"{doc}: broken relative links {broken}"
+
+
+# The peers' table the README quotes: one call, every system back to back at its best point.
+PEER_TABLE = ROOT / "bench/results/2026-11-23_h200x1_3b/callF/peers.json"
+PEER_WORDS = {"RoundPipe's inexact step": "roundpipe-async", "DeepSpeed": "deepspeed", "FSDP2": "fsdp2"}
+
+
+def test_readme_peer_ratios_come_from_one_bench_run():
+    """Every "N.NNx <peer>" in the README is that peer's best step time over this project's best,
+    from the results file of one side-by-side call (the 2026-11-22 FSDP2 rows ran a mis-tuned
+    micro-batch; no ratio may come from anything but such a run)."""
+    text = (ROOT / "README.md").read_text()
+    rows = {r["system"]: r["step_time_s"] for r in json.loads(PEER_TABLE.read_text())["rows"] if r["step_time_s"]}
+    ours = min(t for name, t in rows.items() if name.startswith("mmoc-pipe"))
+    quoted = re.findall(r"(\d+\.\d+)x\**( [A-Z][\w']*(?: inexact step)?)?", text)
+    assert quoted
+    for ratio, word in quoted:
+        word = word.strip()
+        assert word in PEER_WORDS, f"README quotes {ratio}x {word!r}: a ratio names one of {list(PEER_WORDS)}"
+        assert abs(float(ratio) - rows[PEER_WORDS[word]] / ours) < 0.006, (ratio, word, rows[PEER_WORDS[word]] / ours)
+
+
+def test_every_family_is_documented():
+    """docs/models.md has a row per registered model_type and the README names every family."""
+    from models import FAMILIES
+
+    models_md = (ROOT / "docs" / "models.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for spec in FAMILIES:
+        for model_type in spec.model_types:
+            assert f"| `{model_type}` |" in models_md, model_type
+        name = spec.family.split(" (")[0].split(" /")[0]
+        assert name in readme, name
+
+
+@pytest.mark.slow
+def test_readme_generation_snippet_runs_outside_the_repository(tiny_model_dir, tmp_path):
+    """The README's "Using the result" snippet, saved as a script elsewhere, with its two paths
+    pointed at this repository and a model, runs and prints the continuation."""
+    import subprocess
+
+    from tests.helpers.paths import env_without_dist
+
+    text = (ROOT / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text[text.index("**Using the result.**"):], re.S).group(1)
+    assert '"/path/to/mmoc-pipe"' in snippet and '"/path/to/mmoc-pipe/outputs/run/model"' in snippet
+    script = tmp_path / "generate.py"
+    script.write_text(snippet.replace('"/path/to/mmoc-pipe/outputs/run/model"', repr(str(tiny_model_dir)))
+                      .replace('"/path/to/mmoc-pipe"', repr(str(ROOT)))
+                      .replace("max_new_tokens=60", "max_new_tokens=5"))
+    env = {k: v for k, v in env_without_dist().items() if k != "PYTHONPATH"}  # nothing but the snippet's own path
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip(), proc.stderr[-2000:]
