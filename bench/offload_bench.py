@@ -3,7 +3,7 @@ on the GPUs of one node, each row a separate ``torchrun`` of ``main.py`` (or of 
 
     python bench/offload_bench.py --out bench_results            # every row, in priority order
     python bench/offload_bench.py --rows pcie48-prefetch,pcie48-fsdp2 --budget_s 400
-    python bench/offload_bench.py --summarise bench/results/2026-11-22_h200x2_callA --warmup 2
+    python bench/offload_bench.py --summarise bench/results/2026-11-22_7b_two_gpus_every_stage_offloaded/callA --warmup 2
 
 Rows are named ``<net><cap>-<mode>[-noclip][-eager][/s<stages>][+<mapping>][@<model>][~<flag>=<value>...]``,
 the optional suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@llama-2-13b~keep_layers=-1``):

@@ -70,7 +70,7 @@ def stage_layers(cfg: TrainConfig, hf_config, num_ranks: int) -> list[range]:
     if cfg.activation_offload and max(counts) > max(len(p) for p in even):
         # The low-memory mode's GPU peak is one stage's activations of one micro-batch: a larger
         # stage than the even split's raises it (the fused last stage's extra layers: 5.6 -> 6.9
-        # GiB on llama-3b) for a predicted gain not seen on the GPU (bench/results/2026-11-23_h200x1_3b).
+        # GiB on llama-3b) for a predicted gain not seen on the GPU (bench/results/2026-11-23_3b_one_gpu_peers_and_switches).
         return even
     return layer_ranges(list(counts))
 

@@ -246,7 +246,7 @@ def test_timeline_replays_a_run_with_resident_stages():
     from tests.helpers.bench import load_bench
     from tests.helpers.paths import ROOT
 
-    row = ROOT / "bench/results/2026-11-23_h200x2_callD/pcie48-hybrid+cross"
+    row = ROOT / "bench/results/2026-11-23_7b_two_gpus_chunked_steps_and_loads/callD/pcie48-hybrid+cross"
     logged = load_bench("offload_bench").parse_log(row.with_suffix(".log").read_text())
     got = load_bench("timeline_vs_model").compare(row, row.with_suffix(".json"), [0, 0])
     assert logged["resident_stages"] == "1/4"
