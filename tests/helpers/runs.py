@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import make_config
+from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 from tests.helpers.reference import reference_train
 
 ITERS = 3

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.paths import ROOT, env_without_dist
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.layout import Layout, check_replicas, replica_config, replica_share
 from pipeline.plan.preflight import check_config
+from tests.helpers.paths import ROOT, env_without_dist
 from tests.helpers.reference import assert_same_training
 from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
 

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from tests.helpers.launch import alive
 
+from tests.helpers.launch import alive
 from tests.helpers.paths import ROOT, env_without_dist
 
 # The launcher: starts the worker, prints its pid, then waits to be killed.

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from tests.helpers.paths import ROOT, env_without_dist
 from pipeline.config import ConfigError
 from pipeline.plan import saved
 from tests.helpers.launch import Launched, alive, launch, wait_for_line, worker_pids
+from tests.helpers.paths import ROOT, env_without_dist
 from tests.helpers.reference import in_process_trainer
 from tests.helpers.runs import cli_flags, tiny_cfg
 

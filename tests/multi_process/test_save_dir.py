@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers.prelaunch import chat_file, refused_before_launch
 
-from tests.helpers.paths import ROOT, env_without_dist
 from pipeline.config import ConfigError, make_config
 from pipeline.plan import preflight, saved
+from tests.helpers.paths import ROOT, env_without_dist
+from tests.helpers.prelaunch import chat_file, refused_before_launch
 
 
 @pytest.fixture

@@ -6,12 +6,12 @@ import subprocess
 
 import pytest
 
-from tests.helpers.paths import ROOT, env_without_dist
 from main import start_line
 from pipeline.config import make_config
 from pipeline.dist import DistEnv
 from schedule.mapping import choose_mapping
 from schedule.spec import ProgramSpec
+from tests.helpers.paths import ROOT, env_without_dist
 
 
 def test_start_line_lists_only_changed_settings_and_the_port(monkeypatch):

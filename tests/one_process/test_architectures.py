@@ -15,9 +15,9 @@ import torch
 from pipeline.config import ConfigError
 from pipeline.plan.shapes import partition_layers, stage_num_params
 from pipeline.stage.model import build_stage
+from tests.helpers.architectures import WINDOW, SEQ, ARCHS, make_model, tiny_cfg
 from tests.helpers.reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
 from tests.helpers.tolerance import assert_close, rel_err
-from tests.helpers.architectures import WINDOW, SEQ, ARCHS, make_model, tiny_cfg
 
 
 def _pipeline_forward(path: Path, config, x: torch.Tensor, num_stages: int, full_causal: bool = False) -> torch.Tensor:

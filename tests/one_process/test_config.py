@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 from pipeline.config import RESUME_FREE, SECTIONS, ConfigError, launch_settings, load_yaml, make_config, parse_args
+from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 
 
 def _yaml(tmp_path, text: str) -> str:

@@ -23,8 +23,6 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.segments import (LENGTHS, TOL, make_batch, make_config, make_stages, mismatch, noise_floor, reference, rel,
-                           run_segments)
 
 import pipeline.plan.shapes as shapes
 import pipeline.stage.attention as attention
@@ -36,6 +34,8 @@ from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 from tests.helpers.runs import reference_result, tiny_cfg
+from tests.helpers.segments import (LENGTHS, TOL, make_batch, make_config, make_stages, mismatch, noise_floor, reference,
+                                    rel, run_segments)
 
 EQUAL = LENGTHS["equal"]  # 4 x 24: segments of one shape, so a mix-up shows in the numbers
 

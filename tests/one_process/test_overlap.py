@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from schedule.ir import Op
 from tests.helpers.reference import assert_same_training, in_process_trainer, trainer_masters
 from tests.helpers.runs import ITERS, reference_result, tiny_cfg
-from schedule.ir import Op
 
 SLOW_S = 0.5
 

@@ -14,13 +14,13 @@ import json
 
 import pytest
 import torch
-from tests.helpers.architectures import make_model, tiny_cfg
 
 import schedule as sched
 from pipeline.config import ConfigError
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from schedule.ir import Action, Op
 from schedule import ScheduleError, simulate, validate
+from schedule.ir import Action, Op
+from tests.helpers.architectures import make_model, tiny_cfg
+from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
 
 
 @pytest.fixture(scope="module")

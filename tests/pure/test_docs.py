@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paths import ROOT
+
 README_MAX_LINES = 220
 LINKED_DOCS = ["README.md", "docs/design.md", "bench/README.md"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

@@ -10,14 +10,14 @@ import pytest
 
 import schedule as sched
 from pipeline.plan.topology import GpuLink, discover, load_topology_file, parse_nvidia_smi_topo, read_sysfs
-from tests.helpers.images import distinct_colours, png_size
-from tests.helpers.paths import TESTS
 from pipeline.run.timeline import (STYLE, Timeline, read_chrome_trace, timeline_size, write_chrome_trace,
                                    write_run_timeline, write_timeline_png)
 from schedule.costmodel import predict, predict_steady
 from schedule.ir import Action, Op
 from schedule.mapping import manual_mapping, plan_mapping
 from schedule.spec import ProgramSpec
+from tests.helpers.images import distinct_colours, png_size
+from tests.helpers.paths import TESTS
 
 DATA = TESTS / "data"
 GB = 1e9

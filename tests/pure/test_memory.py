@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import schedule as sched
-from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 from models import FAMILIES, supports_sdpa, tiny_config
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.memory import ModelShape, layer_saved_bytes_per_token
 from pipeline.plan.source import preset_config
 from pipeline.runners import RUNNERS
 from pipeline.stage.model import build_stage
+from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 
 
 def _saved_bytes(module, x, loss_fn=None) -> int:
