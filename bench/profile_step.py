@@ -9,8 +9,8 @@ One process holds every stage (world size 1, as the one-GPU bench rows do), trai
 steps, then records one step with ``torch.profiler`` (CUDA kernels and copies; on a CPU, the
 operators). Each kernel is put in one kind by its name (``KINDS``, first match wins): matrix
 products, attention, norms / rotary / activations, the optimizer, element-wise, copies
-(host<->device, device<->device), other; ``idle`` is the step's wall time that no kernel covers
-on the compute device. The floor is the step's model FLOPs (``pipeline.model.model_flops_per_token``:
+(host<->device, device<->device), communication (NCCL), other; ``idle`` is the step's wall time
+that no kernel covers on the compute device. The floor is the step's model FLOPs (``pipeline.plan.shapes.model_flops_per_token``:
 matmuls and causal attention, no recompute) at ``--matmul_tflops`` (measured once here with a
 large bf16 product unless given). Writes ``OUT/profile.json``, ``OUT/profile.md`` (the table) and
 the Chrome trace ``OUT/trace.json`` (https://ui.perfetto.dev).
@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 # (kind, pattern on the lower-cased kernel or operator name); the first match wins.
 KINDS = (
     ("copies", r"memcpy|memset|copy_|_to_copy|\bto\b|pin_memory"),
+    ("communication", r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|sendrecv"),
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|linear|wgmma|xmma|cutlass|cublas|nvjet|sm90_|grouped_mm"),
     ("optimizer", r"adam|multi_tensor|foreach"),
@@ -113,7 +114,7 @@ def main() -> None:
 
     from pipeline.config import parse_args
     from pipeline.dist import DistEnv
-    from pipeline.model import model_flops_per_token
+    from pipeline.plan.shapes import model_flops_per_token
     from pipeline.train import Trainer
 
     flags = [f for f in args.flags if f != "--"]

@@ -357,3 +357,49 @@ def test_long_rows_smoke_runs_on_the_cpu(tmp_path):
     assert rows["ours@256/seg4"]["seq_chunks"] == 4 and rows["ours@128"]["step_time_s"] > 0
     assert rows["roundpipe@128"]["status"] == "skipped (needs CUDA)"
     assert "| ours@256/seg4 | ok |" in (tmp_path / "long_rows.md").read_text()
+
+
+def test_profile_step_sorts_kernels_by_kind_and_counts_idle_once():
+    """The profile's kinds from real CUDA kernel names, and idle time from the union of kernels on
+    several streams (two overlapping kernels are not idle twice, nor counted as one)."""
+    prof = load_bench("profile_step")
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "matmul",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention",
+        "Memcpy HtoD (Pinned -> Device)": "copies",
+        "void at::native::(anonymous namespace)::fused_adamw_kernel<float>": "optimizer",
+        "void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor>": "optimizer",
+        "triton_per_fused__to_copy_mean_pow_rsqrt_0": "copies",  # a cast first: the first match wins
+        "triton_red_fused_rms_norm_backward_1": "norm/rotary/activation",
+        "void at::native::vectorized_elementwise_kernel<4, silu_kernel_cuda>": "norm/rotary/activation",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>": "elementwise",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+        "void cub::DeviceSegmentedRadixSortKernel<Policy900>": "other",
+    }
+    assert {n: prof.kind_of(n) for n in names} == names
+    assert prof.covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]) == pytest.approx(4.0)
+    kinds = prof.breakdown([("nvjet_gemm", 0.0, 1.0), ("flash_fwd_kernel", 0.5, 1.5), ("fused_adamw", 2.0, 2.5)], 4.0)
+    assert kinds == pytest.approx({"matmul": 1.0, "attention": 1.0, "optimizer": 0.5, "idle": 2.0})
+    text = prof.table({"step_s": 4.0, "kinds": kinds, "floor_s": 1.0, "matmul_tflops": 700.0})
+    assert text.splitlines()[2].startswith("| idle | 2.000 | 50.0% |")
+    assert "| floor: model FLOPs at 700 TFLOP/s | 1.000 | 25.0% |" in text
+
+
+@pytest.mark.slow
+def test_profile_step_smoke_runs_on_the_cpu(tmp_path):
+    """The profiler's plumbing on a CPU: warm-up steps, one recorded step, its table and trace."""
+    import json
+    import subprocess
+
+    from tests.helpers.paths import env_without_dist
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/profile_step.py"), "--smoke", "--warmup", "1",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env_without_dist(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["step_s"] > 0 and result["model_flops"] > 0 and result["kinds"]["matmul"] > 0
+    assert sum(v for k, v in result["kinds"].items() if k != "idle") > 0.5 * result["step_s"]
+    assert (tmp_path / "trace.json").stat().st_size > 0 and "| **step (wall)** |" in (tmp_path / "profile.md").read_text()
