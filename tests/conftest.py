@@ -66,3 +66,31 @@ def _scratch_save_dir(tmp_path_factory):
     """A fresh empty directory per test: tests write runs there, never into the user's outputs/run."""
     set_scratch_save_dir(tmp_path_factory.mktemp("save_dir"))
     yield
+
+
+def _process_state() -> dict:
+    import torch
+
+    from pipeline.stage import attention
+
+    return {"grad mode": torch.is_grad_enabled(), "compiling": torch.compiler.is_compiling(),
+            "torch-function modes": torch._C._len_torch_function_stack(),
+            "dispatch modes": torch._C._len_torch_dispatch_stack(), "attention kernels": attention._MODE[0]}
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """A test that leaves process-wide state changed (grad mode off, a compile or dispatch mode
+    still entered, the attention kernels forced) fails here by name, and the state is put back:
+    otherwise every later test in the process fails without saying why."""
+    import torch
+
+    from pipeline.stage import attention
+
+    before = _process_state()
+    yield
+    after = _process_state()
+    torch.set_grad_enabled(before["grad mode"])
+    attention._MODE[0] = before["attention kernels"]
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not changed, f"the test left process-wide state changed (before, after): {changed}"
