@@ -4,6 +4,7 @@ saves and restores through the ``CheckpointManager`` and reports through ``pipel
 it decides nothing the configuration or ``resolve`` decided."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from pathlib import Path
@@ -19,10 +20,24 @@ from pipeline.plan.source import ModelSource
 from pipeline.run import checkpoint, faults, orphans
 from pipeline.run.build import build_rank
 from pipeline.run.evaluate import evaluate
-from pipeline.run.executor import MicroBatch
-from pipeline.run.metrics import STEP_KEYS, Metrics, SkipGuard, device_stats, peak_memory, write_results
+from pipeline.run.executor import ActionError, MicroBatch
+from pipeline.run.metrics import (STEP_KEYS, Metrics, SkipGuard, TrainingError, device_stats, peak_memory,
+                                 write_results)
 from pipeline.run.optim import lr_at
 from pipeline.run.timeline import Timeline, write_run_timeline
+
+
+@contextlib.contextmanager
+def waiting_for_peers(rank: int, what: str):
+    """A collective outside the executor's actions (the end of a step): a peer that died or hangs
+    shows up as a timeout here too, and is named the way a failed action is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, (ActionError, TrainingError)):  # already one line, or raised on every rank alike
+            raise
+        raise ActionError(f"rank {rank}: the end of step {what} failed: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
 class GcClock:
@@ -145,7 +160,8 @@ class Trainer:
             res = r.executor.run(r.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
                                  loss_scale=r.scaler.scale if r.scaler else 1.0)
             r.executor.timeline = None
-            res.loss = self.sum_loss(res.loss)
+            with waiting_for_peers(self.env.rank, f"{it + 1} (the loss summed over the replicas)"):
+                res.loss = self.sum_loss(res.loss)
             if r.device.type == "cuda":
                 torch.cuda.synchronize(r.device)  # host sync: end of iteration, for honest timing
             dt = time.perf_counter() - t0
@@ -165,7 +181,8 @@ class Trainer:
             guard.update(it + 1, res.skipped and not overflow)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
                 metrics.log_eval({"step": it + 1, **self.evaluate()})
-            self.stopped_by = self.stop.agreed(r.device)
+            with waiting_for_peers(self.env.rank, f"{it + 1} (agreeing whether a rank was asked to stop)"):
+                self.stopped_by = self.stop.agreed(r.device)
             every = cfg.checkpoint_every
             if self.stopped_by or (every and ((it + 1) % every == 0 or it + 1 == cfg.num_iterations)):
                 self.save_checkpoint(it + 1)

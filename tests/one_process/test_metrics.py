@@ -182,6 +182,22 @@ def test_skip_guard_counts_consecutive():
         SkipGuard(0).update(1, True)
 
 
+def test_a_peer_lost_at_the_end_of_a_step_is_named_in_one_line():
+    """A collective outside the actions (the end-of-step agreement) that times out is named like a
+    failed action; a TrainingError, raised on every rank alike, passes unchanged."""
+    from pipeline.run.executor import ActionError
+    from pipeline.run.trainer import waiting_for_peers
+
+    with pytest.raises(ActionError) as e:
+        with waiting_for_peers(1, "7 (agreeing whether a rank was asked to stop)"):
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv\nmore")
+    assert str(e.value) == ("rank 1: the end of step 7 (agreeing whether a rank was asked to stop) failed: "
+                            "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv")
+    with pytest.raises(TrainingError, match="^too many"):
+        with waiting_for_peers(0, "7 (x)"):
+            raise TrainingError("too many non-finite steps")
+
+
 def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
     from pipeline.plan.settings import needs_norm
 
