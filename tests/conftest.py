@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Llama model (GQA, 6 layers) and tokenizer built locally once per session."""
+"""Shared fixtures: a tiny Llama model (GQA, 6 layers) and tokenizer built locally once per session,
+the same with a wide vocabulary (the cost partition's tests)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,6 +22,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny"
     return ensure_tiny_model(path, data_files=[SAMPLE_TRAIN], hidden_size=64, intermediate_size=128, num_layers=6,
                              num_heads=4, num_kv_heads=2, vocab_size=512, max_position_embeddings=256, seed=1)
+
+
+@pytest.fixture(scope="session")
+def wide_vocab_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a vocabulary of 4096: its head costs about six decoder layers."""
+    from data import SAMPLE_TRAIN, ensure_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "wide_vocab"
+    return ensure_tiny_model(path, data_files=[SAMPLE_TRAIN], hidden_size=64, intermediate_size=128, num_layers=6,
+                             num_heads=4, num_kv_heads=2, vocab_size=4096, max_position_embeddings=256, seed=1)
 
 
 @pytest.fixture(scope="module")

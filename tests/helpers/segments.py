@@ -1,6 +1,7 @@
 """The segment harness the segment tests share (tests/one_process/test_segments.py,
 test_long_rows.py): tiny configurations of each architecture, a stage run whole and segment by
-segment, and the comparison with its tolerance (the docstring of test_segments.py says why)."""
+segment, the comparison with its tolerance (the docstring of test_segments.py says why), and the
+long-row settings of the trainer's runs (there and in tests/multi_process/test_gloo_long_rows.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,8 @@ ARCHS = {
 }
 LENGTHS = {"equal": [24, 24, 24, 24], "balanced": balanced_segments(SEQ, 3, key_cost=0.02), "two": [50, 46]}
 TOL = 2e-6  # relative error (norm) of the loss and of each parameter's gradient
+# every long-row path of the trainer at once: segments, activation offload, recompute, tiled MLPs
+LONG = dict(seq_chunks=3, activation_offload=True, activation_checkpointing=True, tiled_mlp="true")
 
 
 def make_config(arch: str, impl: str):

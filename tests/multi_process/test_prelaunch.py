@@ -235,3 +235,10 @@ def test_refused_by_train_sh_before_any_worker(tiny_model_dir, tmp_path, case):
     refused_before_launch(proc, needle)
     if case == "fresh clone":
         assert not (tmp_path / "cache").exists()  # refused from the shape alone: nothing was generated
+
+
+@pytest.mark.slow
+def test_check_only_says_it_in_one_line(tiny_model_dir):
+    """main.py --check_only (what train.sh runs first): exit 2, one error line, no traceback."""
+    one_error(check_only(["--model", str(tiny_model_dir), "--seq_length", "32", "--seq_chunks", "40"]),
+               "seq_chunks (40) must be between 1 (whole rows) and seq_length (32)")

@@ -2,7 +2,8 @@
 (GQA, llama3 rope scaling), Qwen2.5 (qkv bias; tied embeddings in the small sizes), Qwen2 with
 sliding-window layers, Mistral with a sliding window shorter than the sequence. Stage forwards
 equal the Hugging Face forward and pipeline training equals plain Hugging Face training (tied
-embeddings over several stages: tests/one_process/test_tied.py)."""
+embeddings over several stages: tests/one_process/test_tied.py; sliding windows over two
+processes: tests/multi_process/test_gloo_architectures.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -148,19 +149,3 @@ def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="sliding_attention layers but sliding_window is None"):
         resolve_model(tiny_cfg(dst))
-
-
-# --- several processes ------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("arch,impl", [("mistral", "eager"), ("qwen2_sliding", "sdpa")])
-def test_torchrun_sliding_window_matches_hf(models_root, tmp_path, arch, impl):
-    """2 processes x 2 stages: the windowed layers sit on both ranks."""
-    from tests.helpers.runs import cli_flags, run_torchrun
-
-    cfg = tiny_cfg(make_model(arch, models_root), attn_implementation=impl, schedule="interleaved", num_stages=4,
-               save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
-    assert_same_training(losses, params, *reference_train(cfg, cfg.model))

@@ -5,54 +5,26 @@ spec's ``tiny`` settings, windows shorter than the rows, tied heads where the fa
 with every norm and bias moved off its initial value so that each one matters. For each family:
 stage forwards equal the Hugging Face forward; training over 4 stages equals plain single-process
 training for gpipe, 1f1b and interleaved, with and without offload (and recompute); two processes
-train it as one; the saved model loads in Hugging Face and generates; resume is bit-exact. The
-mutations at the end show that the comparisons see a missing q/k norm, a dropped embedding
-scale, a lost router loss and a token routed to another expert in a recompute.
+train it as one (tests/multi_process/test_gloo_families.py); the saved model loads in Hugging
+Face and generates; resume is bit-exact. The mutations at the end show that the comparisons see
+a missing q/k norm, a dropped embedding scale, a lost router loss and a token routed to another
+expert in a recompute.
 """
 from __future__ import annotations
 
-import functools
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from models import FAMILIES, supports_sdpa, tiny_config
+from models import supports_sdpa, tiny_config
 from pipeline.plan.shapes import partition_layers
 from pipeline.stage.model import build_stage
+from tests.helpers.families import FAMILY_TYPES, MODES, SEQ, family_cfg, family_model, family_reference
 from tests.helpers.reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
-from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
+from tests.helpers.runs import tiny_cfg
 from tests.helpers.tolerance import rel_err as _rel
-
-FAMILY_TYPES = [spec.model_types[0] for spec in FAMILIES]
-SIZES = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512,
-             max_position_embeddings=256, seed=1)
-SEQ = 64  # two of the tiny configs' 32-token windows
-
-
-@functools.lru_cache(maxsize=None)
-def family_model(family: str, root: str) -> Path:
-    """The generator's tiny ``family`` model with its norms and biases moved off their init."""
-    from transformers import AutoModelForCausalLM
-
-    from data import SAMPLE_TRAIN, ensure_tiny_model
-
-    made = ensure_tiny_model(Path(root) / "made" / family, data_files=[SAMPLE_TRAIN], family=family, **SIZES)
-    path = Path(root) / family
-    if not (path / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(made, dtype=torch.float32)
-        torch.manual_seed(5)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(torch.randn_like(p) * 0.1)
-        model.save_pretrained(path)
-        for f in made.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-                shutil.copy(f, path / f.name)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -122,23 +94,10 @@ def test_a_dropped_embedding_scale_is_seen(root, family):
 
 
 # --- training ----------------------------------------------------------------------------------------
-def _cfg(path: Path, **kw):
-    return tiny_cfg(path, seq_length=SEQ, attn_implementation="auto", **kw)
-
-
 def _train(cfg):
     trainer = in_process_trainer(cfg)
     history = trainer.train()
     return [h["loss"] for h in history], trainer_masters(trainer), trainer
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(path: str):
-    return reference_train(_cfg(Path(path)), Path(path))
-
-
-# offload: parameters in host memory and every layer recomputed (routing replays, checkpoints)
-MODES = {"plain": {}, "offload": dict(use_offload=True, activation_checkpointing=True, keep_layers=0)}
 
 
 @pytest.mark.slow
@@ -148,24 +107,8 @@ MODES = {"plain": {}, "offload": dict(use_offload=True, activation_checkpointing
 def test_training_matches_hf(root, family, schedule, mode):
     """4 stages in one process; a tied head over 4 stages where the family ties."""
     path = family_model(family, root)
-    losses, params, _ = _train(_cfg(path, schedule=schedule, **MODES[mode]))
-    assert_same_training(losses, params, *_reference(str(path)))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILY_TYPES)
-def test_two_processes_match_hf(root, tmp_path, family):
-    """2 processes x 4 stages over gloo, the schedule and offload varying with the family."""
-    i = FAMILY_TYPES.index(family)
-    kw = dict(schedule=["gpipe", "1f1b", "interleaved"][i % 3], **(MODES["offload"] if i % 2 else {}))
-    path = family_model(family, root)
-    cfg = _cfg(path, save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"),
-               **kw)
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
-    assert_same_training(losses, params, *_reference(str(path)))
+    losses, params, _ = _train(family_cfg(path, schedule=schedule, **MODES[mode]))
+    assert_same_training(losses, params, *family_reference(str(path)))
 
 
 @pytest.mark.slow
@@ -177,7 +120,7 @@ def test_saved_model_loads_and_generates(root, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     path = family_model(family, root)
-    _, params, trainer = _train(_cfg(path, save_dir=str(tmp_path), save_model=True, num_iterations=2))
+    _, params, trainer = _train(family_cfg(path, save_dir=str(tmp_path), save_model=True, num_iterations=2))
     trainer.save([])
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eager",
                                                  dtype=torch.float32).eval()
@@ -195,9 +138,9 @@ def test_saved_model_loads_and_generates(root, tmp_path, family):
 def test_resume_is_bit_exact(root, tmp_path, family):
     path = family_model(family, root)
     kw = dict(schedule="1f1b", use_offload=True, num_iterations=4)
-    whole, whole_params, _ = _train(_cfg(path, save_dir=str(tmp_path / "whole"), **kw))
-    _train(_cfg(path, save_dir=str(tmp_path / "cut"), checkpoint_every=2, **{**kw, "num_iterations": 2}))
-    resumed, params, _ = _train(_cfg(path, save_dir=str(tmp_path / "cut"), resume="latest", **kw))
+    whole, whole_params, _ = _train(family_cfg(path, save_dir=str(tmp_path / "whole"), **kw))
+    _train(family_cfg(path, save_dir=str(tmp_path / "cut"), checkpoint_every=2, **{**kw, "num_iterations": 2}))
+    resumed, params, _ = _train(family_cfg(path, save_dir=str(tmp_path / "cut"), resume="latest", **kw))
     assert resumed == whole[2:]
     assert params.keys() == whole_params.keys()
     for k, v in params.items():
@@ -212,9 +155,9 @@ def test_a_lost_router_loss_is_seen(root, monkeypatch):
 
     path = family_model("qwen3_moe", root)
     monkeypatch.setattr(RouterLoss, "roots", lambda self, *a, **kw: ([], []))
-    losses, params, _ = _train(_cfg(path))
+    losses, params, _ = _train(family_cfg(path))
     with pytest.raises(AssertionError):
-        assert_same_training(losses, params, *_reference(str(path)))
+        assert_same_training(losses, params, *family_reference(str(path)))
 
 
 @pytest.mark.slow
@@ -234,10 +177,10 @@ def test_a_token_routed_elsewhere_in_a_recompute_is_seen(root, monkeypatch, fami
 
     monkeypatch.setattr(Routing, "replay", misroute)
     path = family_model(family, root)
-    losses, params, _ = _train(_cfg(path, **MODES["offload"], fuse_last_stage="false"))
+    losses, params, _ = _train(family_cfg(path, **MODES["offload"], fuse_last_stage="false"))
     assert calls  # recomputes replayed
     with pytest.raises(AssertionError):
-        assert_same_training(losses, params, *_reference(str(path)))
+        assert_same_training(losses, params, *family_reference(str(path)))
 
 
 def test_router_loss_is_part_of_the_loss(root):
@@ -247,7 +190,7 @@ def test_router_loss_is_part_of_the_loss(root):
     from pipeline.plan.source import resolve_model
 
     path = family_model("qwen3_moe", root)
-    cfg = _cfg(path, num_chunks=1, num_iterations=1)
+    cfg = family_cfg(path, num_chunks=1, num_iterations=1)
     losses, _, _ = _train(cfg)
     batch = build_stream(cfg, resolve_model(cfg))[0].next_batch()
     with torch.no_grad():
@@ -315,7 +258,7 @@ def bf16_agreement(root: str, family: str, device: str) -> tuple[float, float, l
     import dataclasses
 
     path = family_model(family, root)
-    cfg = _cfg(path, device=device, dtype="bfloat16", schedule="1f1b", num_iterations=4, **MODES["offload"])
+    cfg = family_cfg(path, device=device, dtype="bfloat16", schedule="1f1b", num_iterations=4, **MODES["offload"])
     _, params, _ = _train(cfg)
     _, ref = reference_train(cfg, path, device=device, compute_dtype=torch.bfloat16)
     _, f32 = reference_train(cfg, path, device=device)

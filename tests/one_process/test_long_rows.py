@@ -6,7 +6,8 @@
 * Carried keys/values in host memory (``offload.kv``) between a stage's forwards and backwards.
 * Tiled MLPs (``pipeline.stage.tiled``).
 * The trainer with all of them, against plain Hugging Face training, for gpipe, 1f1b and
-  interleaved, with and without parameter offload, with sliding windows and packed rows.
+  interleaved, with and without parameter offload, with sliding windows and packed rows (over two
+  processes: tests/multi_process/test_gloo_long_rows.py).
 
 Mutations (a segment attending one key too many or too few, keys/values brought back from the
 wrong place, a lost key/value gradient, a dropped MLP tile) fail the same comparisons. The plan
@@ -33,9 +34,9 @@ from pipeline.plan.shapes import segment_bounds
 from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
-from tests.helpers.runs import reference_result, tiny_cfg
-from tests.helpers.segments import (LENGTHS, TOL, make_batch, make_config, make_stages, mismatch, noise_floor, reference,
-                                    rel, run_segments)
+from tests.helpers.runs import tiny_cfg
+from tests.helpers.segments import (LENGTHS, LONG, TOL, make_batch, make_config, make_stages, mismatch, noise_floor,
+                                    reference, rel, run_segments)
 
 EQUAL = LENGTHS["equal"]  # 4 x 24: segments of one shape, so a mix-up shows in the numbers
 
@@ -253,9 +254,6 @@ def test_a_dropped_tile_fails(monkeypatch):
 
 
 # --- the trainer: everything together, against plain training --------------------------------------
-LONG = dict(seq_chunks=3, activation_offload=True, activation_checkpointing=True, tiled_mlp="true")
-
-
 @contextlib.contextmanager
 def small_tiles(monkeypatch, counts: dict):
     """MLP tiles of 10 tokens for the tiny model (float32, intermediate 128), and counters of the
@@ -340,20 +338,6 @@ def test_packed_rows_train_like_the_reference(tiny_model_dir, tmp_path, monkeypa
         _, losses, params = _train(cfg)
     assert counts.get("tiles") and counts.get("kv"), counts
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
-
-
-@pytest.mark.slow
-def test_torchrun_long_rows_match_reference(tiny_model_dir, tmp_path, monkeypatch):
-    """Two processes: segments crossing ranks with their keys/values in host memory, tiled MLPs
-    (MMOC_MLP_TILE_BYTES: tiles of 10 tokens in the ranks too)."""
-    from tests.helpers.runs import torchrun_training
-
-    monkeypatch.setenv("MMOC_MLP_TILE_BYTES", str(10 * 4 * 128))
-    cfg = tiny_cfg(tiny_model_dir, schedule="interleaved", num_stages=4, use_offload=True, **LONG,
-                   save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
-    losses, params, proc = torchrun_training(2, cfg)
-    assert "tiled_mlp: each decoder layer's MLP runs in tiles of 10 tokens" in proc.stdout + proc.stderr
-    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
 
 # --- the plan ----------------------------------------------------------------------------------------

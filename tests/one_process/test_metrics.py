@@ -3,59 +3,21 @@
 L1 (one process holding several stages): the validation loss equals a single-process Hugging
 Face computation on the same batches; a NaN step is reported and skipped (weights and AdamW
 state unchanged), training goes on, and too many in a row stop it. The files a run writes
-(metrics.jsonl, metrics.png) are checked here too.
-L2: the same validation check over torchrun.
+(metrics.jsonl, metrics.png) are checked here too. The same validation check over torchrun:
+tests/multi_process/test_gloo_metrics.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 import torch
 
-from pipeline.config import make_config
 from pipeline.run.metrics import SkipGuard, TrainingError, plot_size, write_plot_png
 from tests.helpers.images import distinct_colours, png_size
+from tests.helpers.metrics import EVAL_BATCHES, hf_eval_loss, read_rows, tiny_cfg
 from tests.helpers.reference import in_process_trainer, trainer_masters
-
-EVAL_BATCHES = 3
-
-
-def tiny_cfg(model_dir, tmp_path, **kw):
-    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
-                num_iterations=2, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
-                grad_clip=1.0, attn_implementation="eager", save_model=False, save_dir=str(tmp_path),
-                progress_bar=False)
-    base.update(kw)
-    return make_config(base)
-
-
-def hf_eval_loss(model_dir, params, cfg) -> float:
-    """Token-weighted mean loss of the plain HF model over the first EVAL_BATCHES batches of the
-    bundled validation file, in file order (the documented eval batching)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from data import SAMPLE_VALIDATION, collate, load_records, tokenize_records
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
-    model.load_state_dict(params)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    examples, _ = tokenize_records(load_records(str(SAMPLE_VALIDATION)), tok, cfg.seq_length)
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for i in range(EVAL_BATCHES):
-            batch = collate(examples[i * cfg.batch_size:(i + 1) * cfg.batch_size], pad_id=tok.pad_token_id
-                            if tok.pad_token_id is not None else tok.eos_token_id, seq_length=cfg.seq_length)
-            # HF's loss is the batch's mean over its trained tokens: weight it back by their count.
-            total += model(input_ids=batch.input_ids, labels=batch.labels).loss.item() * batch.num_targets
-            tokens += batch.num_targets
-    return total / tokens
-
-
-def _rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -66,7 +28,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
     trainer = in_process_trainer(cfg)
     assert {a.op.value for a in trainer.eval_actions} <= {"F", "SEND_F", "RECV_F", "L", "D"}
     trainer.train()
-    rows = _rows(tmp_path / "metrics.jsonl")
+    rows = read_rows(tmp_path / "metrics.jsonl")
     assert [r["kind"] for r in rows] == ["train", "train", "eval", "summary"]
     ev = rows[2]
     assert ev["split"] == "validation" and ev["step"] == 2 and ev["num_batches"] == EVAL_BATCHES
@@ -94,7 +56,7 @@ def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
                save_metrics=True)
     in_process_trainer(cfg).train()
-    assert [(r["kind"], r.get("step")) for r in _rows(tmp_path / "metrics.jsonl")] == [
+    assert [(r["kind"], r.get("step")) for r in read_rows(tmp_path / "metrics.jsonl")] == [
         ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("eval", 3), ("summary", None)]
 
 
@@ -152,7 +114,7 @@ def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offl
     assert all(torch.isfinite(v).all() for v in snaps[2].values())
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(err) == 1 and err[0].startswith("[rank 0] warning: step 2: non-finite loss nan")
-    rows = _rows(tmp_path / "metrics.jsonl")
+    rows = read_rows(tmp_path / "metrics.jsonl")
     assert rows[1]["skipped"] is True and rows[1]["loss"] is None  # strict JSON: NaN -> null
     assert rows[-1]["skipped_steps"] == 1
 
@@ -166,7 +128,7 @@ def test_too_many_nan_steps_stop(tiny_model_dir, tmp_path, monkeypatch):
     with pytest.raises(TrainingError, match=r"^stopping at step 4: 3 steps in a row \(steps 2-4\) .* "
                                             r"max_skipped_steps=2"):
         trainer.train()
-    assert len(_rows(tmp_path / "metrics.jsonl")) == 4  # the rows up to the stop are kept
+    assert len(read_rows(tmp_path / "metrics.jsonl")) == 4  # the rows up to the stop are kept
 
 
 def test_skip_guard_counts_consecutive():
@@ -235,49 +197,6 @@ def test_plot_edge_cases(tmp_path):
     # A resumed run's rows start past step 1; every loss non-finite.
     rows = [{**r, "step": r["step"] + 40, "loss": math.nan} for r in _train_rows(3)]
     assert write_plot_png(tmp_path / "nan.png", rows, [{"step": 43, "loss": 2.0}]) == png_size(tmp_path / "nan.png")
-
-
-# --- several processes --------------------------------------------------------------------------
-@pytest.mark.slow
-def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
-    from tests.helpers.runs import cli_flags, run_torchrun
-
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule="1f1b", eval_every=2, eval_batches=EVAL_BATCHES,
-               save_params=True)
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _rows(tmp_path / "metrics.jsonl")
-    ev = [r for r in rows if r["kind"] == "eval"]
-    assert len(ev) == 1 and ev[0]["step"] == 2
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    assert ev[0]["loss"] == pytest.approx(hf_eval_loss(tiny_model_dir, params, cfg), rel=1e-5)
-    assert len(rows[-1]["peak_mem_bytes_per_rank"]) == 2  # gathered from both ranks
-    assert png_size(tmp_path / "metrics.png") == (1200, 960)
-    assert not [line for line in proc.stdout.splitlines() if line.startswith("[rank")]  # only the loss rank speaks
-
-
-@pytest.mark.slow
-def test_torchrun_stops_after_too_many_nan_steps(tiny_model_dir, tmp_path, monkeypatch):
-    from tests.helpers.runs import cli_flags, run_torchrun
-
-    # Every loss is NaN in the workers: a sitecustomize patches cross_entropy before main runs.
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import os\n"
-        "if 'RANK' in os.environ:\n"
-        "    import torch.nn.functional as F\n"
-        "    _ce = F.cross_entropy\n"
-        "    F.cross_entropy = lambda *a, **k: _ce(*a, **k) * float('nan')\n")
-    monkeypatch.setenv("PYTHONPATH", str(hook))  # env_without_dist puts the repo root first
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: stopping at step 2: 2 steps in a row (steps 1-2)")
-    warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
-    assert [w.split(":")[1] for w in warnings] == [" step 1", " step 2"], proc.stderr[-4000:]  # from the loss rank only
-    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):

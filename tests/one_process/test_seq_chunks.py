@@ -4,9 +4,10 @@ In one process (every stage in it): K segments give the Hugging Face reference's
 weights (float32) for gpipe, 1f1b and interleaved, with and without offload, with rows of
 different lengths (padding, -100), packed rows, a batch narrower than K, and activation
 checkpointing. Mutations (a segment given another segment's labels, a segment's carried
-keys/values dropped) fail the same comparison. Over torchrun (``slow``): two processes with
-segments crossing ranks equal the reference. The configuration checks and the memory plan
-(segment activations, advice of a seq_chunks value) are checked without training.
+keys/values dropped) fail the same comparison. The configuration checks and the memory plan
+(segment activations, advice of a seq_chunks value) are checked without training. Over torchrun,
+two processes with segments crossing ranks: tests/multi_process/test_gloo_seq_chunks.py; the
+refusal through main.py --check_only: tests/multi_process/test_prelaunch.py.
 """
 from __future__ import annotations
 
@@ -26,9 +27,6 @@ def _train(cfg):
     trainer = in_process_trainer(cfg)
     history = trainer.train()
     return [h["loss"] for h in history], trainer_masters(trainer)
-
-
-
 
 
 @pytest.mark.parametrize("schedule,offload", [
@@ -341,12 +339,3 @@ def test_timeline_with_segments(tiny_model_dir, tmp_path):
     f_pred = sorted(e["end"] - e["start"] for e in predicted if e["op"] == "F")
     ratio = f_pred[len(f_pred) // 2] / f_meas[len(f_meas) // 2]
     assert 0.5 < ratio < 2, (ratio, f_pred, f_meas)
-
-
-@pytest.mark.slow
-def test_check_only_says_it_in_one_line(tiny_model_dir):
-    """main.py --check_only (what train.sh runs first): exit 2, one error line, no traceback."""
-    from tests.helpers.prelaunch import check_only, one_error
-
-    one_error(check_only(["--model", str(tiny_model_dir), "--seq_length", "32", "--seq_chunks", "40"]),
-               "seq_chunks (40) must be between 1 (whole rows) and seq_length (32)")

@@ -5,8 +5,8 @@ action (``schedule.ir``, placed by ``add_tie``) sums their gradients before eith
 OFFLOAD, the NORM and the STEPs; the norm counts the tied gradient once; both copies take the
 same AdamW step and stay bitwise equal; only the embedding is saved. Checked here: the schedule
 rules (L0), training equal to plain Hugging Face training in one process over every schedule,
-with and without offload (L1), the same over 2 and 4 processes (slow), and that the comparison
-fails without the exchange.
+with and without offload (L1), and that the comparison fails without the exchange. The same
+over 2 and 4 processes: tests/multi_process/test_gloo_tied.py; over NCCL: tests/gpu/test_gpu_tied.py.
 """
 from __future__ import annotations
 
@@ -218,41 +218,3 @@ def test_resume_from_a_checkpoint_is_exact(models_root, tmp_path):
     assert [h["loss"] for h in resumed.train()] == losses[2:]
     for s in (0, 3):
         assert torch.equal(resumed.stores[s].master, straight.stores[s].master)
-
-
-# --- several processes over gloo ----------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc,num_stages,schedule,offload", [(2, 4, "interleaved", True), (2, 2, "1f1b", False),
-                                                               (4, 4, "gpipe", True)])
-def test_torchrun_tied_matches_hf(models_root, tmp_path, nproc, num_stages, schedule, offload):
-    """The embedding's and the head's ranks differ: TIE is an all-reduce on their own group."""
-    from tests.helpers.runs import cli_flags, run_torchrun
-
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=num_stages, use_offload=offload,
-               save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(nproc, cli_flags(cfg), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
-    assert "lm_head.weight" not in params
-    assert_same_training(losses, params, *reference_train(cfg, cfg.model))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("schedule,offload,resident", [("interleaved", True, 0), ("1f1b", True, 2),
-                                                       ("gpipe", False, 0)])
-def test_nccl_tied_matches_hf(models_root, tmp_path, schedule, offload, resident):
-    """2 GPUs, float32: TIE's all-reduce over NCCL (no hang, both copies summed). GPU kernels
-    against the CPU reference: 1e-3, not the CPU tests' 1e-5 (adam_eps 1e-6 as in test_equivalence)."""
-    from tests.helpers.runs import cli_flags, run_torchrun
-
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=4, use_offload=offload,
-               use_prefetch=offload, resident_stages=resident, adam_eps=1e-6, device="cuda",
-               save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
-    ref_cfg = tiny_cfg(cfg.model, schedule=schedule, num_stages=4, adam_eps=1e-6)
-    assert_same_training(losses, params, *reference_train(ref_cfg, cfg.model), rtol=1e-3)

@@ -1,13 +1,12 @@
-"""L0: the benchmark scripts' pure parts (row names, log parsing, result summaries, tables)."""
+"""L0: the benchmark scripts' pure parts (row names, log parsing, result summaries, tables); their
+smoke runs on the CPU: tests/multi_process/test_bench_smoke.py."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 import pytest
 
 from tests.helpers.bench import load_bench
-from tests.helpers.paths import ROOT
 
 
 bench = load_bench("offload_bench")
@@ -339,26 +338,6 @@ def test_long_rows_names_budgets_and_table():
     assert "| fsdp2@65536 | OOM | - |" in text
 
 
-@pytest.mark.slow
-def test_long_rows_smoke_runs_on_the_cpu(tmp_path):
-    """The bench's plumbing end to end on a CPU: this project's rows through main.py (whole rows
-    and segments), FSDP2 on gloo, RoundPipe skipped; the JSON and the table written."""
-    import json
-    import subprocess
-
-    from tests.helpers.paths import env_without_dist
-
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/long_rows.py"), "--smoke", "--out", str(tmp_path),
-                           "--rows", "ours@128,ours@256/seg4,fsdp2@128,roundpipe@128"], cwd=ROOT,
-                          env=env_without_dist(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = {r["row"]: r for r in json.loads((tmp_path / "long_rows.json").read_text())["rows"]}
-    assert [rows[r]["status"] for r in ("ours@128", "ours@256/seg4", "fsdp2@128")] == ["ok"] * 3, rows
-    assert rows["ours@256/seg4"]["seq_chunks"] == 4 and rows["ours@128"]["step_time_s"] > 0
-    assert rows["roundpipe@128"]["status"] == "skipped (needs CUDA)"
-    assert "| ours@256/seg4 | ok |" in (tmp_path / "long_rows.md").read_text()
-
-
 def test_profile_step_sorts_kernels_by_kind_and_counts_idle_once():
     """The profile's kinds from real CUDA kernel names, and idle time from the union of kernels on
     several streams (two overlapping kernels are not idle twice, nor counted as one)."""
@@ -385,21 +364,3 @@ def test_profile_step_sorts_kernels_by_kind_and_counts_idle_once():
     text = prof.table({"step_s": 4.0, "kinds": kinds, "floor_s": 1.0, "matmul_tflops": 700.0})
     assert text.splitlines()[2].startswith("| idle | 2.000 | 50.0% |")
     assert "| floor: model FLOPs at 700 TFLOP/s | 1.000 | 25.0% |" in text
-
-
-@pytest.mark.slow
-def test_profile_step_smoke_runs_on_the_cpu(tmp_path):
-    """The profiler's plumbing on a CPU: warm-up steps, one recorded step, its table and trace."""
-    import json
-    import subprocess
-
-    from tests.helpers.paths import env_without_dist
-
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/profile_step.py"), "--smoke", "--warmup", "1",
-                           "--out", str(tmp_path)], cwd=ROOT, env=env_without_dist(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((tmp_path / "profile.json").read_text())
-    assert result["step_s"] > 0 and result["model_flops"] > 0 and result["kinds"]["matmul"] > 0
-    assert sum(v for k, v in result["kinds"].items() if k != "idle") > 0.5 * result["step_s"]
-    assert (tmp_path / "trace.json").stat().st_size > 0 and "| **step (wall)** |" in (tmp_path / "profile.md").read_text()

@@ -1,11 +1,11 @@
 """The documentation stays true to the repository: docs/config.md is what docs/gen_config.py makes
-of pipeline/config.py, the README stays short, and relative links (and their #anchors) resolve."""
+of pipeline/config.py, the README stays short, and relative links (and their #anchors) resolve
+(the README's generation snippet run as a script: tests/multi_process/test_readme_snippet.py)."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,25 +129,3 @@ def test_every_family_is_documented():
             assert f"| `{model_type}` |" in models_md, model_type
         name = spec.family.split(" (")[0].split(" /")[0]
         assert name in readme, name
-
-
-@pytest.mark.slow
-def test_readme_generation_snippet_runs_outside_the_repository(tiny_model_dir, tmp_path):
-    """The README's "Using the result" snippet, saved as a script elsewhere, with its two paths
-    pointed at this repository and a model, runs and prints the continuation."""
-    import subprocess
-
-    from tests.helpers.paths import env_without_dist
-
-    text = (ROOT / "README.md").read_text()
-    snippet = re.search(r"```python\n(.*?)```", text[text.index("**Using the result.**"):], re.S).group(1)
-    assert '"/path/to/mmoc-pipe"' in snippet and '"/path/to/mmoc-pipe/outputs/run/model"' in snippet
-    script = tmp_path / "generate.py"
-    script.write_text(snippet.replace('"/path/to/mmoc-pipe/outputs/run/model"', repr(str(tiny_model_dir)))
-                      .replace('"/path/to/mmoc-pipe"', repr(str(ROOT)))
-                      .replace("max_new_tokens=60", "max_new_tokens=5"))
-    env = {k: v for k, v in env_without_dist().items() if k != "PYTHONPATH"}  # nothing but the snippet's own path
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip(), proc.stderr[-2000:]

@@ -1,9 +1,8 @@
 """The memory estimate behind ``--plan`` and the fit check: its per-layer formula against what
-autograd really saves, its totals against measured peaks, and the refusal with advice."""
+autograd really saves and the refusal with advice (its totals against measured peaks of a
+training: tests/one_process/test_memory_measured.py; ``main.py --plan``:
+tests/multi_process/test_launch_plan.py)."""
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,9 +12,7 @@ from models import FAMILIES, supports_sdpa, tiny_config
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.memory import ModelShape, layer_saved_bytes_per_token
 from pipeline.plan.source import preset_config
-from pipeline.runners import RUNNERS
 from pipeline.stage.model import build_stage
-from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 
 
 def _saved_bytes(module, x, loss_fn=None) -> int:
@@ -98,100 +95,6 @@ def test_compiled_layer_formula_matches_autograd(family, tiled):
     measured = sum(seen.values()) / t
     formula = layer_saved_bytes_per_token(ModelShape.of(cfg), 2, t, compiled=not tiled, tiled=tiled)
     assert abs(measured - formula) <= 0.03 * formula, (measured, formula)
-
-
-def _static_bytes(trainer) -> int:
-    """Buffers that exist before training: the stores' flat buffers and AdamW's state (made at
-    start-up, so no allocation of it happens on the optimizer thread, which the profiler does
-    not reliably see)."""
-    seen = {}
-    for st in trainer.stores.values():
-        state = [t for per_param in st.optimizer.state.values() for t in per_param.values()]
-        assert state, "AdamW state is expected to exist before the first step"
-        for x in (st.master, st.master_grad, st.dev, st.grad, st.work, *state):
-            if x is not None:
-                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _measured_peak(trainer) -> int:
-    """Peak bytes of live CPU tensors over two iterations: the stores' buffers that exist
-    before training, plus the running sum of the profiler's allocation/free records."""
-    from torch.profiler import ProfilerActivity, profile
-
-    base = _static_bytes(trainer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.train()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return base + peak
-
-
-# The profiler's records are not trustworthy around non-reentrant activation checkpointing
-# (live bytes go negative there), so checkpointing is checked against the GPU runs instead
-# (bench/plan_vs_measured.py). With seq_chunks CPU sdpa runs its math kernel (a segment's mask
-# is explicit), which keeps the softmax the CUDA kernels do not: measured 12% above the estimate.
-@pytest.mark.parametrize("kw", [
-    dict(schedule="gpipe", num_chunks=4),
-    dict(schedule="gpipe", num_chunks=4, attn_implementation="eager"),
-    dict(schedule="1f1b", num_chunks=8),
-    dict(schedule="interleaved", num_chunks=4, use_offload=True),
-    dict(schedule="1f1b", num_chunks=8, seq_chunks=4),
-    dict(schedule="gpipe", num_chunks=4, seq_chunks=4, attn_implementation="eager"),
-    dict(schedule="gpipe", num_chunks=4, seq_chunks=4, activation_offload=True),
-    dict(schedule="1f1b", num_chunks=8, seq_chunks=4, activation_offload=True),
-])
-@pytest.mark.slow
-def test_estimate_within_15_percent_of_measured_cpu_peak(tiny_model_dir, kw):
-    from pipeline.dist import DistEnv
-    from pipeline.plan.fit import memory_plan
-    from pipeline.run.trainer import Trainer
-    from pipeline.plan.source import resolve_model
-
-    cfg = make_config(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32", num_iterations=2,
-                           num_stages=4, seq_length=128, batch_size=16, save_model=False, save_metrics=False,
-                           save_dir=scratch_save_dir(), **kw))
-    ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cpu")
-    estimate = sum(r.host for r in ranks)
-    measured = _measured_peak(Trainer(cfg, DistEnv(0, 1, 0, 1)))
-    assert abs(estimate / measured - 1) <= 0.15, (estimate, measured)
-
-
-# One configuration per runner (pipeline.runners.RUNNERS) in which it runs every stage of the rank
-# (the fused last stage: the only stage), so that the rank's peak is that runner's account.
-RUNNER_CASES = {
-    "WholeRows": dict(schedule="gpipe", num_chunks=4, fuse_last_stage="false"),
-    "FusedLast": dict(schedule="gpipe", num_chunks=4, num_stages=1, fuse_last_stage="true"),
-    "OffloadedRows": dict(schedule="1f1b", num_chunks=8, activation_offload=True, fuse_last_stage="false"),
-    "Segmented": dict(schedule="1f1b", num_chunks=8, seq_chunks=4),
-    "OffloadedSegments": dict(schedule="gpipe", num_chunks=4, seq_chunks=4, activation_offload=True),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("runner", [r.__name__ for r in RUNNERS])
-def test_runner_account_within_15_percent_of_measured_cpu_peak(tiny_model_dir, runner):
-    """Each runner's ``account``, summed by the memory plan, against the profiler's peak of live
-    CPU tensors of the same training where that runner runs every stage."""
-    from pipeline.dist import DistEnv
-    from pipeline.plan.fit import memory_plan
-    from pipeline.plan.source import resolve_model
-    from pipeline.run.trainer import Trainer
-
-    assert runner in RUNNER_CASES, f"runner {runner} has no measured configuration here"
-    cfg = make_config(dict(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32",
-                                num_iterations=2, num_stages=4, seq_length=128, batch_size=16, save_model=False,
-                                save_metrics=False, save_dir=scratch_save_dir()), **RUNNER_CASES[runner]))
-    ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cpu")
-    estimate = sum(r.host for r in ranks)
-    trainer = Trainer(cfg, DistEnv(0, 1, 0, 1))
-    assert {type(r).__name__ for r in trainer.executor.runners.training.values()} == {runner}
-    measured = _measured_peak(trainer)
-    assert abs(estimate / measured - 1) <= 0.15, (estimate, measured)
 
 
 def test_estimate_tracks_the_schedule():
@@ -359,20 +262,6 @@ def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     plan.check_fits(ok, hf, sched.round_robin(8, 4), 4)  # the advice holds
 
 
-@pytest.mark.slow
-def test_plan_cli_prints_every_rank_and_the_verdict():
-    cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", "--plan", "--model", "llama-2-13b", "--nproc", "4",
-           "--num_stages", "8", "--batch_size", "64", "--num_chunks", "16", "--seq_length", "512", "--device", "cuda",
-           "--use_offload", "--activation_checkpointing", "--gpu_memory_gb", "24"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
-    assert "stage -> rank: [0, 1, 2, 3, 0, 1, 2, 3]" in out
-    assert "decoder layers per stage: [" in out and "(partition cost: predicted step " in out
-    assert all(f"rank {r} actions:" in out for r in range(4))
-    assert "GPU:" in out and "fits" in out
-
-
 def test_auto_choices_without_a_gpu_size_ask_for_it(monkeypatch):
     """Planning a GPU run on a machine without one: auto sizes against the card, so without
     ``gpu_memory_gb`` it is one ConfigError naming the key to set, not a guess."""
@@ -389,19 +278,3 @@ def test_auto_choices_without_a_gpu_size_ask_for_it(monkeypatch):
     assert plan.resolve_resident(make_config({**base, "resident_stages": 1}), hf, 2)[0].resident_stages == 1
     assert plan.resolve_resident(make_config({**base, "gpu_memory_gb": 80}), hf, 2)[0].resident_stages >= 0
     assert plan.resolve_kept(make_config({**base, "keep_layers": -1, "gpu_memory_gb": 80}), hf, 2)[0]
-
-
-@pytest.mark.slow
-def test_plan_for_a_gpu_on_a_machine_without_one():
-    cmd = [sys.executable, str(ROOT / "main.py"), "--config", "", "--plan", "--device", "cuda", "--model",
-           "llama-2-7b", "--nproc", "2", "--use_offload"]
-    env = {**env_without_dist(), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr[-2000:]
-    assert lines[0].startswith("error: --plan --device cuda without a visible GPU needs gpu_memory_gb"), lines[0]
-    # with the choice made, a plan whose GPU verdict says it was not checked
-    proc = subprocess.run(cmd + ["--resident_stages", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "not checked (no GPU visible; gpu_memory_gb sets the card's size)" in proc.stdout

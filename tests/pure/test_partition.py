@@ -1,9 +1,8 @@
 """The ``partition`` setting: decoder layers per stage by modelled cost (L0, pure), wired into
-the memory plan, ``--plan`` and resume; and a cost partition that differs from the even split
-trains exactly like single-process training (in one process here, two in a slow test)."""
+the memory plan, ``--plan`` and resume. That a cost partition that differs from the even split
+trains exactly like single-process training: tests/one_process/test_partition_training.py (one
+process) and tests/multi_process/test_gloo_partition.py (two)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -13,6 +12,7 @@ from pipeline.plan.partition import predicted_step_time, stage_costs, stage_laye
 from pipeline.plan.shapes import partition_layers, stage_num_params
 from pipeline.plan.source import preset_config
 from schedule.partition import balance_layers, choose_counts
+from tests.helpers.partition import stage_counts
 
 
 def _llama(vocab: int, layers: int = 6, hidden: int = 64):
@@ -25,10 +25,6 @@ def _llama(vocab: int, layers: int = 6, hidden: int = 64):
 def _cfg(**kw):
     base = dict(num_stages=4, schedule="1f1b", seq_length=64, batch_size=8, num_chunks=4, dtype="float32", device="cpu")
     return make_config({**base, **kw})
-
-
-def _counts(cfg, hf, ranks):
-    return [len(p) for p in stage_layers(cfg, hf, ranks)]
 
 
 # --- L0: the search ------------------------------------------------------------------------------
@@ -102,8 +98,8 @@ def test_costly_head_gets_fewer_layers_and_layers_is_the_even_split():
             for stages in (4, 8):
                 cfg = _cfg(num_stages=stages, schedule=schedule)
                 even = [len(p) for p in partition_layers(8, stages)]
-                assert _counts(make_config({**cfg.to_dict(), "partition": "layers"}), hf, ranks) == even
-    cost = _counts(_cfg(num_stages=4, schedule="1f1b"), hf, 4)
+                assert stage_counts(make_config({**cfg.to_dict(), "partition": "layers"}), hf, ranks) == even
+    cost = stage_counts(_cfg(num_stages=4, schedule="1f1b"), hf, 4)
     assert sum(cost) == 8 and cost[-1] < 2 and cost != [2, 2, 2, 2], cost
 
 
@@ -160,10 +156,10 @@ def test_resume_keeps_the_checkpoints_partition():
 
     hf = _llama(4096)
     cfg = _cfg(num_stages=4, schedule="interleaved")
-    on_two = _counts(cfg, hf, 2)
-    assert on_two != _counts(cfg, hf, 1)
+    on_two = stage_counts(cfg, hf, 2)
+    assert on_two != stage_counts(cfg, hf, 1)
     resolved = resolve(cfg, 1, hf, on_two)
-    assert resolved.cfg.partition == ",".join(map(str, on_two)) and _counts(resolved.replica, hf, 1) == on_two
+    assert resolved.cfg.partition == ",".join(map(str, on_two)) and stage_counts(resolved.replica, hf, 1) == on_two
     assert f"partition: the checkpoint's decoder layers per stage {on_two}" in resolved.lines[0]
     assert resume_partition(cfg, hf, 2, on_two) == (cfg, "")  # the same partition: nothing to say
     for saved, given in ((on_two, "1,2,2,1"), ([3, 3], "cost"), ([1, 1, 1, 1], "cost"), (None, "cost")):
@@ -178,7 +174,7 @@ def test_explicit_counts_are_the_partition(tiny_model_dir):
 
     hf = _llama(512)
     cfg = _cfg(partition="1,1,3,1")
-    assert _counts(cfg, hf, 2) == _counts(cfg, hf, 4) == [1, 1, 3, 1]
+    assert stage_counts(cfg, hf, 2) == stage_counts(cfg, hf, 4) == [1, 1, 3, 1]
     for bad in ("1,1,x", "", "2,-1,5", "[1, 2]"):
         with pytest.raises(ConfigError, match="partition must be one of cost, layers or the decoder layers"):
             _cfg(partition=bad)
@@ -187,45 +183,6 @@ def test_explicit_counts_are_the_partition(tiny_model_dir):
             resolve_model(_cfg(model=str(tiny_model_dir), partition=bad))
     with pytest.raises(ValueError, match="this run has 4 stages and 6 layers"):
         stage_layers(_cfg(partition="1,1,4"), hf, 2)
-
-
-# --- exactly as trainable ------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def wide_vocab_model_dir(tmp_path_factory) -> Path:
-    """The tiny model with a vocabulary of 4096: its head costs about six decoder layers."""
-    from data import SAMPLE_TRAIN, ensure_tiny_model
-
-    path = tmp_path_factory.mktemp("models") / "wide_vocab"
-    return ensure_tiny_model(path, data_files=[SAMPLE_TRAIN], hidden_size=64, intermediate_size=128, num_layers=6,
-                             num_heads=4, num_kv_heads=2, vocab_size=4096, max_position_embeddings=256, seed=1)
-
-
-def test_in_process_cost_partition_matches_reference(wide_vocab_model_dir):
-    from tests.helpers.reference import assert_same_training, in_process_trainer, trainer_masters
-    from tests.helpers.runs import reference_result, tiny_cfg
-
-    cfg = tiny_cfg(wide_vocab_model_dir, num_stages=2, schedule="1f1b", use_offload=True)
-    trainer = in_process_trainer(cfg)
-    assert [len(p) for p in trainer.rank.parts] == [5, 1]  # the head's stage holds one layer, not three
-    history = trainer.train()
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer),
-                         *reference_result(str(wide_vocab_model_dir)))
-
-
-@pytest.mark.slow
-def test_torchrun_cost_partition_matches_reference(wide_vocab_model_dir, tmp_path):
-    """Two processes, four stages: rank 1 (stages 1 and 3, the head) gives a layer to rank 0."""
-    from tests.helpers.reference import assert_same_training
-    from tests.helpers.runs import reference_result, tiny_cfg, torchrun_training
-
-    cfg = tiny_cfg(wide_vocab_model_dir, schedule="interleaved", num_stages=4, save_dir=str(tmp_path),
-                   save_params=True, save_results=str(tmp_path / "results.json"))
-    from transformers import AutoConfig
-
-    counts = _counts(cfg, AutoConfig.from_pretrained(wide_vocab_model_dir), 2)
-    assert counts == [2, 1, 2, 1], counts  # not the even [1, 2, 2, 1]
-    losses, params, _ = torchrun_training(2, cfg)
-    assert_same_training(losses, params, *reference_result(str(wide_vocab_model_dir)))
 
 
 def test_choose_counts_stays_within_its_budget():
