@@ -128,3 +128,21 @@ def assert_same_training(losses, params, ref_losses, ref_params, rtol: float = 1
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {i}: loss {a!r} vs reference {b!r}"
     assert_close(params, ref_params, rtol)
+
+
+def stages_forward(config, path: Path, x: torch.Tensor, num_stages: int, mutate=None) -> torch.Tensor:
+    """The pipeline's forward without an executor: ``num_stages`` stages built from ``path``
+    (seed 0) run one after another on ``x`` without gradients; ``mutate(stage)`` changes each stage
+    first (the mutation tests)."""
+    from pipeline.plan.shapes import partition_layers
+    from pipeline.stage.model import build_stage
+
+    parts = partition_layers(config.num_hidden_layers, num_stages)
+    h = x
+    with torch.no_grad():
+        for s in range(num_stages):
+            stage = build_stage(config, s, num_stages, parts[s], model_dir=path, seed=0).eval()
+            if mutate is not None:
+                mutate(stage)
+            h = stage(h)
+    return h

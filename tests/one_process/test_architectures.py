@@ -14,23 +14,17 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.plan.shapes import partition_layers, stage_num_params
+from pipeline.plan.shapes import stage_num_params
 from pipeline.stage.model import build_stage
 from tests.helpers.architectures import WINDOW, SEQ, ARCHS, make_model, tiny_cfg
-from tests.helpers.reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import (assert_same_training, hf_model, in_process_trainer, reference_train, stages_forward,
+                                    trainer_masters)
 from tests.helpers.tolerance import assert_close, rel_err
 
 
-def _pipeline_forward(path: Path, config, x: torch.Tensor, num_stages: int, full_causal: bool = False) -> torch.Tensor:
-    parts = partition_layers(config.num_hidden_layers, num_stages)
-    h = x
-    with torch.no_grad():
-        for s in range(num_stages):
-            stage = build_stage(config, s, num_stages, parts[s], model_dir=path, seed=0).eval()
-            if full_causal:  # the bug this guards against: every layer masked plain causal
-                stage.kinds = [dataclasses.replace(k, window=None) for k in stage.kinds]
-            h = stage(h)
-    return h
+def _full_causal(stage) -> None:
+    """The bug the window tests guard against: every layer masked plain causal."""
+    stage.kinds = [dataclasses.replace(k, window=None) for k in stage.kinds]
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -42,7 +36,7 @@ def test_stage_forward_equals_hf(models_root, arch, num_stages, impl):
     x = torch.randint(3, hf.config.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
-    assert_close(_pipeline_forward(path, hf.config, x, num_stages), ref, 1e-5, "logits")
+    assert_close(stages_forward(hf.config, path, x, num_stages), ref, 1e-5, "logits")
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -54,7 +48,7 @@ def test_the_window_is_what_makes_it_equal(models_root, arch, impl):
     x = torch.randint(3, hf.config.vocab_size, (1, SEQ))
     with torch.no_grad():
         ref = hf(x).logits
-    full = _pipeline_forward(path, hf.config, x, 2, full_causal=True)
+    full = stages_forward(hf.config, path, x, 2, _full_causal)
     assert rel_err(full[:, WINDOW:], ref[:, WINDOW:]) > 1e-2
     assert_close(full[:, :WINDOW], ref[:, :WINDOW], 1e-5, "logits")  # inside one window: same
 

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from models import supports_sdpa, tiny_config
-from pipeline.plan.shapes import partition_layers
-from pipeline.stage.model import build_stage
 from tests.helpers.families import FAMILY_TYPES, MODES, SEQ, family_cfg, family_model, family_reference
-from tests.helpers.reference import assert_same_training, hf_model, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import (assert_same_training, hf_model, in_process_trainer, reference_train, stages_forward,
+                                    trainer_masters)
 from tests.helpers.runs import tiny_cfg
 from tests.helpers.tolerance import rel_err as _rel
 
@@ -36,18 +35,6 @@ def _impls(family: str) -> list[str]:
     return ["eager", "sdpa"] if supports_sdpa(tiny_config(family, num_hidden_layers=4)) else ["eager"]
 
 
-def _stages_forward(config, path: Path, x: torch.Tensor, num_stages: int, mutate=None) -> torch.Tensor:
-    parts = partition_layers(config.num_hidden_layers, num_stages)
-    h = x
-    with torch.no_grad():
-        for s in range(num_stages):
-            stage = build_stage(config, s, num_stages, parts[s], model_dir=path, seed=0).eval()
-            if mutate is not None:
-                mutate(stage)
-            h = stage(h)
-    return h
-
-
 # --- forwards --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family,impl", [(f, i) for f in FAMILY_TYPES for i in _impls(f)])
 def test_stage_forward_equals_hf(root, family, impl):
@@ -57,7 +44,7 @@ def test_stage_forward_equals_hf(root, family, impl):
     with torch.no_grad():
         ref = hf(x).logits
     for num_stages in (1, 3):
-        assert _rel(_stages_forward(hf.config, path, x, num_stages), ref) <= 1e-5, num_stages
+        assert _rel(stages_forward(hf.config, path, x, num_stages), ref) <= 1e-5, num_stages
 
 
 def test_a_missing_qk_norm_is_seen(root):
@@ -72,7 +59,7 @@ def test_a_missing_qk_norm_is_seen(root):
         for layer in stage.model.layers.values():
             layer.self_attn.q_norm = torch.nn.Identity()
 
-    assert _rel(_stages_forward(hf.config, path, x, 2, drop_q_norm), ref) > 1e-2
+    assert _rel(stages_forward(hf.config, path, x, 2, drop_q_norm), ref) > 1e-2
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
@@ -89,8 +76,8 @@ def test_a_dropped_embedding_scale_is_seen(root, family):
         if stage.is_first:
             stage.model.embed_tokens.embed_scale.fill_(1.0)
 
-    assert _rel(_stages_forward(hf.config, path, x, 2), ref) <= 1e-5
-    assert _rel(_stages_forward(hf.config, path, x, 2, unscaled), ref) > 1e-2
+    assert _rel(stages_forward(hf.config, path, x, 2), ref) <= 1e-5
+    assert _rel(stages_forward(hf.config, path, x, 2, unscaled), ref) > 1e-2
 
 
 # --- training ----------------------------------------------------------------------------------------
