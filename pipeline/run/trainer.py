@@ -28,7 +28,7 @@ from pipeline.run.timeline import Timeline, write_run_timeline
 
 
 @contextlib.contextmanager
-def waiting_for_peers(rank: int, what: str):
+def waiting_for_peers(rank: int, step: int, what: str):
     """A collective outside the executor's actions (the end of a step): a peer that died or hangs
     shows up as a timeout here too, and is named the way a failed action is."""
     try:
@@ -36,7 +36,7 @@ def waiting_for_peers(rank: int, what: str):
     except RuntimeError as e:
         if isinstance(e, (ActionError, TrainingError)):  # already one line, or raised on every rank alike
             raise
-        raise ActionError(f"rank {rank}: the end of step {what} failed: "
+        raise ActionError(f"rank {rank}: the end of step {step} ({what}) failed: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
@@ -160,7 +160,7 @@ class Trainer:
             res = r.executor.run(r.actions, self.microbatches(batch), batch.num_targets, lr_at(it, cfg),
                                  loss_scale=r.scaler.scale if r.scaler else 1.0)
             r.executor.timeline = None
-            with waiting_for_peers(self.env.rank, f"{it + 1} (the loss summed over the replicas)"):
+            with waiting_for_peers(self.env.rank, it + 1, "the loss summed over the replicas"):
                 res.loss = self.sum_loss(res.loss)
             if r.device.type == "cuda":
                 torch.cuda.synchronize(r.device)  # host sync: end of iteration, for honest timing
@@ -181,7 +181,7 @@ class Trainer:
             guard.update(it + 1, res.skipped and not overflow)
             if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or it + 1 == cfg.num_iterations):
                 metrics.log_eval({"step": it + 1, **self.evaluate()})
-            with waiting_for_peers(self.env.rank, f"{it + 1} (agreeing whether a rank was asked to stop)"):
+            with waiting_for_peers(self.env.rank, it + 1, "agreeing whether a rank was asked to stop"):
                 self.stopped_by = self.stop.agreed(r.device)
             every = cfg.checkpoint_every
             if self.stopped_by or (every and ((it + 1) % every == 0 or it + 1 == cfg.num_iterations)):

@@ -151,12 +151,12 @@ def test_a_peer_lost_at_the_end_of_a_step_is_named_in_one_line():
     from pipeline.run.trainer import waiting_for_peers
 
     with pytest.raises(ActionError) as e:
-        with waiting_for_peers(1, "7 (agreeing whether a rank was asked to stop)"):
+        with waiting_for_peers(1, 7, "agreeing whether a rank was asked to stop"):
             raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv\nmore")
     assert str(e.value) == ("rank 1: the end of step 7 (agreeing whether a rank was asked to stop) failed: "
                             "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv")
     with pytest.raises(TrainingError, match="^too many"):
-        with waiting_for_peers(0, "7 (x)"):
+        with waiting_for_peers(0, 7, "x"):
             raise TrainingError("too many non-finite steps")
 
 
