@@ -10,9 +10,9 @@ steps, then records one step with ``torch.profiler`` (CUDA kernels and copies; o
 operators). Each kernel is put in one kind by its name (``KINDS``, first match wins): matrix
 products, attention, norms / rotary / activations, the optimizer, element-wise, copies
 (host<->device, device<->device), communication (NCCL), other; ``idle`` is the step's wall time
-that no kernel covers on the compute device. The floor is the step's model FLOPs (``pipeline.plan.shapes.model_flops_per_token``:
-matmuls and causal attention, no recompute) at ``--matmul_tflops`` (measured once here with a
-large bf16 product unless given). Writes ``OUT/profile.json``, ``OUT/profile.md`` (the table) and
+that no kernel covers on the compute device. The floor is the step's model FLOPs
+(``pipeline.plan.shapes.model_flops_per_token``: matmuls and causal attention, no recompute) at
+``--matmul_tflops`` (measured once here with a large bf16 product unless given). Writes ``OUT/profile.json``, ``OUT/profile.md`` (the table) and
 the Chrome trace ``OUT/trace.json`` (https://ui.perfetto.dev).
 """
 from __future__ import annotations
