@@ -86,14 +86,17 @@ def _process_state() -> dict:
 
     return {"grad mode": torch.is_grad_enabled(), "compiling": torch.compiler.is_compiling(),
             "torch-function modes": torch._C._len_torch_function_stack(),
-            "dispatch modes": torch._C._len_torch_dispatch_stack(), "attention kernels": attention._MODE[0]}
+            "dispatch modes": torch._C._len_torch_dispatch_stack(), "attention kernels": attention._MODE[0],
+            "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False)}
 
 
 @pytest.fixture(autouse=True)
 def _process_state_restored():
     """A test that leaves process-wide state changed (grad mode off, a compile or dispatch mode
-    still entered, the attention kernels forced) fails here by name, and the state is put back:
-    otherwise every later test in the process fails without saying why."""
+    still entered, the attention kernels forced, saved-tensor hooks still pushed) fails here by
+    name, and the state is put back: otherwise every later test in the process fails without
+    saying why. (A checkpoint frame whose hooks outlived a failed test once packed every later
+    test's saved tensors and replayed the failed layer in their backward.)"""
     import torch
 
     from pipeline.stage import attention
@@ -102,6 +105,10 @@ def _process_state_restored():
     yield
     after = _process_state()
     torch.set_grad_enabled(before["grad mode"])
+    for _ in range(64):  # hooks pushed by the test and never popped
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) == before["saved-tensor hooks"]:
+            break
+        torch._C._autograd._pop_saved_tensors_default_hooks()
     attention._MODE[0] = before["attention kernels"]
     changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
     assert not changed, f"the test left process-wide state changed (before, after): {changed}"

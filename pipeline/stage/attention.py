@@ -14,7 +14,8 @@ materialised. ``attention`` then picks the kernel:
   the memory-efficient kernel) compute without the scores. It is taken only after checking that
   one of those kernels accepts the inputs, so it never falls back silently to a materialised mask.
 * ``flex``: windows (sliding layers) and packed rows (record ids) where they cut something:
-  ``flex_attention`` (compiled) with a block mask, built once per pass and shared by its layers.
+  ``flex_attention`` (compiled) with a block mask, built once per pass and shared by its layers;
+  a pass over fewer keys than one flex block (``FLEX_BLOCK``) takes ``reference``.
 * ``reference``: the explicit boolean mask through Hugging Face's sdpa function. On the CPU every
   segment, window and packed row takes it (flex has no CPU backward): it is the reference the
   GPU kernels are checked against (``tests/gpu/test_gpu_long.py``).
@@ -41,6 +42,10 @@ NAME = "mmoc_sdpa"
 KERNELS = ("causal", "lower_right", "flex", "reference")
 KERNEL_CALLS: Counter = Counter()
 _MODE = ["auto"]  # auto | reference | kernels
+# Flex works in blocks of this many keys. Over fewer keys the explicit mask is as small as one
+# block, and torch 2.11's compiled flex finds no kernel for it (NoValidChoicesError, measured on
+# H100 and H200: bench/results/2026-11-27_one_gpu_tests_and_structure_check).
+FLEX_BLOCK = 128
 
 
 class AttentionKernelError(RuntimeError):
@@ -146,7 +151,9 @@ def choose(mask: AttnMask, device: torch.device) -> str:
         return "reference"
     if mask.plain:
         return "lower_right"
-    return "flex" if device.type == "cuda" else "reference"
+    if device.type != "cuda" or mask.kv_len < FLEX_BLOCK:
+        return "reference"
+    return "flex"
 
 
 def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -231,5 +238,5 @@ def register() -> str:
     return NAME
 
 
-__all__ = ["AttentionKernelError", "AttnMask", "KERNELS", "KERNEL_CALLS", "NAME", "attend_mask", "attention", "choose",
-           "kernels", "lower_right", "register"]
+__all__ = ["AttentionKernelError", "AttnMask", "FLEX_BLOCK", "KERNELS", "KERNEL_CALLS", "NAME", "attend_mask",
+           "attention", "choose", "kernels", "lower_right", "register"]

@@ -255,12 +255,14 @@ def test_compiled_layers_match_eager(arch, packed):
     """compile_layers on the GPU (Triton kernels): a stage's loss and every gradient equal the
     eager stage's in float32 (fusion changes rounding only: 1.5e-4 relative was seen), for GQA,
     sliding windows and q/k/v biases, with a plain causal mask or packed rows. transformers 5.17's
-    layers compile in several graphs (graph breaks), so only that something compiled is checked."""
+    layers compile in several graphs (graph breaks), so only that something compiled is checked.
+    Rows of 160 tokens: windows and records go through flex (it takes passes of 128 keys and more)."""
     import copy
 
     import torch._dynamo.utils as dynamo_utils
     from tests.helpers.segments import make_batch, make_config, make_stages
 
+    from pipeline.stage import attention
     from pipeline.stage.model import compile_layers
 
     torch._dynamo.reset()
@@ -269,12 +271,13 @@ def test_compiled_layers_match_eager(arch, packed):
     eager.checkpointing, eager.recomputed = True, 2  # two of four layers recomputed
     compiled = copy.deepcopy(eager)
     compile_layers(compiled)
-    x, targets = (t.cuda() for t in make_batch(eager.lm_head.out_features))
+    x, targets = (t.cuda() for t in make_batch(eager.lm_head.out_features, rows_len=(160, 90, 40)))
     kw = {}
     if packed:  # two records a row, positions restarting at the second
-        seg = (torch.arange(x.shape[1], device="cuda") >= 40).long().expand_as(x)
+        seg = (torch.arange(x.shape[1], device="cuda") >= 70).long().expand_as(x)
         kw = {"segment_ids": seg, "position_ids": torch.where(seg == 0, torch.arange(x.shape[1], device="cuda"),
-                                                              torch.arange(x.shape[1], device="cuda") - 40)}
+                                                              torch.arange(x.shape[1], device="cuda") - 70)}
+    attention.KERNEL_CALLS.clear()
     results = []
     for stage in (eager, compiled):
         loss = stage(x, targets, **kw)
@@ -285,6 +288,8 @@ def test_compiled_layers_match_eager(arch, packed):
     for name, g in g0.items():
         assert (g1[name] - g).norm() <= 1e-3 * g.norm() + 1e-7, name
     assert dynamo_utils.counters["stats"]["unique_graphs"] >= 1
+    if packed or arch != "llama":  # the eager stage's windows and records took flex, not the explicit mask
+        assert attention.KERNEL_CALLS["flex"] > 0 and not attention.KERNEL_CALLS["reference"], attention.KERNEL_CALLS
 
 
 @needs_gpus(1)

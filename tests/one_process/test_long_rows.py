@@ -103,11 +103,14 @@ def test_attention_mask_checks_its_shape():
 
 
 def test_windows_and_records_take_the_reference_on_the_cpu():
+    """And on a GPU, flex for windows and records over at least one flex block of keys."""
     assert attention.choose(attention.AttnMask(0, 96), torch.device("cpu")) == "causal"
     assert attention.choose(attention.AttnMask(0, 96, window=100), torch.device("cpu")) == "causal"
     assert attention.choose(attention.AttnMask(24, 96), torch.device("cpu")) == "reference"
     assert attention.choose(attention.AttnMask(0, 96, window=32), torch.device("cpu")) == "reference"
-    assert attention.choose(attention.AttnMask(24, 96, window=32), torch.device("cuda")) == "flex"
+    assert attention.choose(attention.AttnMask(24, 160, window=32), torch.device("cuda")) == "flex"
+    assert attention.choose(attention.AttnMask(0, 128, doc_ids=torch.zeros(1, 128)), torch.device("cuda")) == "flex"
+    assert attention.choose(attention.AttnMask(24, 127, window=32), torch.device("cuda")) == "reference"
     assert attention.choose(attention.AttnMask(24, 96), torch.device("cuda")) == "lower_right"
     with attention.kernels("reference"):
         assert attention.choose(attention.AttnMask(24, 96), torch.device("cuda")) == "reference"
