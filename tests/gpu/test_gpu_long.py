@@ -78,25 +78,26 @@ def _stage_grads(stage, x, targets, lengths, mode: str, doc=None, pos=None):
 def test_gpu_kernels_train_like_the_reference(arch, packed):
     """bf16 segments through the kernels (llama: flash's bottom-right causal; mistral: flex with
     its window, and with packed records) against the explicit-mask path in bf16, both held
-    against the float32 explicit-mask path: the kernels may be at most twice as far from it."""
+    against the float32 explicit-mask path: the kernels may be at most twice as far from it.
+    Rows of 256 in segments of 128, 64 and 64: every pass has at least one flex block of keys."""
     import pipeline.stage.attention as attention
-    from tests.helpers.segments import LENGTHS, make_batch, make_config, make_stages
+    from tests.helpers.segments import make_batch, make_config, make_stages
 
     config = make_config(arch, "sdpa")
     (stage,) = make_stages(config)
     stage.cuda()
-    x, targets = (t.cuda() for t in make_batch(config.vocab_size, rows_len=(96, 96) if packed else (96, 50, 20)))
+    x, targets = (t.cuda() for t in make_batch(config.vocab_size, rows_len=(256, 256) if packed else (256, 140, 60)))
     doc = pos = None
-    if packed:  # records of 30, 41, 25 and 50, 40 (+6 padding) columns
+    if packed:  # records of 60, 90, 106 and 100, 130 (+26 padding) columns
         doc = torch.zeros_like(x)
         pos = torch.zeros_like(x)
-        for i, ends in enumerate([(30, 71, 96), (50, 90)]):
+        for i, ends in enumerate([(60, 150, 256), (100, 230)]):
             start = 0
             for r, end in enumerate(ends):
                 doc[i, start:end], pos[i, start:end] = r + 1, torch.arange(end - start)
                 targets[i, end - 1] = -100
                 start = end
-    lengths = LENGTHS["balanced"]
+    lengths = [128, 64, 64]
     exact = _stage_grads(stage, x, targets, lengths, "reference", doc, pos)
     stage.to(torch.bfloat16)
     attention.KERNEL_CALLS.clear()
