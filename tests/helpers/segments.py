@@ -62,8 +62,8 @@ def make_stages(config, num_stages: int = 1) -> list:
 
 
 def make_batch(vocab: int, rows_len=(SEQ, 50, 20), seed: int = 0):
-    """Right-padded rows of different lengths (as wide as the longest); targets are the next token, -100 on padding and
-    on a prompt of 5 tokens (as the data side makes them)."""
+    """Right-padded rows of different lengths, as wide as the longest; targets are the next token,
+    -100 on padding and on a prompt of 5 tokens (as the data side makes them)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.zeros(len(rows_len), max(rows_len), dtype=torch.long)
     targets = torch.full(x.shape, -100, dtype=torch.long)
