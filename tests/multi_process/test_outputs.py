@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.helpers.runs import tiny_cfg, cli_flags, reference_result, run_torchrun
 from tests.helpers.tolerance import assert_close
 
 
+@pytest.mark.slow
 def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
