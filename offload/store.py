@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from offload import owners
-from offload.adamw import FlatAdamW, OptimSettings, ShardPeers
+from offload.adamw import FlatAdamW, OptimSettings, ShardPeers, squared_norm
 from offload.loader import StepProgress, Workers, done
 from offload.offloaded import Offloaded
 from offload.resident import Resident
@@ -256,13 +256,13 @@ class StageStore:
 
     def _squared_norm(self, grads_event=None) -> torch.Tensor:
         """On the optimizer thread (offload, the rank's share of the cores) or the main thread
-        (resident, torchrun's one): ``vector_norm`` sums the same way for any thread count, where
+        (resident, torchrun's one): ``squared_norm`` sums the same way for any thread count, where
         ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently.
         ``grads_event``: the offloaded gradients' (``_grads_ready``)."""
         g = self._grads_ready(grads_event)
         if self.tied_copy:
             g = g[self.tied_numel:]  # the first stage's copy of the tied gradient counts it
-        return torch.linalg.vector_norm(g).square()
+        return squared_norm(g)
 
     def _note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
         if self.streams.cuda:
