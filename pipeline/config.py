@@ -26,6 +26,7 @@ DEVICES = ("auto", "cpu", "cuda")
 COMPILE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("auto", "sdpa", "eager")
+ATTN_BACKENDS = ("auto", "flash")  # pipeline.stage.attention.BACKENDS (not imported: config loads no torch)
 PARTITIONS = ("cost", "layers")
 
 
@@ -51,6 +52,10 @@ class TrainConfig:
     attn_implementation: str = _f("auto", "Attention kernel: sdpa, eager, or auto (sdpa where it computes the "
                                   "family's attention; eager for soft-capped scores (Gemma 2) and attention sinks "
                                   "(gpt-oss)).", choices=ATTN_IMPLS)
+    attention_backend: str = _f("auto", "Kernel of whole causal rows under sdpa on a GPU: auto (cuDNN where it "
+                                "takes the model's heads, the head size zero-padded to a multiple of 8: 1.4-1.7x "
+                                "flash-2 on Hopper; flash elsewhere) or flash (torch's own choice).",
+                                choices=ATTN_BACKENDS)
     cache_dir: str = _f(".cache", "Where the generated model and tokenizer are kept.")
     # --- data -----------------------------------------------------------------
     dataset: str = _f("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a "
@@ -218,7 +223,7 @@ class TrainConfig:
 # run where, nothing about the training itself.
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "tokenizer", "num_layers", "embedding_dim", "ff_dim", "num_heads", "attn_implementation",
-              "cache_dir"),
+              "attention_backend", "cache_dir"),
     "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
              "eval_dataset", "eval_batches"),
     "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
-from models import spec_for
+from models import head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
@@ -57,8 +57,24 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
                        segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
                        fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
-                       compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None))
+                       compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
+                       cudnn=_takes_cudnn(cfg, hf_config, device))
     return inp, program
+
+
+def _takes_cudnn(cfg: TrainConfig, hf_config, device: str) -> bool:
+    """Whether this run's whole rows take sdpa's cuDNN kernel (``pipeline.stage.attention``), asked
+    of the GPU itself: plain causal rows of a model with no sliding window, the ``auto`` backend,
+    a visible GPU. Otherwise the plan counts flash's buffers (the larger: a run the plan accepts
+    must not run out of memory whichever kernel it meets)."""
+    if device != "cuda" or cfg.attention_backend != "auto" or cfg.packing or not torch.cuda.is_available():
+        return False
+    if attention(cfg, hf_config) != "sdpa" or any(k.window for k in spec_for(hf_config).layer_kinds(hf_config)):
+        return False
+    from pipeline.stage import attention as kernels
+
+    return kernels.cudnn_takes(torch.device("cuda", torch.cuda.current_device()), compute_dtype(cfg, device),
+                               hf_config.num_attention_heads, kv_heads(hf_config), head_dim(hf_config))
 
 
 def _tile_tokens(cfg: TrainConfig, hf_config, device: str) -> int:

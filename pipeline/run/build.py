@@ -35,6 +35,7 @@ from pipeline.run.executor import Executor
 from pipeline.run.optim import LossScaler, optim_settings
 from pipeline.run.replicas import GradSync, shard_peers
 from pipeline.runners import RankRunners
+from pipeline.stage import attention
 from pipeline.stage.model import build_stage, compile_layers
 from pipeline.stage.router_loss import RouterLoss
 
@@ -217,6 +218,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
     compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
+    attention.use_backend(cfg.attention_backend)
     tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
     if tile:
         log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models import logit_softcap, materialize_, skeleton, spec_for, tied
+from models import head_dim, kv_heads, logit_softcap, materialize_, skeleton, spec_for, tied
 from models.moe import Routing
 from pipeline.plan.programs import tied_across_stages
 from pipeline.plan.shapes import loss_chunk_tokens
@@ -85,6 +85,7 @@ class Stage(nn.Module):
         if across and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
         self.attn_implementation = config._attn_implementation or "eager"
+        self.head_shapes = (config.num_attention_heads, kv_heads(config), head_dim(config))
         # sdpa runs through pipeline.stage.attention: the same sdpa for a plain causal row, and on a GPU
         # kernels without a score matrix for segments, windows and packed rows
         self.config._attn_implementation = attention.register() if self.attn_implementation == "sdpa" \
@@ -256,7 +257,10 @@ class Stage(nn.Module):
             return None  # the layer hands its own sliding_window to the kernel
         if self.attn_implementation == "sdpa":
             mask = AttnMask(0, seq_len, window, segment_ids)
-            return None if mask.plain else mask.prepare(h.device)
+            if mask.plain:
+                attention.cudnn_takes(h.device, h.dtype, *self.head_shapes)  # probed here, outside compiled layers
+                return None
+            return mask.prepare(h.device)
         if window is not None and window >= seq_len:
             window = None  # a window covering the sequence masks nothing more than causality
         if segment_ids is not None:

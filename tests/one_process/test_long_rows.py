@@ -451,3 +451,36 @@ def test_out_of_memory_is_one_line_error(tiny_model_dir, monkeypatch):
     msg = str(e.value)
     assert "\n" not in msg and "in action 1B0.1 (backward of stage 1, micro-batch 0, segment 1" in msg, msg
     assert "asked for 3.15 GiB" in msg and "the plan's peak for this rank was" in msg, msg
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 10), (4, 2, 13), (2, 2, 16)])
+def test_padded_causal_attention_equals_the_unpadded(heads, kv_heads, head_dim):
+    """The cuDNN path's arithmetic, through the math kernel on the CPU: the head dimension padded
+    to a multiple of 8 with zeros and the scale kept at the model's, outputs and q, k, v
+    gradients equal unpadded causal attention (float64, grouped keys too)."""
+    from torch.nn.attention import SDPBackend
+
+    gen = torch.Generator().manual_seed(head_dim)
+    leaves = [torch.randn(2, h, 24, head_dim, generator=gen, dtype=torch.float64, requires_grad=True)
+              for h in (heads, kv_heads, kv_heads)]
+    up = torch.randn(2, heads, 24, head_dim, generator=gen, dtype=torch.float64)
+    results = []
+    for fn in (lambda q, k, v: attention.padded_causal(q, k, v, None, SDPBackend.MATH),
+               lambda q, k, v: F.scaled_dot_product_attention(
+                   q, k, v, is_causal=True, enable_gqa=heads != kv_heads)):
+        out = fn(*leaves)
+        grads = torch.autograd.grad((out * up).sum(), leaves)
+        results.append([out, *grads])
+    for a, b in zip(*results):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_whole_rows_take_cudnn_only_on_a_gpu_with_the_auto_backend():
+    assert not attention.cudnn_takes(torch.device("cpu"), torch.bfloat16, 4, 4, 16)
+    attention.use_backend("flash")
+    try:
+        assert not attention.cudnn_takes(torch.device("cuda", 0), torch.bfloat16, 4, 4, 16)
+    finally:
+        attention.use_backend("auto")
+    with pytest.raises(ValueError, match="attention backend"):
+        attention.use_backend("cudnn")

@@ -278,3 +278,19 @@ def test_auto_choices_without_a_gpu_size_ask_for_it(monkeypatch):
     assert plan.resolve_resident(make_config({**base, "resident_stages": 1}), hf, 2)[0].resident_stages == 1
     assert plan.resolve_resident(make_config({**base, "gpu_memory_gb": 80}), hf, 2)[0].resident_stages >= 0
     assert plan.resolve_kept(make_config({**base, "keep_layers": -1, "gpu_memory_gb": 80}), hf, 2)[0]
+
+
+def test_cudnn_whole_rows_count_no_query_gradient_accumulator():
+    """A whole row through cuDNN's attention has no fp32 query-gradient accumulator (4 bytes a
+    query column, padded head); a segment's pass (flash's bottom-right kernel) keeps it, and the
+    forward is the same either way."""
+    import dataclasses
+
+    from pipeline.plan.footprint import MemoryInputs, StagePlan, attention_work, head_pad
+
+    m = ModelShape.of(preset_config("llama-3b"))
+    flash = MemoryInputs(m, [StagePlan(1, 2, False, False)], [0], 1, 16384, 2, True, True, segments=(8192, 8192))
+    cudnn = dataclasses.replace(flash, cudnn=True)
+    (f_fwd, f_bwd), (c_fwd, c_bwd) = attention_work(flash, 0, 16384), attention_work(cudnn, 0, 16384)
+    assert c_fwd == f_fwd and f_bwd - c_bwd == pytest.approx(4 * m.q * head_pad(flash)) and head_pad(flash) == 1.04
+    assert attention_work(cudnn, 8192, 16384) == attention_work(flash, 8192, 16384)
