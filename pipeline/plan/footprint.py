@@ -272,10 +272,10 @@ def attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, floa
     q, k, v gradients (keys expanded to the query heads with GQA) and the output gradient padded;
     a segment's keys/values concatenated with the carried ones (``end`` columns) in the forward
     and their gradient in the backward. A whole row through cuDNN (``inp.cudnn``) has no fp32
-    accumulator: measured 0.2 GiB below flash at 16K (Llama-3B's heads, 4 layers), that much. The CPU's explicit-mask kernels are not modelled here
-    (the layer formula and the CPU check cover them), nor the GPU's for windows and records over
-    fewer than ``FLEX_BLOCK`` (128) keys: at most a 128 x 128 mask and scores a head, left to the
-    plan's margin."""
+    accumulator (its peak measured 0.21 GiB under flash's at 16K, Llama-3B's heads: that term).
+    The CPU's explicit-mask kernels are not modelled here (the layer formula and the CPU check
+    cover them), nor the GPU's for windows and records over fewer than ``FLEX_BLOCK`` (128) keys:
+    at most a 128 x 128 mask and scores a head, left to the plan's margin."""
     m, d = inp.shape, inp.dtype_bytes
     keys = end / max(1, end - start)  # keys per query token
     concat = 2 * d * m.kv_dim * keys if start > 0 else 0.0
