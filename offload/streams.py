@@ -133,10 +133,17 @@ class BufferPool:
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, object]]] = {}
 
     def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        """A buffer and the event its writer must wait for. A new one is made on this thread's
+        current stream, whose queued kernels may still use its memory: the caching allocator
+        hands freed memory out at once, ordered by that stream alone. A LOAD writes the buffer on
+        the load stream, so that write waits for this point of the allocating stream; else it
+        could land under activations the compute stream's queued kernels still read and write."""
         free = self._free.get((numel, dtype))
         if free:
             return free.pop()
-        return torch.empty(numel, dtype=dtype, device=self.device), None
+        buf = torch.empty(numel, dtype=dtype, device=self.device)
+        ready = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" else None
+        return buf, ready
 
     def give(self, buf: torch.Tensor, done_event) -> None:
         self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, done_event))

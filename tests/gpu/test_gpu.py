@@ -232,6 +232,32 @@ def test_every_schedule_runs_under_nccl(tmp_path, nproc, offload):
 
 
 @needs_gpus(1)
+def test_a_new_pool_buffer_is_written_after_the_kernels_that_used_its_memory():
+    """The pool's new buffer is made on the compute stream, where the caching allocator may hand
+    out memory that queued kernels still read. A LOAD writes it on the load stream: waiting for
+    ``take``'s event, the write comes after them (without it, the fill below lands first and the
+    product reads 5 instead of 1)."""
+    from offload.streams import BufferPool
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    load = torch.cuda.Stream(dev, priority=-1)
+    n = 1 << 22
+    a = torch.ones(n, device=dev)
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while (~0.1 s)
+    b = a * 2  # queued behind the sleep; reads a's memory
+    ptr = a.data_ptr()
+    del a  # free for the allocator at once, while ``b``'s kernel has not run yet
+    buf, ready = BufferPool(dev).take(n, torch.float32)
+    assert buf.data_ptr() == ptr, "the allocator did not reuse the freed block: the test proves nothing"
+    with torch.cuda.stream(load):
+        if ready is not None:
+            load.wait_event(ready)
+        buf.fill_(5.0)
+    torch.cuda.synchronize()
+    assert torch.all(b == 2), b.unique()
+
+
+@needs_gpus(1)
 def test_host_empty_pins_exactly():
     """A stage's pinned host buffers take their size, not the caching allocator's next power of two,
     and copies through them are asynchronous and intact."""
