@@ -229,7 +229,9 @@ def test_the_first_step_of_a_long_row_is_like_the_next(kw):
     one loss and one gradient norm to within a few percent (0.5% was seen). The first step is the
     one that compiles the layers and makes the host buffers: on 2026-11-27 (H200) it came out
     wrong in several long-row runs (a 16K row through flash: gradient norm 366 against 7.5 the
-    step after; 32K tiled: loss 3236; 8K in segments: NaN), where the steps after were right."""
+    step after; 32K tiled: loss 3236; 8K in segments: NaN), where the steps after were right:
+    the first iteration's new pool buffers were written on the load stream without waiting for
+    the compute stream's queued kernels that still used their memory (``BufferPool.take``)."""
     import math
 
     from tests.helpers.reference import in_process_trainer
