@@ -476,6 +476,9 @@ def test_padded_causal_attention_equals_the_unpadded(heads, kv_heads, head_dim):
 
 
 def test_whole_rows_take_cudnn_only_on_a_gpu_with_the_auto_backend():
+    from pipeline.config import ATTN_BACKENDS
+
+    assert ATTN_BACKENDS == attention.BACKENDS  # the setting's choices are the module's
     assert not attention.cudnn_takes(torch.device("cpu"), torch.bfloat16, 4, 4, 16)
     attention.use_backend("flash")
     try:
