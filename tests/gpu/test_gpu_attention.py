@@ -14,18 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.segments import AttentionModule
+from tests.helpers.tolerance import rel_err
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-class _Module:
-    """What the attention function reads of a Hugging Face attention module."""
-
-    def __init__(self, groups: int):
-        self.num_key_value_groups, self.is_causal, self.training = groups, True, True
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 32, 100), (32, 8, 128), (4, 4, 64)])
@@ -57,7 +49,7 @@ def test_whole_rows_take_cudnn_as_exact_as_flash(heads, kv_heads, head_dim):
         def fn(q_, k_, v_):
             attention.use_backend(backend)
             try:
-                return attention.attention(_Module(heads // kv_heads), q_, k_, v_, None, scaling=head_dim ** -0.5)[0]
+                return attention.attention(AttentionModule(heads // kv_heads), q_, k_, v_, None, scaling=head_dim ** -0.5)[0]
             finally:
                 attention.use_backend("auto")
         return fn
@@ -68,13 +60,13 @@ def test_whole_rows_take_cudnn_as_exact_as_flash(heads, kv_heads, head_dim):
     cudnn = run(through("auto"), torch.bfloat16)
     takes = attention.cudnn_takes(dev, torch.bfloat16, heads, kv_heads, head_dim)
     print(f"{heads}x{head_dim} (kv heads {kv_heads}): cuDNN {'taken' if takes else 'not taken'}; distance to "
-          f"float32 (out, dq, dk, dv): flash {[round(_rel(a, b), 5) for a, b in zip(flash, ref)]}, "
-          f"auto {[round(_rel(a, b), 5) for a, b in zip(cudnn, ref)]}")
+          f"float32 (out, dq, dk, dv): flash {[round(rel_err(a, b), 5) for a, b in zip(flash, ref)]}, "
+          f"auto {[round(rel_err(a, b), 5) for a, b in zip(cudnn, ref)]}")
     assert attention.KERNEL_CALLS == ({"cudnn": 1} if takes else {}), attention.KERNEL_CALLS
     if (heads, kv_heads, head_dim) == (32, 32, 100) and torch.cuda.get_device_capability() >= (9, 0):
         assert takes, "Llama-3B's heads should take cuDNN on Hopper"
     for name, a, f, r in zip(("out", "dq", "dk", "dv"), cudnn, flash, ref):
-        assert _rel(a, r) <= 2 * _rel(f, r) + 1e-3, (name, _rel(a, r), _rel(f, r))
+        assert rel_err(a, r) <= 2 * rel_err(f, r) + 1e-3, (name, rel_err(a, r), rel_err(f, r))
 
 
 def test_compiled_bf16_stage_takes_cudnn_like_eager_and_flash():
@@ -108,6 +100,6 @@ def test_compiled_bf16_stage_takes_cudnn_like_eager_and_flash():
             assert attention.KERNEL_CALLS["cudnn"] > 0, attention.KERNEL_CALLS
     for name in ("eager", "compiled"):
         loss, grads = results[name]
-        assert _rel(loss, results["flash"][0]) <= 1e-2, (name, loss, results["flash"][0])
-        bad = [(n, _rel(g, results["flash"][1][n])) for n, g in grads.items() if _rel(g, results["flash"][1][n]) > 5e-2]
+        assert rel_err(loss, results["flash"][0]) <= 1e-2, (name, loss, results["flash"][0])
+        bad = [(n, rel_err(g, results["flash"][1][n])) for n, g in grads.items() if rel_err(g, results["flash"][1][n]) > 5e-2]
         assert not bad, (name, bad)

@@ -20,16 +20,11 @@ import pytest
 import torch
 
 from tests.helpers.paths import scratch_save_dir
+from tests.helpers.segments import AttentionModule
+from tests.helpers.tolerance import rel_err as rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GiB = 2**30
-
-
-class _Module:
-    """What the attention function reads of a Hugging Face attention module."""
-
-    def __init__(self, groups: int):
-        self.num_key_value_groups, self.is_causal, self.training = groups, True, True
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 32, 100), (32, 8, 128)])  # Llama-3B, Llama-3-8B
@@ -48,7 +43,7 @@ def test_segment_attention_holds_no_scores(heads, kv_heads, head_dim):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     attention.KERNEL_CALLS.clear()
-    out, _ = attention.attention(_Module(heads // kv_heads), q, k, v, attention.AttnMask(tk - tq, tk),
+    out, _ = attention.attention(AttentionModule(heads // kv_heads), q, k, v, attention.AttnMask(tk - tq, tk),
                                  scaling=head_dim ** -0.5)
     out.float().sum().backward()
     torch.cuda.synchronize()
@@ -107,9 +102,6 @@ def test_gpu_kernels_train_like_the_reference(arch, packed):
     taken = dict(attention.KERNEL_CALLS)
     ref = _stage_grads(stage, x, targets, lengths, "reference", doc, pos)
     assert taken.get("flex" if arch == "mistral" else "lower_right", 0) > 0 and not taken.get("reference"), taken
-
-    def rel(a, b):
-        return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
     bad = [(n, rel(kernel[1][n], g), rel(ref[1][n], g)) for n, g in exact[1].items()
            if rel(kernel[1][n], g) > 2 * rel(ref[1][n], g) + 1e-3]

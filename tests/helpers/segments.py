@@ -1,7 +1,8 @@
 """The segment harness the segment tests share (tests/one_process/test_segments.py,
 test_long_rows.py): tiny configurations of each architecture, a stage run whole and segment by
 segment, the comparison with its tolerance (the docstring of test_segments.py says why), and the
-long-row settings of the trainer's runs (there and in tests/multi_process/test_gloo_long_rows.py)."""
+long-row settings of the trainer's runs (there and in tests/multi_process/test_gloo_long_rows.py), and
+the stand-in for a Hugging Face attention module that the GPU attention tests call the kernels with."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,13 @@ from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from schedule.costmodel import balanced_segments
 from tests.helpers.tolerance import rel_err as rel
+
+class AttentionModule:
+    """What ``pipeline.stage.attention.attention`` reads of a Hugging Face attention module."""
+
+    def __init__(self, groups: int):
+        self.num_key_value_groups, self.is_causal, self.training = groups, True, True
+
 
 SEQ = 96
 WINDOW = 32  # sliding layers: a window shorter than the sequence, crossing segment boundaries

@@ -118,6 +118,22 @@ def test_failed_step_reaches_the_compute_instead_of_hanging(monkeypatch):
     workers.loader.shutdown()
 
 
+def _on_threads(fn, counts) -> dict:
+    """``fn()`` on a fresh thread per count, each with that many torch threads (its own pool
+    only, as pin_current_thread sets the optimizer thread's): {count: result}."""
+    results = {}
+
+    def take(n: int) -> None:
+        torch.set_num_threads(n)
+        results[n] = fn()
+
+    for n in counts:
+        t = threading.Thread(target=take, args=(n,))
+        t.start()
+        t.join(timeout=60)
+    return results
+
+
 def test_squared_norm_does_not_depend_on_the_thread_count():
     """The offloaded stage's norm is taken on the optimizer thread (the rank's share of the
     cores), the resident one's on the main thread (torchrun's ``OMP_NUM_THREADS=1``): the sum
@@ -127,16 +143,7 @@ def test_squared_norm_does_not_depend_on_the_thread_count():
     st = make_store(nn.Linear(300, 400), device=CPU, compute_dtype=torch.float32, offload=False,
                     optim=OptimSettings(fused=True), streams=Streams(CPU), pool=BufferPool(CPU))
     st.master_grad.copy_(torch.randn(st.numel) * torch.rand(st.numel) * 10)  # 120k: above torch's grain
-    norms = {}
-
-    def take(n: int) -> None:
-        torch.set_num_threads(n)  # this thread's pool only, as pin_current_thread does
-        norms[n] = st._squared_norm()
-
-    for n in (1, 2, 3, 4):
-        t = threading.Thread(target=take, args=(n,))
-        t.start()
-        t.join(timeout=60)
+    norms = _on_threads(st._squared_norm, (1, 2, 3, 4))
     assert len(norms) == 4 and all(torch.equal(norms[1], v) for v in norms.values()), norms
     assert torch.allclose(norms[1], torch.dot(st.master_grad, st.master_grad), rtol=1e-5)
 
@@ -145,16 +152,7 @@ def test_squared_norm_does_not_depend_on_the_thread_count():
 def test_squared_norm_is_the_same_sum_on_any_thread_count(numel):
     """A lone block, a block and a tail, many blocks: one sum whatever the threads."""
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 10
-    sums = {}
-
-    def take(n: int) -> None:
-        torch.set_num_threads(n)
-        sums[n] = squared_norm(g)
-
-    for n in (1, 2, 4):
-        t = threading.Thread(target=take, args=(n,))
-        t.start()
-        t.join(timeout=60)
+    sums = _on_threads(lambda: squared_norm(g), (1, 2, 4))
     assert len(sums) == 3 and all(torch.equal(sums[1], v) for v in sums.values()), sums
     truth = g.double().square().sum()
     assert abs(sums[1].double() - truth) <= 1e-6 * truth
