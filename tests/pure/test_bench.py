@@ -364,3 +364,26 @@ def test_profile_step_sorts_kernels_by_kind_and_counts_idle_once():
     text = prof.table({"step_s": 4.0, "kinds": kinds, "floor_s": 1.0, "matmul_tflops": 700.0})
     assert text.splitlines()[2].startswith("| idle | 2.000 | 50.0% |")
     assert "| floor: model FLOPs at 700 TFLOP/s | 1.000 | 25.0% |" in text
+
+
+def test_memory_at_peak_replays_the_highest_point():
+    """The allocations alive at the peak, not at the end: a block freed before the peak is out, one
+    freed after it is in; a block counts as freed when its free is requested (as memory_allocated
+    counts it), not when the streams that used it are done with it."""
+    peak_mod = load_bench("memory_at_peak")
+    here = str(peak_mod.ROOT / "pipeline" / "stage" / "layer.py")
+    frames = [{"filename": "/lib/torch/functional.py", "line": 1, "name": "linear"},
+              {"filename": here, "line": 7, "name": "forward"}]
+    events = [dict(action="alloc", addr=1, size=4, frames=frames),
+              dict(action="alloc", addr=2, size=8, frames=frames[1:]),
+              dict(action="alloc", addr=3, size=16, frames=[]),
+              dict(action="free_requested", addr=1, size=4),
+              dict(action="alloc", addr=5, size=2, frames=frames),
+              dict(action="free_completed", addr=1, size=4),
+              dict(action="free_requested", addr=3, size=16),
+              dict(action="alloc", addr=4, size=18, frames=frames)]
+    peak, live = peak_mod.replay(events)
+    assert peak == 28 and sorted(live) == [1, 2, 3]
+    got = {k: (size, n) for k, size, n in peak_mod.groups(live)}
+    assert got == {"pipeline/stage/layer.py:7 forward <- linear": (4, 1), "pipeline/stage/layer.py:7 forward": (8, 1),
+                   "(no stack)": (16, 1)}
