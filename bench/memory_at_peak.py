@@ -65,15 +65,12 @@ def origin(frames: list[dict]) -> str:
     return where if frames[0] is mine else f"{where} <- {frames[0]['name']}"
 
 
-def groups(live: dict[int, dict]) -> list[tuple[str, int, int]]:
-    """(origin, bytes, blocks), largest first."""
-    size: dict[str, int] = defaultdict(int)
-    count: dict[str, int] = defaultdict(int)
+def groups(live: dict[int, dict]) -> list[tuple[str, int, list[int]]]:
+    """(origin, bytes, its blocks' sizes largest first), largest first."""
+    sizes: dict[str, list[int]] = defaultdict(list)
     for e in live.values():
-        key = origin(e.get("frames") or [])
-        size[key] += e["size"]
-        count[key] += 1
-    return sorted(((k, size[k], count[k]) for k in size), key=lambda g: -g[1])
+        sizes[origin(e.get("frames") or [])].append(e["size"])
+    return sorted(((k, sum(v), sorted(v, reverse=True)) for k, v in sizes.items()), key=lambda g: -g[1])
 
 
 def main() -> int:
@@ -84,12 +81,16 @@ def main() -> int:
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then main.py's flags")
     args = p.parse_args()
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    # main() sets this too, but only when it starts: the history below starts the allocator first
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     import main as entry
     from pipeline.config import parse_args
     from pipeline.train import plan_report
 
+    if not torch.cuda.is_available():
+        raise SystemExit("error: memory_at_peak needs a GPU (the caching allocator's history is CUDA's)")
     cfg, _, _ = parse_args(flags)
     report = io.StringIO()
     with redirect_stdout(report):
@@ -109,10 +110,14 @@ def main() -> int:
     lines = [report.getvalue().rstrip(), "",
              f"run rc {rc}; max_memory_allocated {torch.cuda.max_memory_allocated() / GiB:.3f} GiB; "
              f"replayed peak {peak / GiB:.3f} GiB from {len(trace)} events ({len(live)} blocks alive)", ""]
-    for key, size, n in groups(live)[:args.top]:
-        lines.append(f"{size / GiB:8.3f} GiB {n:5d}  {key}")
+    # per token of a micro-batch: what the plan's formulas count
+    tokens = cfg.seq_length * max(1, cfg.batch_size // max(1, cfg.num_chunks))
+    lines.append(f"     GiB  bytes/token  blocks  origin  [largest blocks, MiB]  ({tokens} tokens a micro-batch)")
+    for key, size, blocks in groups(live)[:args.top]:
+        largest = ", ".join(f"{b / 2**20:.0f}" for b in blocks[:6]) + (", ..." if len(blocks) > 6 else "")
+        lines.append(f"{size / GiB:8.3f} {size / tokens:12.0f} {len(blocks):7d}  {key}  [{largest}]")
     Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-args.top - 2:]))
+    print("\n".join(lines[2:]))
     return rc
 
 

@@ -384,6 +384,6 @@ def test_memory_at_peak_replays_the_highest_point():
               dict(action="alloc", addr=4, size=18, frames=frames)]
     peak, live = peak_mod.replay(events)
     assert peak == 28 and sorted(live) == [1, 2, 3]
-    got = {k: (size, n) for k, size, n in peak_mod.groups(live)}
-    assert got == {"pipeline/stage/layer.py:7 forward <- linear": (4, 1), "pipeline/stage/layer.py:7 forward": (8, 1),
-                   "(no stack)": (16, 1)}
+    got = {k: (size, blocks) for k, size, blocks in peak_mod.groups(live)}
+    assert got == {"pipeline/stage/layer.py:7 forward <- linear": (4, [4]), "pipeline/stage/layer.py:7 forward": (8, [8]),
+                   "(no stack)": (16, [16])}
