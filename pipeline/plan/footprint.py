@@ -220,12 +220,12 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
         mlp_fwd, mlp_bwd = mlp_work(inp, tokens)
         attn_fwd, attn_bwd = attention_work(inp, start, end)
         # backward of one layer: a few h-wide gradients and the worst of its two phases: the
-        # MLP's (three f-wide gradients, or a tile's recompute and gradients) with everything
+        # MLP's (three f-wide gradients, one net compiled, or a tile's recompute and gradients) with everything
         # still saved, then the attention kernel's workspace, by when the MLP side's saved
         # tensors (its input, the norm before it, untiled its intermediates) are freed; a
         # recomputed layer's saved tensors are made again first.
         mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
-            (0 if tiled or m.experts_per_token else 4 * d * f)
+            (0 if tiled or m.experts_per_token else (3 if inp.compiled else 4) * d * f)
         bwd = 4 * d * h + max(mlp_bwd, attn_bwd - mlp_side) + (layer if recomputed else 0)
         # forward of one layer: the MLP's intermediates where nothing keeps them (a checkpointed
         # layer, a tile), the attention kernel's padded copies (and a segment's keys concatenated)
@@ -256,10 +256,17 @@ def head_pad(inp: MemoryInputs) -> float:
 def mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
     """Per token of a pass of ``tokens``: the MLP's intermediates while one layer's forward runs
     (gate, up, activation, product) and its backward's (three f-wide gradients); tiled, one
-    tile's: its recompute's four tensors and three gradients in the backward."""
+    tile's: its recompute's four tensors and three gradients in the backward.
+
+    A compiled layer's backward adds one f-wide tensor net: inductor frees the saved product once
+    the down projection's weight gradient is made and writes the gate's and up's gradients over
+    buffers it no longer needs. Measured (a layer's saved tensors plus its backward's peak above
+    them): 1.27x over with one f-wide gradient, 1.58x over with three, on the CPU
+    (``tests/pure/test_memory.py``); on an H200 the plan with three was 48-50 KB a token over
+    (bench/results/2026-11-28_gpu_tests_and_tables)."""
     d, f = inp.dtype_bytes, inp.shape.mlp_width
     if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token or tokens <= inp.mlp_tile_tokens:
-        return 4 * d * f, 3 * d * f
+        return 4 * d * f, (d * f if inp.compiled and not inp.shape.experts_per_token else 3 * d * f)
     share = inp.mlp_tile_tokens / tokens
     return 4 * d * f * share, 7 * d * f * share
 
