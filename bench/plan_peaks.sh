@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One device call, one GPU: what is on the GPU at the peak of the long-row shapes the memory plan
-# misjudges, beside --plan's figure (bench/memory_at_peak.py), for the plan's per-token terms.
+# One device call, one GPU: what is on the GPU at the peak of long-row shapes, beside --plan's
+# figure (bench/memory_at_peak.py), to check the plan's per-token terms where it and a peak differ.
 #   OUT=$OUT bash bench/plan_peaks.sh            (from the project root, .whl carried)
-# Environment: CASES (default: all, in this order), TOTAL_S [560].
-# Llama-3B's shapes with few layers (a layer's terms, fast to build), every stage offloaded,
-# activation_offload, bf16, no cap (the peak is measured, not limited), 2 iterations; then the
-# 64K row of the long-row table itself. OUT/peaks.tgz holds every report and the allocator's
-# history of each case (pickles for torch's memory viewer); the reports are also left in OUT.
+# Environment: CASES (names below, in order; default: all), TOTAL_S [560: the whole call],
+# CASE_S [170: at most per case]. llama-3b, every stage offloaded, activation_offload, bf16,
+# 2 iterations: first the long-row table's own rows at 24 GiB (the stages the plan picks now at 32K
+# and 64K, and 16K, which it under-estimates), then Llama-3B layers in few stages (a layer's terms,
+# fast to build, no cap), then the 64K row as measured on 2026-11-28. What comes back: summary.txt
+# (every report), session.txt (each case's status and, where it failed, its log's end),
+# peaks.tgz (reports and logs), traces.tgz (the allocator's histories, for --replay or torch's
+# memory viewer).
 set -u
 out=${OUT:-/tmp/out}; t0=$(date +%s); total=${TOTAL_S:-560}
-mkdir -p "$out/peaks"
+work=$out/peaks; mkdir -p "$work"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl-site .whl/*.whl \
     >/dev/null 2>&1
@@ -19,20 +22,33 @@ base=(--config "" --model llama-3b --dataset synthetic --device cuda --dtype bfl
       --batch_size 1 --num_chunks 1 --use_offload --resident_stages 0 --activation_checkpointing
       --activation_offload --num_iterations 2 --no_save_model --no_progress_bar --overwrite --save_dir /tmp/peaks_run)
 declare -A CASE=(
+  [whole64k_s13]="--num_stages 13 --seq_length 65536 --gpu_memory_gb 24"
+  [whole32k_s7]="--num_stages 7 --seq_length 32768 --gpu_memory_gb 24"
+  [whole16k_s5]="--num_stages 5 --seq_length 16384 --gpu_memory_gb 24"
   [whole16k_l4s6]="--num_layers 4 --num_stages 6 --seq_length 16384"
+  [seg4tiled32k_l4s6]="--num_layers 4 --num_stages 6 --seq_length 32768 --seq_chunks 4 --tiled_mlp true"
   [whole64k_l4s6]="--num_layers 4 --num_stages 6 --seq_length 65536"
   [whole16k_l12s2]="--num_layers 12 --num_stages 2 --seq_length 16384"
-  [seg4tiled32k_l4s6]="--num_layers 4 --num_stages 6 --seq_length 32768 --seq_chunks 4 --tiled_mlp true"
   [tiled128k_l4s6]="--num_layers 4 --num_stages 6 --seq_length 131072 --tiled_mlp true"
   [whole64k_s25]="--num_stages 25 --seq_length 65536 --gpu_memory_gb 24"
 )
-for name in ${CASES:-whole16k_l4s6 whole64k_l4s6 whole16k_l12s2 seg4tiled32k_l4s6 tiled128k_l4s6 whole64k_s25}; do
-  left=$(( total - ($(date +%s) - t0) - 20 ))
-  [ "$left" -lt 40 ] && { echo "$name: skipped (budget: ${left}s left)" | tee -a "$out/peaks/session.txt"; continue; }
-  # shellcheck disable=SC2086
-  timeout "$left" python3 bench/memory_at_peak.py --out "$out/peaks/$name.txt" --trace "$out/peaks/$name.pkl" \
-    -- "${base[@]}" ${CASE[$name]} > "$out/peaks/$name.log" 2>&1
-  echo "$name: rc $? at $(( $(date +%s) - t0 ))s" | tee -a "$out/peaks/session.txt"
+order="whole64k_s13 whole32k_s7 whole16k_s5 whole16k_l4s6 seg4tiled32k_l4s6 whole64k_l4s6 whole16k_l12s2 tiled128k_l4s6 whole64k_s25"
+for name in ${CASES:-$order}; do
+  if [[ ! -v CASE[$name] ]]; then
+    echo "$name: unknown (cases: $order)" >> "$work/session.txt"; continue
+  fi
+  left=$(( total - ($(date +%s) - t0) - 25 ))  # 25 s for the archives and the transfer back
+  limit=$(( left < ${CASE_S:-170} ? left : ${CASE_S:-170} ))
+  if [ "$limit" -lt 40 ]; then echo "$name: skipped (budget: ${left}s left)" >> "$work/session.txt"; continue; fi
+  # shellcheck disable=SC2086  # the case's flags are words
+  timeout "$limit" python3 bench/memory_at_peak.py --out "$work/$name.txt" --trace "$work/$name.pkl" \
+    -- "${base[@]}" ${CASE[$name]} > "$work/$name.log" 2>&1
+  rc=$?
+  echo "$name: rc $rc at $(( $(date +%s) - t0 ))s (limit ${limit}s)" >> "$work/session.txt"
+  [ $rc -ne 0 ] && tail -n 15 "$work/$name.log" | sed 's/^/    /' >> "$work/session.txt"
 done
-cp "$out"/peaks/*.txt "$out/" 2>/dev/null
-tar czf "$out/peaks.tgz" -C "$out" peaks && rm -rf "$out/peaks"
+for f in "$work"/*.txt; do
+  [ "$(basename "$f")" = session.txt ] || { echo "=== $(basename "$f" .txt)"; cat "$f"; echo; }
+done > "$out/summary.txt"
+cp "$work/session.txt" "$out/"
+( cd "$out" && tar czf traces.tgz peaks/*.pkl 2>/dev/null; rm -f peaks/*.pkl; tar czf peaks.tgz peaks && rm -rf peaks )

@@ -158,6 +158,12 @@ class MemoryInputs:
     cudnn: bool = False       # whole rows through cuDNN's attention (no fp32 query-gradient accumulator)
 
     @property
+    def inductor(self) -> bool:
+        """The layers' graphs are inductor's (``compile_layers`` on a dense layer under sdpa): its
+        partition saves less than eager autograd, and its backward reuses buffers."""
+        return self.compiled and not self.shape.experts_per_token and self.attn != "eager"
+
+    @property
     def kernels(self) -> bool:
         """Attention through kernels without a score matrix (``pipeline.stage.attention`` on a GPU):
         sdpa on a GPU; the CPU runs segments, windows and packed rows through explicit masks."""
@@ -198,7 +204,7 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
     h, f, V = m.hidden, m.mlp_width, m.vocab
     start, end, tokens = inp.span(seg)
     tiled = inp.mlp_tile_tokens > 0 and not m.experts_per_token
-    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=head_pad(inp), compiled=inp.compiled)
+    layer = layer_saved_bytes_per_token(m, d, end, inp.attn, tiled=tiled, pad=head_pad(inp), compiled=inp.inductor)
     kept = inp.kept_layers(s)
     # activation_offload: the backward's recompute of the stage checkpoints no layer again
     layer_ckpt = inp.checkpointing and not inp.activation_offload
@@ -220,12 +226,15 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
         mlp_fwd, mlp_bwd = mlp_work(inp, tokens)
         attn_fwd, attn_bwd = attention_work(inp, start, end)
         # backward of one layer: a few h-wide gradients and the worst of its two phases: the
-        # MLP's (three f-wide gradients, one net compiled, or a tile's recompute and gradients) with everything
+        # MLP's (three f-wide gradients, one net compiled, or a tile's recompute and gradients) with all
         # still saved, then the attention kernel's workspace, by when the MLP side's saved
         # tensors (its input, the norm before it, untiled its intermediates) are freed; a
         # recomputed layer's saved tensors are made again first.
-        mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
-            (0 if tiled or m.experts_per_token else (3 if inp.compiled else 4) * d * f)
+        if inp.inductor:  # the norm's input, output and rsqrt, and gate, up and product untiled
+            mlp_side = 2 * d * h + 4 + (0 if tiled else 3 * d * f)
+        else:
+            mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
+                (0 if tiled or m.experts_per_token else 4 * d * f)
         bwd = 4 * d * h + max(mlp_bwd, attn_bwd - mlp_side) + (layer if recomputed else 0)
         # forward of one layer: the MLP's intermediates where nothing keeps them (a checkpointed
         # layer, a tile), the attention kernel's padded copies (and a segment's keys concatenated)
@@ -262,11 +271,11 @@ def mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
     the down projection's weight gradient is made and writes the gate's and up's gradients over
     buffers it no longer needs. Measured (a layer's saved tensors plus its backward's peak above
     them): 1.27x over with one f-wide gradient, 1.58x over with three, on the CPU
-    (``tests/pure/test_memory.py``); on an H200 the plan with three was 48-50 KB a token over
-    (bench/results/2026-11-28_gpu_tests_and_tables)."""
+    (``tests/pure/test_memory.py``); on an H200 the plan with three was 37-50 KB a token over the
+    peaks of whole rows in stages of one to three layers (bench/results/2026-11-28_gpu_tests_and_tables)."""
     d, f = inp.dtype_bytes, inp.shape.mlp_width
     if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token or tokens <= inp.mlp_tile_tokens:
-        return 4 * d * f, (d * f if inp.compiled and not inp.shape.experts_per_token else 3 * d * f)
+        return 4 * d * f, (d * f if inp.inductor else 3 * d * f)
     share = inp.mlp_tile_tokens / tokens
     return 4 * d * f * share, 7 * d * f * share
 

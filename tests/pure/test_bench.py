@@ -366,24 +366,29 @@ def test_profile_step_sorts_kernels_by_kind_and_counts_idle_once():
     assert "| floor: model FLOPs at 700 TFLOP/s | 1.000 | 25.0% |" in text
 
 
-def test_memory_at_peak_replays_the_highest_point():
-    """The allocations alive at the peak, not at the end: a block freed before the peak is out, one
-    freed after it is in; a block counts as freed when its free is requested (as memory_allocated
-    counts it), not when the streams that used it are done with it."""
+def test_memory_at_peak_replays_the_highest_point(tmp_path):
+    """The allocations alive at the peak, not at the end: a block freed after the peak is in, one
+    freed before it is out; a block counts as freed when its free is requested (as
+    memory_allocated counts it), not when the streams that used it are done with it. The
+    trainer's own lines name a group, not the tests', bench's or an installed library's."""
     peak_mod = load_bench("memory_at_peak")
-    here = str(peak_mod.ROOT / "pipeline" / "stage" / "layer.py")
+    root = peak_mod.ROOT
+    here = str(root / "pipeline" / "stage" / "layer.py")
     frames = [{"filename": "/lib/torch/functional.py", "line": 1, "name": "linear"},
               {"filename": here, "line": 7, "name": "forward"}]
+    installed = [{"filename": str(root / ".whl-site" / "x.py"), "line": 3, "name": "lib"},
+                 {"filename": str(root / "tests" / "t.py"), "line": 5, "name": "test"}]
     events = [dict(action="alloc", addr=1, size=4, frames=frames),
               dict(action="alloc", addr=2, size=8, frames=frames[1:]),
-              dict(action="alloc", addr=3, size=16, frames=[]),
+              dict(action="alloc", addr=3, size=16, frames=installed),
               dict(action="free_requested", addr=1, size=4),
               dict(action="alloc", addr=5, size=2, frames=frames),
               dict(action="free_completed", addr=1, size=4),
-              dict(action="free_requested", addr=3, size=16),
-              dict(action="alloc", addr=4, size=18, frames=frames)]
-    peak, live = peak_mod.replay(events)
-    assert peak == 28 and sorted(live) == [1, 2, 3]
+              dict(action="free_requested", addr=3, size=16)]
+    peak, at, live = peak_mod.replay(events + [dict(action="alloc", addr=4, size=18, frames=[])])
+    assert (peak, at, sorted(live)) == (28, 2, [1, 2, 3])
     got = {k: (size, blocks) for k, size, blocks in peak_mod.groups(live)}
-    assert got == {"pipeline/stage/layer.py:7 forward <- linear": (4, [4]), "pipeline/stage/layer.py:7 forward": (8, [8]),
-                   "(no stack)": (16, [16])}
+    assert got == {"pipeline/stage/layer.py:7 forward <- linear": (4, [4]),
+                   "pipeline/stage/layer.py:7 forward": (8, [8]), "x.py lib": (16, [16])}
+    peak, at, live = peak_mod.replay(events + [dict(action="alloc", addr=4, size=19, frames=[])])
+    assert (peak, at, sorted(live)) == (29, 7, [2, 4, 5])  # 1 and 3 were freed before it
