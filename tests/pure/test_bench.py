@@ -366,7 +366,7 @@ def test_profile_step_sorts_kernels_by_kind_and_counts_idle_once():
     assert "| floor: model FLOPs at 700 TFLOP/s | 1.000 | 25.0% |" in text
 
 
-def test_memory_at_peak_replays_the_highest_point(tmp_path):
+def test_memory_at_peak_replays_the_highest_point():
     """The allocations alive at the peak, not at the end: a block freed after the peak is in, one
     freed before it is out; a block counts as freed when its free is requested (as
     memory_allocated counts it), not when the streams that used it are done with it. The
