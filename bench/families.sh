@@ -13,10 +13,7 @@
 set -u
 out=${OUT:-/tmp/out}; t0=$(date +%s); mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl-site .whl/*.whl \
-  >"$out/install.log" 2>&1 || tail -5 "$out/install.log"
-export PYTHONPATH=$PWD/.whl-site:${PYTHONPATH:-}
-export PATH=$PWD/.whl-site/bin:$PATH   # ninja, for RoundPipe's JIT build
+. bench/wheels_env.sh "$out/install.log"
 # RoundPipe's CPU Adam, built in the background (bench/roundpipe_adam.py)
 ( timeout 150 python3 bench/roundpipe_adam.py >"$out/jit_roundpipe.log" 2>&1 ) &
 jit=$!

@@ -10,12 +10,7 @@ set -u
 out=${OUT:-/tmp/out}; t0=$(date +%s); total=${TOTAL_S:-585}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl-site .whl/*.whl \
-    >"$out/install.log" 2>&1 || tail -5 "$out/install.log"
-  export PYTHONPATH=$PWD/.whl-site:${PYTHONPATH:-}
-  export PATH=$PWD/.whl-site/bin:$PATH   # ninja, for RoundPipe's JIT build
-fi
+. bench/wheels_env.sh "$out/install.log"
 { nvidia-smi; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; git rev-parse HEAD 2>/dev/null; } > "$out/versions.txt" 2>&1
 case "${ROWS:-roundpipe}" in *roundpipe*)
   ( timeout 240 python3 bench/roundpipe_adam.py >"$out/jit_roundpipe.log" 2>&1 ) & ;;

@@ -18,12 +18,7 @@ t0=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - t0) )); }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl-site .whl/*.whl \
-    >"$out/install.log" 2>&1 || { echo "wheel install failed (see $out/install.log)"; tail -5 "$out/install.log"; }
-  export PYTHONPATH=$PWD/.whl-site:${PYTHONPATH:-}
-  export PATH=$PWD/.whl-site/bin:$PATH   # the ninja wheel's binary, for the JIT builds
-fi
+. bench/wheels_env.sh "$out/install.log"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpus.txt"
 nvidia-smi topo -m >"$out/topo.txt" 2>&1
 python3 - <<'PY' 2>&1 | tee "$out/versions.txt"

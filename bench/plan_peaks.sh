@@ -13,11 +13,7 @@
 set -u
 out=${OUT:-/tmp/out}; t0=$(date +%s); total=${TOTAL_S:-560}
 work=$out/peaks; mkdir -p "$work"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl-site .whl/*.whl \
-    >/dev/null 2>&1
-  export PYTHONPATH=$PWD/.whl-site:${PYTHONPATH:-}
-fi
+. bench/wheels_env.sh "$work/install.log"
 base=(--config "" --model llama-3b --dataset synthetic --device cuda --dtype bfloat16 --allow_long_sequences
       --batch_size 1 --num_chunks 1 --use_offload --resident_stages 0 --activation_checkpointing
       --activation_offload --num_iterations 2 --no_save_model --no_progress_bar --overwrite --save_dir /tmp/peaks_run)
