@@ -78,14 +78,14 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
     fp32 softmax (heads * seq_len a token) and unscaled copies of its inputs instead of the
     log-sum-exp.
 
-    ``compiled`` (``compile_layers``, a dense layer under sdpa): inductor's partition of the
-    layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
+    ``compiled`` (``MemoryInputs.inductor``: ``compile_layers``, a dense layer under sdpa):
+    inductor's partition of the layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
     norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
     gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
     ``tests/pure/test_memory.py``.
     """
     h, q, kv = m.hidden, m.q, m.kv_dim
-    if compiled and not m.experts_per_token and attn != "eager":
+    if compiled:
         norms = (m.pre_norms + m.post_norms) * (2 * d * h + 4)
         if m.qk_norm:
             norms += d * (q + kv) + 4 * (m.heads + (m.kv_heads or m.heads))

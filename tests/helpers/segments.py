@@ -15,6 +15,7 @@ from pipeline.stage.segments import SegmentStage
 from schedule.costmodel import balanced_segments
 from tests.helpers.tolerance import rel_err as rel
 
+
 class AttentionModule:
     """What ``pipeline.stage.attention.attention`` reads of a Hugging Face attention module."""
 
