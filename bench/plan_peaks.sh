@@ -27,8 +27,10 @@ declare -A CASE=(
   [whole16k_l12s2]="--num_layers 12 --num_stages 2 --seq_length 16384"
   [tiled128k_l4s6]="--num_layers 4 --num_stages 6 --seq_length 131072 --tiled_mlp true"
   [whole64k_s25]="--num_stages 25 --seq_length 65536 --gpu_memory_gb 24"
+  [seg4_16k_s4]="--num_stages 4 --seq_length 16384 --seq_chunks 4 --gpu_memory_gb 24"
+  [seg8_64k_s7]="--num_stages 7 --seq_length 65536 --seq_chunks 8 --gpu_memory_gb 24"
 )
-order="whole64k_s13 whole32k_s7 whole16k_s5 whole16k_l4s6 seg4tiled32k_l4s6 whole64k_l4s6 whole16k_l12s2 tiled128k_l4s6 whole64k_s25"
+order="whole64k_s13 whole32k_s7 whole16k_s5 whole16k_l4s6 seg4tiled32k_l4s6 whole64k_l4s6 whole16k_l12s2 tiled128k_l4s6 whole64k_s25 seg4_16k_s4 seg8_64k_s7"
 for name in ${CASES:-$order}; do
   if [[ ! -v CASE[$name] ]]; then
     echo "$name: unknown (cases: $order)" >> "$work/session.txt"; continue

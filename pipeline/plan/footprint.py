@@ -70,7 +70,8 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
     copy of its input, its rsqrt and the normalised input (4n + 4 + dn; a (1 + w) norm that
     multiplies in float32, Gemma's, 4n for the last), per head for per-head q/k norms. Attention
     keeps the rotated q and k, v, its output and the log-sum-exp (2dq + 2d*kv + 4*heads; ``pad``:
-    flash pads the head dimension to a multiple of 8 and keeps the padded copies); a gated MLP
+    flash pads the head dimension to a multiple of 8 and keeps the padded copies, and the output
+    projection then keeps its own input, a contiguous copy of the unpadded output: dq); a gated MLP
     keeps gate, up, their activation and product (4df), tiled (``pipeline.stage.tiled``) only its input,
     which the projections' 2dh counts already. A routed token keeps, per expert it
     goes to, its gathered input and weighted output (2dh) and the expert's f-wide tensors, and the
@@ -99,7 +100,7 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
         saved += norm(q, m.heads) + norm(kv, m.kv_heads or m.heads)
     elif m.qk_norm == "all":
         saved += norm(q) + norm(kv)
-    saved += (2 * d * q + 2 * d * kv) * pad + 4 * m.heads
+    saved += (2 * d * q + 2 * d * kv) * pad + 4 * m.heads + (d * q if pad > 1 else 0)
     if m.fused_qkv and attn != "eager":  # sdpa saves v, a view that keeps the fused q/k/v output alive
         saved += d * (q + kv)
     if m.experts_per_token:
@@ -212,11 +213,14 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
     saved = recomputed * d * h + (st.num_layers - recomputed) * layer
     if seg is not None:
         # A segment's own keys/values stay, carried for the later segments (a recomputed layer's
-        # too), and a layer that keeps its activations saves the attention's concatenation of
-        # every earlier segment's keys/values with its own: end columns, not the segment's.
-        saved += recomputed * 2 * d * m.kv_dim
-        if start > 0:
-            saved += (st.num_layers - recomputed) * 2 * d * m.kv_dim * end / (end - start)
+        # too). A layer that keeps its activations also has the attention kernel's saved keys/values,
+        # which ``layer`` counted for the segment's own columns, padded: for a first segment whose
+        # head dimension needs no padding they are the carried tensors themselves; else the kernel's
+        # copies (padded where the head dimension is) of every earlier segment's and its own: end
+        # columns (measured on an H200 with a 100-wide head: bench/results/2026-11-28_long_rows_plan_choices).
+        carried, pad = 2 * d * m.kv_dim, head_pad(inp)
+        kernel_kv = 0.0 if pad == 1 and start == 0 else carried * pad * end / (end - start)
+        saved += recomputed * carried + (st.num_layers - recomputed) * (carried + kernel_kv - carried * pad)
     if st.first:
         saved += 8 + (d * h if layer_ckpt and st.num_layers else 0)  # token ids; embedding output
     elif not recomputed and d == 4:
@@ -265,7 +269,9 @@ def head_pad(inp: MemoryInputs) -> float:
 def mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
     """Per token of a pass of ``tokens``: the MLP's intermediates while one layer's forward runs
     (gate, up, activation, product) and its backward's (three f-wide gradients); tiled, one
-    tile's: its recompute's four tensors and three gradients in the backward.
+    tile's (a pass shorter than a tile is one tile, recomputed too): in the backward its
+    recompute's gate, up and activation and three gradients, the product freed once the down
+    projection's gradients are made (measured on an H200: bench/results/2026-11-28_long_rows_plan_choices).
 
     A compiled layer's backward adds one f-wide tensor net: inductor frees the saved product once
     the down projection's weight gradient is made and writes the gate's and up's gradients over
@@ -274,10 +280,10 @@ def mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
     (``tests/pure/test_memory.py``); on an H200 the plan with three was 37-50 KB a token over the
     peaks of whole rows in stages of one to three layers (bench/results/2026-11-28_gpu_tests_and_tables)."""
     d, f = inp.dtype_bytes, inp.shape.mlp_width
-    if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token or tokens <= inp.mlp_tile_tokens:
+    if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token:
         return 4 * d * f, (d * f if inp.inductor else 3 * d * f)
-    share = inp.mlp_tile_tokens / tokens
-    return 4 * d * f * share, 7 * d * f * share
+    share = min(1.0, inp.mlp_tile_tokens / tokens)
+    return 4 * d * f * share, 6 * d * f * share
 
 
 def attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, float]:
@@ -342,10 +348,11 @@ class Ledger:
     * ``stashed`` (peak ``stash_peak``): stage inputs in host memory;
     * ``kv_host`` (peak ``kv_host_peak``): carried keys/values in host memory, by (stage, micro-batch);
     * the parameter buffers: resident stages' (``params_static``) and the offload pool's
-      (``pool_bytes``, replayed take by take as ``offload/streams.py``'s ``BufferPool``).
+      (``pool_bytes``, replayed take by take as ``offload/streams.py``'s ``BufferPool``; ``pool``:
+      the buffers an earlier iteration made, ``pool_made`` after its walk).
     """
 
-    def __init__(self, inp: MemoryInputs, rank: int, actions: list[Action]):
+    def __init__(self, inp: MemoryInputs, rank: int, actions: list[Action], pool: dict[int, int] | None = None):
         d = inp.dtype_bytes
         self.inp, self.rank = inp, rank
         self.tokens = inp.micro_batch * inp.seq_len
@@ -357,8 +364,10 @@ class Ledger:
         self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
         if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
             self.params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
-        self.pool_free: dict[int, int] = {}   # numel -> free buffers
-        self.pool_bytes = 0
+        # numel -> buffers: free now, and made (``pool``: what an earlier iteration left, all free)
+        self.pool_free: dict[int, int] = dict(pool or {})
+        self.pool_made: dict[int, int] = dict(pool or {})
+        self.pool_bytes = sum(numel * n for numel, n in self.pool_made.items()) * d
         self.has_grad: set[int] = set()
         self.saved = 0.0
         self.held = 0.0
@@ -405,6 +414,7 @@ class Ledger:
         if self.pool_free.get(numel):
             self.pool_free[numel] -= 1
         else:
+            self.pool_made[numel] = self.pool_made.get(numel, 0) + 1
             self.pool_bytes += numel * self.inp.dtype_bytes
 
     def give(self, numel: int) -> None:

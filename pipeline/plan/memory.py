@@ -10,7 +10,8 @@ by the same ``runner_for`` from the same mode. The walk has no mode of its own.
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
   the action list loads) the device holds only the buffer pool of ``offload/streams.py``: the
   walk replays its take/give on LOAD, the first backward, DROP and OFFLOAD_GRADS, so prefetch and
-  buffer reuse are counted as they happen, plus the load stream's fp32 staging buffer; their
+  buffer reuse are counted as they happen (as from the second iteration on: the pool keeps what
+  the first made), plus the load stream's fp32 staging buffer; their
   masters and AdamW state are host memory.
 * **Activations.** What autograd saves per token of a decoder layer, for Hugging Face's Llama
   layer with sdpa attention (measured with saved-tensor hooks; ``tests/pure/test_memory.py``
@@ -49,17 +50,26 @@ from schedule.ir import Action, Op
 
 
 def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMemory:
-    """Walk one rank's action list and return its peak device memory and its host memory."""
-    ledger = Ledger(inp, rank, actions)
+    """Walk one rank's action list and return its peak device memory and its host memory.
+
+    The offload pool keeps its buffers from one iteration to the next: a buffer the first
+    iteration makes late (a first stage's gradients, say) is on the device through the next
+    iteration's earlier actions too. So the list is walked twice, and the second walk, which
+    starts with every buffer the first made, is the estimate."""
     segmented = bool(inp.segments)
     runners = {s: runner_for(Mode(True, st.last, inp.fused_last, inp.activation_offload, segmented))
                for s, st in enumerate(inp.stages) if inp.mapping[s] == rank}
-    for a in actions:
-        if a.op in (Op.FORWARD, Op.BACKWARD):
-            runners[a.stage].account(a, ledger)
-        else:
-            ledger.parameters(a)
-    return ledger.finish()
+
+    def walk(pool: dict[int, int] | None) -> Ledger:
+        ledger = Ledger(inp, rank, actions, pool)
+        for a in actions:
+            if a.op in (Op.FORWARD, Op.BACKWARD):
+                runners[a.stage].account(a, ledger)
+            else:
+                ledger.parameters(a)
+        return ledger
+
+    return walk(walk(None).pool_made).finish()
 
 
 def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:

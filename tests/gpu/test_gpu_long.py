@@ -145,7 +145,9 @@ def _long_cfg(**kw):
 def test_plan_matches_the_measured_peak(kw):
     """Llama-3B's shapes, 4 layers in 6 stages (every stage offloaded, activation_offload): whole
     rows and 4 segments (keys/values in host memory), untiled at 16K and tiled at 32K. The issue's
-    target is 10%; this prints both figures for the notes and holds them within 15%."""
+    target is 10% (the 24 GiB rows the plan picks meet it: bench/README.md); in these stages of one
+    layer the plan is 10-11% over for whole rows (2026-11-28, H200). This prints both figures for
+    the notes and holds them within 12%."""
     from pipeline.plan.source import preset_config
     from pipeline.plan.fit import memory_plan
     from tests.helpers.reference import in_process_trainer
@@ -163,7 +165,7 @@ def test_plan_matches_the_measured_peak(kw):
     plan = ranks[0]
     print(f"plan vs measured {kw}: plan {plan.device_peak / GiB:.2f} GiB at {plan.at} "
           f"{ {k: round(v / GiB, 2) for k, v in plan.parts.items()} }, measured {measured / GiB:.2f} GiB")
-    assert abs(plan.device_peak / measured - 1) <= 0.15, (plan.device_peak / GiB, measured / GiB, plan.parts)
+    assert abs(plan.device_peak / measured - 1) <= 0.12, (plan.device_peak / GiB, measured / GiB, plan.parts)
 
 
 def test_out_of_memory_is_one_line(monkeypatch):

@@ -103,3 +103,32 @@ def test_runner_account_within_15_percent_of_measured_cpu_peak(tiny_model_dir, r
     assert {type(r).__name__ for r in trainer.executor.runners.training.values()} == {runner}
     measured = _measured_peak(trainer)
     assert abs(estimate / measured - 1) <= 0.15, (estimate, measured)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_stages=4, schedule="1f1b", num_chunks=4),
+    dict(num_stages=6, schedule="1f1b", num_chunks=1, activation_checkpointing=True, activation_offload=True),
+    dict(num_stages=4, schedule="gpipe", num_chunks=4, seq_chunks=4, activation_checkpointing=True,
+         activation_offload=True),
+])
+def test_the_plan_holds_every_pool_buffer_a_run_made(tiny_model_dir, kw):
+    """The offload pool keeps its buffers across iterations, so from the second on a buffer the
+    first made late (the first stage's gradients) is there through every earlier action too: the
+    plan's parameter bytes at its peak are the whole pool two iterations leave (float32: the
+    pool is all the parameter memory of offloaded stages). In the first two cases the plan's peak
+    comes before the last buffer is first made."""
+    from pipeline.plan.fit import memory_plan
+    from pipeline.plan.source import resolve_model
+    from tests.helpers.reference import in_process_trainer
+
+    cfg = make_config(dict(model=str(tiny_model_dir), dataset="synthetic", device="cpu", dtype="float32",
+                           num_iterations=2, seq_length=128, batch_size=4, use_offload=True, resident_stages=0,
+                           save_model=False, save_metrics=False, progress_bar=False, save_dir=scratch_save_dir(), **kw))
+    trainer = in_process_trainer(cfg)
+    trainer.train()
+    pools = {id(st.pool): st.pool for st in trainer.stores.values()}
+    assert len(pools) == 1
+    made = sum(buf.numel() * buf.element_size() for free in next(iter(pools.values()))._free.values()
+               for buf, _ in free)
+    ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cuda")
+    assert ranks[0].parts["parameters"] == made, (ranks[0].parts, made, ranks[0].at)
