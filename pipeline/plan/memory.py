@@ -69,7 +69,9 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
                 ledger.parameters(a)
         return ledger
 
-    return walk(walk(None).pool_made).finish()
+    first = walk(None)
+    assert first.pool_free == first.pool_made, "an iteration ends with every pool buffer given back"
+    return walk(first.pool_made).finish()
 
 
 def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:

@@ -365,10 +365,10 @@ def _peak(cfg):
 def test_plan_counts_tiles_and_keys_in_host_memory():
     """A tiled MLP leaves one tile's intermediates in a backward's transient (128K tokens: the
     untiled compiled layer's three saved 2.1 GiB tensors and its backward's one more are what it
-    saves, less the eager tiled layer's larger rest); with segments the carried keys/values of
-    every stage wait in host memory, not on the device."""
+    saves, less the eager tiled layer's larger rest and a tile's backward: 2.8 GiB); with segments
+    the carried keys/values of every stage wait in host memory, not on the device."""
     untiled, tiles = _peak(_long_cfg(tiled_mlp="false")), _peak(_long_cfg(tiled_mlp="true"))
-    assert tiles.parts["transient"] < untiled.parts["transient"] - 3 * 2**30, (tiles.parts, untiled.parts)
+    assert tiles.parts["transient"] < untiled.parts["transient"] - 2 * 2**30, (tiles.parts, untiled.parts)
     seg = _peak(_long_cfg(tiled_mlp="true", seq_chunks=8))
     kv_row = 26 * 2 * 2 * 3200 * 131072  # every layer's keys and values of the whole row, bf16
     assert 0.6 * kv_row < seg.host_parts["carried_kv"] < 2 * kv_row, seg.host_parts

@@ -130,5 +130,6 @@ def test_the_plan_holds_every_pool_buffer_a_run_made(tiny_model_dir, kw):
     assert len(pools) == 1
     made = sum(buf.numel() * buf.element_size() for free in next(iter(pools.values()))._free.values()
                for buf, _ in free)
+    # planned as for a GPU, where the parameter part is the pool's alone (float32: no staging buffer)
     ranks, _ = memory_plan(cfg, resolve_model(cfg).config, sched.round_robin(cfg.num_stages, 1), "cuda")
     assert ranks[0].parts["parameters"] == made, (ranks[0].parts, made, ranks[0].at)
