@@ -4,9 +4,11 @@
 #   OUT=$OUT bash bench/plan_peaks.sh            (from the project root, .whl carried)
 # Environment: CASES (names below, in order; default: all), TOTAL_S [560: the whole call],
 # CASE_S [170: at most per case]. llama-3b, every stage offloaded, activation_offload, bf16,
-# 2 iterations: first the long-row table's own rows at 24 GiB (the stages the plan picks now at 32K
-# and 64K, and 16K, which it under-estimates), then Llama-3B layers in few stages (a layer's terms,
-# fast to build, no cap), then the 64K row as measured on 2026-11-28. What comes back: summary.txt
+# 2 iterations: first the long-row table's own rows at 24 GiB (the stages the plan picks at 16K,
+# 32K and 64K), then Llama-3B layers in few stages (a layer's terms,
+# fast to build, no cap), then the 64K row as measured on 2026-11-28, segment rows, and the short
+# hybrid row of the peer table (issue 30: 64 x 512 tokens, 13 stages, resident stages and kept
+# layers as the plan picks them, 48 GiB; the plan is over its peak there). What comes back: summary.txt
 # (every report), session.txt (each case's status and, where it failed, its log's end),
 # peaks.tgz (reports and logs), traces.tgz (the allocator's histories, for --replay or torch's
 # memory viewer).
@@ -29,8 +31,9 @@ declare -A CASE=(
   [whole64k_s25]="--num_stages 25 --seq_length 65536 --gpu_memory_gb 24"
   [seg4_16k_s4]="--num_stages 4 --seq_length 16384 --seq_chunks 4 --gpu_memory_gb 24"
   [seg8_64k_s7]="--num_stages 7 --seq_length 65536 --seq_chunks 8 --gpu_memory_gb 24"
+  [hybrid_short]="--seq_length 512 --batch_size 64 --num_chunks 4 --num_stages 13 --resident_stages -1 --keep_layers -1 --no_activation_offload --gpu_memory_gb 48"
 )
-order="whole64k_s13 whole32k_s7 whole16k_s5 whole16k_l4s6 seg4tiled32k_l4s6 whole64k_l4s6 whole16k_l12s2 tiled128k_l4s6 whole64k_s25 seg4_16k_s4 seg8_64k_s7"
+order="whole64k_s13 whole32k_s7 whole16k_s5 whole16k_l4s6 seg4tiled32k_l4s6 whole64k_l4s6 whole16k_l12s2 tiled128k_l4s6 whole64k_s25 seg4_16k_s4 seg8_64k_s7 hybrid_short"
 for name in ${CASES:-$order}; do
   if [[ ! -v CASE[$name] ]]; then
     echo "$name: unknown (cases: $order)" >> "$work/session.txt"; continue
