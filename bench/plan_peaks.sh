@@ -5,13 +5,12 @@
 # Environment: CASES (names below, in order; default: all), TOTAL_S [560: the whole call],
 # CASE_S [170: at most per case]. llama-3b, every stage offloaded, activation_offload, bf16,
 # 2 iterations: first the long-row table's own rows at 24 GiB (the stages the plan picks at 16K,
-# 32K and 64K), then Llama-3B layers in few stages (a layer's terms,
-# fast to build, no cap), then the 64K row as measured on 2026-11-28, segment rows, and the short
-# hybrid row of the peer table (issue 30: 64 x 512 tokens, 13 stages, resident stages and kept
-# layers as the plan picks them, 48 GiB; the plan is over its peak there). What comes back: summary.txt
-# (every report), session.txt (each case's status and, where it failed, its log's end),
-# peaks.tgz (reports and logs), traces.tgz (the allocator's histories, for --replay or torch's
-# memory viewer).
+# 32K and 64K), then Llama-3B layers in few stages (a layer's terms, fast to build, no cap), then
+# the 64K row as measured on 2026-11-28, segment rows, and the short hybrid row of the peer table
+# (issue 30: 64 x 512 tokens, 13 stages, resident stages and kept layers as the plan picks them,
+# 48 GiB; the plan is over its peak there). What comes back: summary.txt (every report),
+# session.txt (each case's status and, where it failed, its log's end), peaks.tgz (reports and
+# logs), traces.tgz (the allocator's histories, for --replay or torch's memory viewer).
 set -u
 out=${OUT:-/tmp/out}; t0=$(date +%s); total=${TOTAL_S:-560}
 work=$out/peaks; mkdir -p "$work"

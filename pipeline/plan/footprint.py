@@ -80,10 +80,10 @@ def layer_saved_bytes_per_token(m: ModelShape, d: int, seq_len: int, attn: str =
     log-sum-exp.
 
     ``compiled`` (``MemoryInputs.inductor``: ``compile_layers``, a dense layer under sdpa):
-    inductor's partition of the layer's graph keeps each norm's input, output and fp32 rsqrt (it recomputes the rest of the
-    norm; per head for q/k norms), the attention's q, k, v, output and log-sum-exp, and the MLP's
-    gate, up and product (it recomputes the activation): measured on Llama and Qwen3 layers,
-    ``tests/pure/test_memory.py``.
+    inductor's partition of the layer's graph keeps each norm's input, output and fp32 rsqrt (it
+    recomputes the rest of the norm; per head for q/k norms), the attention's q, k, v, output and
+    log-sum-exp, and the MLP's gate, up and product (it recomputes the activation): measured on
+    Llama and Qwen3 layers, ``tests/pure/test_memory.py``.
     """
     h, q, kv = m.hidden, m.q, m.kv_dim
     if compiled:
