@@ -73,7 +73,8 @@ def _takes_cudnn(cfg: TrainConfig, hf_config, device: str) -> bool:
         return False
     from pipeline.stage import attention as kernels
 
-    return kernels.cudnn_takes(torch.device("cuda", torch.cuda.current_device()), compute_dtype(cfg, device),
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    return kernels.cudnn_takes(gpu, compute_dtype(cfg, gpu),
                                hf_config.num_attention_heads, kv_heads(hf_config), head_dim(hf_config))
 
 

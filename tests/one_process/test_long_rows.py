@@ -488,3 +488,20 @@ def test_whole_rows_take_cudnn_only_on_a_gpu_with_the_auto_backend():
         attention.use_backend("auto")
     with pytest.raises(ValueError, match="attention backend"):
         attention.use_backend("cudnn")
+
+
+def test_the_plan_asks_the_gpu_for_cudnn_in_the_dtype_it_will_compute_in(monkeypatch, tiny_model_dir):
+    """With ``dtype: auto`` (the default) on a GPU, the plan asks whether cuDNN takes bfloat16
+    rows: the question is put with the device the run will compute on, not the plan's device
+    name (a string, which ``compute_dtype`` cannot read)."""
+    from transformers import AutoConfig
+
+    from pipeline.plan import fit
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(attention, "cudnn_takes", lambda device, dtype, *shape: asked.append((device, dtype)) or True)
+    cfg = tiny_cfg(tiny_model_dir, dtype="auto", device="cuda", attn_implementation="auto")
+    assert fit._takes_cudnn(cfg, AutoConfig.from_pretrained(tiny_model_dir), "cuda")
+    assert asked == [(torch.device("cuda", 0), torch.bfloat16)]
