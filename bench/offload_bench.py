@@ -13,7 +13,7 @@ the optional suffixes in exactly that order (``pcie48-prefetch-noclip/s16+cross@
 - cap is the per-GPU memory cap in GiB;
 - mode is ``prefetch`` (offload + prefetch, every stage offloaded: ``--resident_stages 0``),
   ``noprefetch`` (the same, loads not overlapped), ``hybrid`` (offload + prefetch with
-  ``--resident_stages -1``: each GPU keeps as many of its stages, and their AdamW, as fit in 80% of the
+  ``--resident_stages -1``: each GPU keeps as many of its stages, and their AdamW, as fit in 90% of the
   cap), ``delayed`` (``prefetch`` with ``--delayed_update``: not exact, each CPU step overlaps the next
   iteration), ``actoff`` (``prefetch`` with ``--activation_offload``: stage inputs wait in host memory,
   each backward recomputes its stage), ``resident`` (no offload) or ``fsdp2`` (PyTorch FSDP2 + CPUOffloadPolicy + activation

@@ -95,7 +95,8 @@ class TrainConfig:
                          "in host memory between a stage's forwards and its backwards.")
     partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
                         "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
-                        "the even split unless another is predicted at least 0.1% faster), layers (as even as possible, "
+                        "the even split unless another is predicted at least 0.1% faster, and always with "
+                        "one GPU to a pipeline), layers (as even as possible, "
                         "extra layers to the middle stages) or the counts themselves, comma-separated (\"3,5,4,4\": "
                         "what a checkpoint's stages hold). --plan shows the layers per stage.")
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
@@ -104,7 +105,7 @@ class TrainConfig:
                           "for backward instead of recomputing them (the stage's last ones; exact, faster, more "
                           "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
                           "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
-                          "stays in 80% of the GPU beside the resident stages (not yet measured on GPUs).")
+                          "stays in 90% of the GPU beside the resident stages (not yet measured on GPUs).")
     compile_layers: str = _f("auto", "Regional torch.compile of every decoder layer (one compiled graph serves "
                              "all layers of a shape): fused norms, activations and rotary embeddings, the same "
                              "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton) without "
@@ -150,7 +151,7 @@ class TrainConfig:
     resident_stages: int = _f(-1, "With use_offload: stages per GPU that stay on it, AdamW state included (their "
                               "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
                               "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
-                              "80% of the GPU (0 without a GPU).")
+                              "90% of the GPU (0 without a GPU).")
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
     optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
                                    "its GPU's NUMA node cores, or of all cores, less two for its other threads).")

@@ -3,7 +3,8 @@
 ``layers`` splits the decoder layers evenly (``partition_layers``). ``cost`` moves layers away
 from the stages (and ranks) whose embedding or head make them the slowest, as the cost model
 predicts (``schedule.partition.choose_counts``): it keeps the even split unless another is
-predicted at least 0.1% faster (``MIN_GAIN``), so it is never predicted slower. Given counts
+predicted at least 0.1% faster (``MIN_GAIN``), so it is never predicted slower, and always with
+one GPU to a pipeline (``stage_layers`` says why). Given counts
 ("3,5,4,4") are taken as they are. Pure: every rank, the memory plan and ``--plan`` compute the
 same answer from the same configuration.
 """
@@ -64,7 +65,12 @@ def stage_layers(cfg: TrainConfig, hf_config, num_ranks: int) -> list[range]:
     if given is not None:
         return layer_ranges(given)
     even = partition_layers(L, S)
-    if cfg.partition == "layers" or S == 1:
+    if cfg.partition == "layers" or S == 1 or num_ranks == 1:
+        # One GPU runs every stage, so there is no balance between GPUs to gain; what the cost
+        # model's moves would do there is give the fused last stage more layers, whose host
+        # AdamW (held by clipping until the last backward) is then the next forward's longest
+        # wait: 151-167 ms against the even split's 96 ms on llama-3b, never measured faster
+        # (bench/results/2026-11-28_hybrid_row_optimizer_wait).
         return even
     counts = _cost_counts(tuple(len(p) for p in even), *_inputs(cfg, hf_config, num_ranks))
     if cfg.activation_offload and max(counts) > max(len(p) for p in even):

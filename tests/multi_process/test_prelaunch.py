@@ -22,7 +22,7 @@ from tests.helpers.prelaunch import chat_file, check_only, one_error, refused_be
 def test_help(cmd):
     proc = subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "--resident_stages" in proc.stdout and "80%" in proc.stdout and "--overwrite" in proc.stdout
+    assert "--resident_stages" in proc.stdout and "90%" in proc.stdout and "--overwrite" in proc.stdout
 
 
 @pytest.mark.slow

@@ -103,7 +103,7 @@ def test_costly_head_gets_fewer_layers_and_layers_is_the_even_split():
     assert sum(cost) == 8 and cost[-1] < 2 and cost != [2, 2, 2, 2], cost
 
 
-@pytest.mark.parametrize("stages,ranks,schedule", [(16, 2, "interleaved"), (4, 4, "1f1b"), (8, 1, "1f1b")])
+@pytest.mark.parametrize("stages,ranks,schedule", [(16, 2, "interleaved"), (4, 4, "1f1b"), (8, 2, "1f1b")])
 def test_llama_2_7b_is_predicted_faster(stages, ranks, schedule):
     """The 7B head is 0.6 of a layer's FLOPs: whole layers cannot balance the ranks, but a lighter
     first stage (the pipeline fills sooner) is predicted faster, with and without offload."""
@@ -202,10 +202,21 @@ def test_choose_counts_stays_within_its_budget():
 
 def test_activation_offload_keeps_the_even_splits_largest_stage():
     """activation_offload's peak is one stage's activations: the cost partition gives no stage
-    more layers than the even split's largest (llama-3b on one rank: the fused last stage would
-    take 4 of 26 layers; plain checkpointing keeps that choice)."""
+    more layers than the even split's largest (a costly head on 4 GPUs: plain checkpointing
+    gives the middle stages 3 of 8 layers)."""
+    hf = _llama(4096, layers=8)
+    cfg = _cfg(num_stages=4, schedule="1f1b", use_offload=True, activation_checkpointing=True)
+    assert stage_counts(cfg, hf, 4) == [1, 3, 3, 1]
+    assert stage_counts(make_config({**cfg.to_dict(), "activation_offload": True}), hf, 4) == [2, 2, 2, 2]
+
+
+def test_one_gpu_keeps_the_even_split():
+    """Every stage on one GPU: no balance between GPUs to gain, and a larger fused last stage only
+    lengthens its host step, which clipping holds to the end (llama-3b: 4 of 26 layers there
+    before); on two GPUs the same job still moves layers."""
     hf = preset_config("llama-3b")
-    base = dict(model="llama-3b", schedule="1f1b", num_stages=13, num_chunks=16, batch_size=64, seq_length=512,
+    base = dict(model="llama-3b", schedule="1f1b", num_stages=13, num_chunks=4, batch_size=64, seq_length=512,
                 use_offload=True, activation_checkpointing=True, device="cuda", dtype="bfloat16")
-    assert max(len(p) for p in stage_layers(make_config(base), hf, 1)) == 4
-    assert max(len(p) for p in stage_layers(make_config({**base, "activation_offload": True}), hf, 1)) == 2
+    assert [len(p) for p in stage_layers(make_config(base), hf, 1)] == [2] * 13
+    two = make_config({**base, "num_stages": 14, "num_chunks": 16})
+    assert stage_layers(two, hf, 2) != partition_layers(26, 14)
