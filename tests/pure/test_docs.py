@@ -99,7 +99,7 @@ def test_relative_links_exist(doc):
 
 
 # The peers' table the README quotes: one call, every system back to back at its best point.
-PEER_TABLE = ROOT / "bench/results/2026-11-27_3b_one_gpu_peers/a/peers.json"
+PEER_TABLE = ROOT / "bench/results/2026-11-28_hybrid_row_optimizer_wait/call2/a/peers.json"
 PEER_WORDS = {"RoundPipe's inexact step": "roundpipe-async", "DeepSpeed": "deepspeed", "FSDP2": "fsdp2"}
 
 
