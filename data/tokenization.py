@@ -328,8 +328,8 @@ class _ChatEncoder:
 
     def encode(self, chunk: list[tuple[str, list[tuple[int, int]]]]) -> list[Example | None]:
         try:
-            encoded = self.tokenizer(  # verbose off: rows longer than the tokenizer's max are cut or packed later
-                [text for text, _ in chunk], add_special_tokens=False, return_offsets_mapping=True, verbose=False
+            encoded = self.tokenizer(
+                [text for text, _ in chunk], add_special_tokens=False, return_offsets_mapping=True
             )
         except NotImplementedError:
             raise DataError("'messages' (chat) records need a fast tokenizer (with offsets); "
@@ -391,6 +391,4 @@ def _bos(tokenizer: Tokenizer) -> list[int]:
 
 
 def _encode(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    # verbose off: a text longer than the tokenizer's model_max_length is cut or packed into rows
-    # later; transformers' warning about it would be a stray stderr line on every run
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
