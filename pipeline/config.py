@@ -143,6 +143,10 @@ class TrainConfig:
     stagger_loads: bool = _f(True, "With the planner: hold back a rank's first load when the cost model predicts "
                              "it would slow an earlier stage's load under the same root complex.")
     device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
+    receive_ahead: int = _f(1, "Post each receive from another rank this many computes before the compute that takes "
+                         "it, so that its transfer runs during them (0 = right before it: the whole transfer "
+                         "waits in front of that compute). Each costs one more receive buffer per incoming "
+                         "neighbour, which --plan counts.")
     comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
                                "an error naming the stalled action.")
     # --- offload --------------------------------------------------------------
@@ -230,7 +234,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",
                     "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
                     "topology",
-                    "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
+                    "plan_tflops", "stagger_loads", "device", "receive_ahead", "comm_timeout_s"),
     "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
                 "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",

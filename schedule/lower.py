@@ -18,14 +18,23 @@ from schedule.ir import (COMPUTE_OPS, Action, Channel, Op, Schedule, channel, pe
 from schedule.validate import validate
 
 
-def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
+def add_send_recv(schedule: Schedule, mapping: list[int], ahead: int = 0) -> Schedule:
     """Insert SEND/RECV actions for every cross-rank activation and gradient.
 
-    A SEND goes right after the compute that produces the tensor. A RECV goes right before
-    the compute that consumes it, then moves earlier where needed so that on every channel
-    ``(src, dst)`` receives are posted in the order of the sends (the channels are FIFO).
+    A SEND goes right after the compute that produces the tensor. A RECV goes ``ahead`` computes
+    before the compute that consumes it (0: right before it; a rank's first computes post theirs
+    at the start), though never above a SEND of its own micro-batch (what it receives may be made
+    from what that sends, and a receive waiting on the device must not be trusted to let the
+    send it needs run), then moves earlier where needed so that on every channel ``(src, dst)``
+    receives are posted in the order of the sends (the channels are FIFO).
+
+    Why ahead: with NCCL a receive starts when the device reaches it, so one posted right before
+    its consumer puts the whole transfer in front of that compute; posted a compute early, the
+    tensor moves while that compute runs. Each compute ahead holds one more receive buffer.
     Neighbouring stages on one rank pass the tensor locally, with no communication.
     """
+    if ahead < 0:
+        raise ValueError(f"ahead ({ahead}) must be >= 0 computes")
     base: Schedule = {}
     for r, acts in schedule.items():
         base[r] = []
@@ -41,10 +50,16 @@ def add_send_recv(schedule: Schedule, mapping: list[int]) -> Schedule:
                 send_seq.setdefault(channel(a, mapping), []).append(peer_recv(a))
     out: Schedule = {}
     for r, acts in base.items():
-        consumer_at = {}  # recv -> index in ``acts`` of the compute that needs it
-        for i, a in enumerate(acts):
-            if a.op in COMPUTE_OPS and remote_producer(a, mapping):
-                consumer_at[recv_for(a)] = i
+        computes = [i for i, a in enumerate(acts) if a.op in COMPUTE_OPS]
+        consumer_at = {}  # recv -> index in ``acts`` of the action it is posted before
+        last_send: dict[int, int] = {}  # micro-batch -> index of its latest SEND so far
+        for n, i in enumerate(computes):
+            a = acts[i]
+            if remote_producer(a, mapping):
+                # Not above a SEND of the same micro-batch: the tensor received may be made from it.
+                consumer_at[recv_for(a)] = max(computes[max(0, n - ahead)], last_send.get(a.mb, -1) + 1)
+            if i + 1 < len(acts) and acts[i + 1].op in (Op.SEND_F, Op.SEND_B):
+                last_send[a.mb] = i + 1
         placed = []  # (anchor index, channel, seq in channel, recv)
         for ch, recvs in send_seq.items():
             if ch[1] != r:
@@ -267,6 +282,7 @@ def build(
     resident: int = 0,
     tied: bool = False,
     num_segments: int = 1,
+    receive_ahead: int = 0,
 ) -> Schedule:
     """Generate, lower and validate the full program of every rank.
 
@@ -284,10 +300,11 @@ def build(
             over more than one stage): adds their gradient exchange (``add_tie``).
         num_segments: sequence segments per micro-batch (``seq_chunks``); the passes treat a
             (micro-batch, segment) like a micro-batch, the generator orders the segments.
+        receive_ahead: computes by which a RECV precedes its consumer (``add_send_recv``'s ``ahead``).
     """
     keep = resident_stages(mapping, resident) if offload else frozenset()
     schedule = generate(name, num_stages, num_microbatches, mapping, num_segments)
-    schedule = add_send_recv(schedule, mapping)
+    schedule = add_send_recv(schedule, mapping, receive_ahead)
     if offload:
         schedule = add_load_offload(schedule, mapping, prefetch, keep)
     if tied:
@@ -306,6 +323,7 @@ def build_forward(
     prefetch: bool,
     resident: int = 0,
     num_segments: int = 1,
+    receive_ahead: int = 0,
 ) -> Schedule:
     """The forward-only program of every rank (evaluation): F, SEND_F / RECV_F and, with
     offload, LOAD / DROP; no B, no OFFLOAD_GRADS, no NORM, no STEP. Validated like ``build``.
@@ -313,7 +331,7 @@ def build_forward(
     Args: as for ``build``.
     """
     schedule = generate_forward(num_stages, num_microbatches, mapping, num_segments)
-    schedule = add_send_recv(schedule, mapping)
+    schedule = add_send_recv(schedule, mapping, receive_ahead)
     if offload:
         schedule = add_load_offload(schedule, mapping, prefetch, resident_stages(mapping, resident))
     validate(schedule, mapping, num_stages, num_microbatches, forward_only=True, num_segments=num_segments)

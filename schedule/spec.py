@@ -26,6 +26,7 @@ class ProgramSpec:
         resident: with ``offload``, stages per rank that stay on the device.
         tied: the first and last stage hold copies of one tied matrix (a TIE before the steps).
         num_segments: sequence segments per micro-batch's rows (1: whole sequences).
+        receive_ahead: computes by which a receive is posted before the compute that takes it.
     """
 
     schedule: str
@@ -37,17 +38,19 @@ class ProgramSpec:
     resident: int = 0
     tied: bool = False
     num_segments: int = 1
+    receive_ahead: int = 0
 
     def build(self, mapping: list[int]) -> Schedule:
         """Every rank's training program, validated."""
         return build(self.schedule, self.num_stages, self.num_microbatches, mapping, offload=self.offload,
                      prefetch=self.prefetch, clip=self.clip, resident=self.resident, tied=self.tied,
-                     num_segments=self.num_segments)
+                     num_segments=self.num_segments, receive_ahead=self.receive_ahead)
 
     def build_forward(self, mapping: list[int]) -> Schedule:
         """Every rank's forward-only program (evaluation), validated."""
         return build_forward(self.num_stages, self.num_microbatches, mapping, offload=self.offload,
-                             prefetch=self.prefetch, resident=self.resident, num_segments=self.num_segments)
+                             prefetch=self.prefetch, resident=self.resident, num_segments=self.num_segments,
+                             receive_ahead=self.receive_ahead)
 
 
 __all__ = ["ProgramSpec"]

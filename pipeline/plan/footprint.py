@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from models import counts, spec_for
 from offload.slices import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
 from pipeline.plan.shapes import loss_chunk_tokens
-from schedule.ir import Action, Op, crosses, offloaded_stages
+from schedule.ir import RECV_OPS, Action, Op, crosses, offloaded_stages, recv_for
 
 
 GiB = 2**30
@@ -343,7 +343,9 @@ class Ledger:
     * ``saved``: autograd's saved tensors of forwards whose backward has not run, by
       (stage, micro-batch, segment) in ``per_mb`` (segments add (stage, micro-batch, "kv") for
       the carried keys' gradients);
-    * ``held``: stage inputs, outputs and gradients the executor or a runner keeps;
+    * ``held``: stage inputs, outputs and gradients the executor or a runner keeps, and the
+      buffers of receives posted ahead of their compute (``posted``, by RECV action), until
+      the compute that takes one, whose runner counts what it keeps of it;
     * ``sent``: activation_offload's sent tensors, released at the next compute;
     * ``stashed`` (peak ``stash_peak``): stage inputs in host memory;
     * ``kv_host`` (peak ``kv_host_peak``): carried keys/values in host memory, by (stage, micro-batch);
@@ -371,6 +373,7 @@ class Ledger:
         self.has_grad: set[int] = set()
         self.saved = 0.0
         self.held = 0.0
+        self.posted: dict[Action, float] = {}
         self.per_mb: dict[tuple[int, int, int | str | None], float] = {}
         self.stashed = self.stash_peak = 0.0
         self.sent = 0.0
@@ -382,13 +385,18 @@ class Ledger:
 
     # --- what the runners use ---------------------------------------------------------------
     def compute(self, a: Action) -> tuple[int, int, float]:
-        """(stage, tokens, bytes of one hidden state) of a FORWARD or BACKWARD (of its segment)."""
+        """(stage, tokens, bytes of one hidden state) of an action on a micro-batch (of its segment)."""
         n = self.inp.span(a.seg)[2]
         return a.stage, n, self.inp.dtype_bytes * self.inp.shape.hidden * n
 
     def crosses(self, s: int, t: int) -> bool:
         """The tensor between stage ``s`` and its neighbour ``t`` goes to another rank."""
         return crosses(self.inp.mapping, s, t)
+
+    def arrive(self, a: Action) -> None:
+        """A FORWARD or BACKWARD takes the receive posted for it: its buffer is the runner's to
+        count from here (as the input it keeps, or not at all)."""
+        self.held -= self.posted.pop(recv_for(a), 0.0)
 
     def release_sent(self) -> None:
         """activation_offload: the sent tensors are dropped at the next compute."""
@@ -421,11 +429,14 @@ class Ledger:
         self.pool_free[numel] = self.pool_free.get(numel, 0) + 1
 
     def parameters(self, a: Action) -> None:
-        """Any action but a FORWARD or BACKWARD: LOAD takes a buffer of the pool, DROP gives it
-        back, OFFLOAD_GRADS gives back the weights' and the gradients' (through an fp32 chunk on
+        """Any action but a FORWARD or BACKWARD: a RECV's buffer is held until its compute
+        (``arrive``), LOAD takes a buffer of the pool, DROP gives it back, OFFLOAD_GRADS gives back the weights' and the gradients' (through an fp32 chunk on
         its way to the host); the rest move no parameter."""
         transient = 0.0
-        if a.op is Op.LOAD:
+        if a.op in RECV_OPS:  # its buffer exists from the post on (the executor allocates it there)
+            self.posted[a] = self.compute(a)[2]
+            self.held += self.posted[a]
+        elif a.op is Op.LOAD:
             self.take(self.inp.stages[a.stage].numel)
         elif a.op is Op.DROP:
             self.give(self.inp.stages[a.stage].numel)

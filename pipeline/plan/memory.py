@@ -64,6 +64,7 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
         ledger = Ledger(inp, rank, actions, pool)
         for a in actions:
             if a.op in (Op.FORWARD, Op.BACKWARD):
+                ledger.arrive(a)
                 runners[a.stage].account(a, ledger)
             else:
                 ledger.parameters(a)

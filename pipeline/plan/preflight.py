@@ -221,6 +221,9 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
         raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
                           f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
+    if cfg.receive_ahead < 0:
+        raise ConfigError(f"receive_ahead ({cfg.receive_ahead}) must be >= 0 computes (0: each receive right before the "
+                          f"compute that takes it)")
     if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
         # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
         raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "

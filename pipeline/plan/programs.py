@@ -25,7 +25,8 @@ def program_spec(cfg: TrainConfig, hf_config) -> ProgramSpec:
     ``resident_stages`` (-1, the memory plan's candidates before ``resolve``) counts as 0."""
     return ProgramSpec(cfg.schedule, cfg.num_stages, cfg.num_chunks, offload=cfg.use_offload,
                        prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
-                       tied=tied_across_stages(cfg.num_stages, hf_config), num_segments=cfg.seq_chunks)
+                       tied=tied_across_stages(cfg.num_stages, hf_config), num_segments=cfg.seq_chunks,
+                       receive_ahead=cfg.receive_ahead)
 
 
 def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, evaluate: bool,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.paths import ROOT
-from tests.helpers.runs import run_torchrun
+from tests.helpers.runs import flags, run_torchrun
 
 pytestmark = pytest.mark.gpu
 needs_gpus = lambda n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs")  # noqa: E731
@@ -29,10 +29,8 @@ def _settings(nproc: int, mode: str) -> dict:
 
 def _run(tmp_path, nproc: int, mode: str) -> dict:
     out = tmp_path / mode
-    flags = ["--no_save_model", "--save_params", "--save_dir", str(out), "--save_results", str(out / "r.json")]
-    for k, v in _settings(nproc, mode).items():
-        flags += [f"--{k}"] if v is True else [f"--no_{k[4:]}"] if v is False else [f"--{k}", str(v)]
-    proc = run_torchrun(nproc, flags)
+    proc = run_torchrun(nproc, ["--no_save_model", "--save_params", "--save_dir", str(out), "--save_results",
+                                str(out / "r.json"), *flags(_settings(nproc, mode))])
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "r.json").read_text())
     return {"losses": [r["loss"] for r in res["iterations"]], "peaks": res["iterations"][-1]["peak_mem_bytes"],

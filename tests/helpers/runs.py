@@ -41,16 +41,21 @@ def run_torchrun(nproc: int, args: list[str], timeout: float = 240) -> subproces
     return subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=timeout)
 
 
-def cli_flags(cfg) -> list[str]:
+def flags(settings: dict) -> list[str]:
+    """main.py's flags for ``settings`` (config keys -> values): ``--use_x``/``--x`` for true,
+    ``--no_x`` for false (``use_`` dropped), ``--key value`` otherwise; empty strings left out."""
     out = []
-    for k, v in cfg.to_dict().items():
-        if k in ("nproc", "master_port", "cuda_visible_devices"):  # train.sh's, not main.py's business
-            continue
+    for k, v in settings.items():
         if isinstance(v, bool):
             out.append(f"--{k}" if v else ("--no_" + k[4:] if k.startswith("use_") else f"--no_{k}"))
         elif v != "":
             out += [f"--{k}", str(v)]
     return out
+
+
+def cli_flags(cfg) -> list[str]:
+    # the launch keys are train.sh's, not main.py's business
+    return flags({k: v for k, v in cfg.to_dict().items() if k not in ("nproc", "master_port", "cuda_visible_devices")})
 
 
 def torchrun_training(nproc: int, cfg) -> tuple[list[float], dict[str, torch.Tensor], subprocess.CompletedProcess]:

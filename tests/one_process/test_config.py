@@ -160,3 +160,17 @@ def test_activation_offload_refuses_what_it_does_not_make_exact():
     # sequence segments: the stash is keyed by segment too, and a segment's recompute attends
     # to the keys/values its earlier segments carried (tests/one_process/test_seq_chunks.py)
     check_config(make_config({"activation_offload": True, "seq_chunks": 2, "device": "cpu"}), 2)
+
+
+@pytest.mark.parametrize("mode", ["resident", "prefetch", "noprefetch", "hybrid", "actoff"])
+def test_the_gpu_tests_flags_parse_to_their_settings(mode):
+    """The GPU tests build main.py's flags from settings (``tests.helpers.runs.flags``): each mode's
+    flags parse back to exactly its settings, so a GPU run cannot die on a misspelt flag before
+    training (``activation_offload: False`` once became ``--no_vation_offload``)."""
+    from tests.gpu.test_gpu import _settings
+    from tests.helpers.runs import flags
+
+    for nproc in (2, 4):
+        settings = _settings(nproc, mode)
+        cfg, _, _ = parse_args(["--config", "", *flags(settings)])
+        assert {k: getattr(cfg, k) for k in settings} == settings

@@ -168,7 +168,8 @@ def test_estimate_tracks_the_schedule():
 def test_activation_offload_peak_does_not_grow_with_microbatches():
     """activation_offload: the GPU holds one stage's activations of one micro-batch whatever the
     number waiting for their backward; each waiting one costs a hidden state per stage in host
-    memory instead. 7B on two GPUs, every stage offloaded (RoundPipe's setting)."""
+    memory instead (and, under 1F1B, a receive buffer where the channel's order makes one wait).
+    7B on two GPUs, every stage offloaded (RoundPipe's setting)."""
     from pipeline.plan.fit import memory_plan, resolve_kept
 
     hf = preset_config("llama-2-7b")
@@ -185,7 +186,11 @@ def test_activation_offload_peak_does_not_grow_with_microbatches():
             plain, _ = memory_plan(make_config({**cfg.to_dict(), "activation_offload": False}), hf,
                                    sched.round_robin(16, 2), "cuda")
             assert max(r.device_peak for r in plain) > peak[n]
-        assert peak[4] == peak[16] < 8 * 2**30, peak  # RoundPipe's class: 5-8 GiB per GPU
+        # 1F1B's last chunk takes its first gradient while the peer has already sent it the
+        # activations of every later micro-batch on the same FIFO channel: their receives are
+        # posted first (in send order), and each buffer, one hidden state, waits on the GPU.
+        assert peak[16] - peak[4] == (12 * io if schedule == "1f1b" else 0), peak
+        assert peak[16] < 8 * 2**30, peak  # RoundPipe's class: 5-8 GiB per GPU
         if schedule == "gpipe":  # every forward first: each of 15 stage inputs of each micro-batch waits
             assert host[16] - host[4] == 12 * 15 * io  # (no fused last stage here: see fuses_last_stage)
     kept, line = resolve_kept(make_config({**base, "keep_layers": -1, "batch_size": 4, "num_chunks": 4}), hf, 2)
@@ -345,3 +350,21 @@ def test_cudnn_whole_rows_count_no_query_gradient_accumulator():
     (f_fwd, f_bwd), (c_fwd, c_bwd) = attention_work(flash, 0, 16384), attention_work(cudnn, 0, 16384)
     assert c_fwd == f_fwd and f_bwd - c_bwd == pytest.approx(4 * m.q * head_pad(flash)) and head_pad(flash) == 1.04
     assert attention_work(cudnn, 8192, 16384) == attention_work(flash, 8192, 16384)
+
+
+def test_posted_receives_are_counted_until_their_compute():
+    """A receive's buffer exists from its post (the executor allocates it there): posting each
+    one compute ahead holds one more hidden state on a rank that receives, at its peak."""
+    from pipeline.plan.fit import memory_plan
+
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", num_stages=4, seq_length=512, batch_size=8, num_chunks=8, schedule="gpipe",
+                activation_checkpointing=True, device="cuda")
+    io = 1 * 512 * 4096 * 2  # one micro-batch's hidden state in bf16
+    peaks = {}
+    for ahead in (0, 1, 2):
+        ranks, _ = memory_plan(make_config({**base, "receive_ahead": ahead}), hf, sched.round_robin(4, 2), "cuda")
+        peaks[ahead] = [r.device_peak for r in ranks]
+    for k in (1, 2):  # the rank that peaks while receiving holds k more; the other's peak is elsewhere
+        grew = [peaks[k][r] - peaks[0][r] for r in range(2)]
+        assert max(grew) == k * io and set(grew) <= {0, k * io}, peaks

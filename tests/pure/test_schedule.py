@@ -234,6 +234,49 @@ def test_add_send_recv_posts_receives_in_send_order():
     simulate(lowered, [0, 1])
 
 
+def test_add_send_recv_posts_receives_ahead():
+    """``ahead`` computes early (so the transfer runs while they compute), still in send order,
+    never above a SEND of the same micro-batch (0RECV_B0 comes after 0SEND_F0, whose activation
+    that gradient is made from); a rank's first computes post theirs at the start."""
+    compute = generate("1f1b", 2, 4, [0, 1])
+    assert add_send_recv(compute, [0, 1], ahead=1) == parse_schedule("""
+        rank 0: 0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0B0 0RECV_B1 0F2 0SEND_F2 0B1 0RECV_B2 0F3 0SEND_F3 0RECV_B3 0B2 0B3
+        rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1RECV_F3 1B2 1SEND_B2 1F3 1B3 1SEND_B3
+    """)
+    # one stage per rank and one micro-batch: every receive waits for its micro-batch's send
+    assert add_send_recv(generate("gpipe", 2, 1, [0, 1]), [0, 1], ahead=2) == parse_schedule("""
+        rank 0: 0F0 0SEND_F0 0RECV_B0 0B0
+        rank 1: 1RECV_F0 1F0 1B0 1SEND_B0
+    """)
+    with pytest.raises(ValueError, match="ahead"):
+        add_send_recv(compute, [0, 1], ahead=-1)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("name", NAMES)
+def test_sweep_receives_ahead_validate_and_simulate(name, ahead):
+    """Every schedule, with and without offload, posts each receive at least ``ahead`` computes
+    before its consumer (fewer only where the rank has not computed that many yet, or has sent
+    something of the micro-batch since), and the program still validates and simulates."""
+    for num_ranks, per_rank in ((2, 1), (2, 3), (3, 2), (4, 2)):
+        S = num_ranks * per_rank
+        mapping = round_robin(S, num_ranks)
+        for M in MICROBATCHES:
+            for offload, prefetch, clip in LOWERINGS:
+                sched = build(name, S, M, mapping, offload=offload, prefetch=prefetch, clip=clip, receive_ahead=ahead)
+                simulate(sched, mapping)
+                for acts in sched.values():
+                    computes = [i for i, a in enumerate(acts) if a.op in (Op.FORWARD, Op.BACKWARD)]
+                    for n, i in enumerate(computes):
+                        if remote_producer(acts[i], mapping):
+                            posted = acts.index(recv_for(acts[i]))
+                            sent = max([j for j in range(i) if acts[j].op in (Op.SEND_F, Op.SEND_B)
+                                        and acts[j].mb == acts[i].mb], default=-1)
+                            assert posted > sent, (acts[i], acts)
+                            free = sum(sent < j < i for j in computes)
+                            assert sum(posted < j < i for j in computes) >= min(ahead, n, free), (acts[i], acts)
+
+
 def test_add_send_recv_same_rank_neighbours_pass_locally():
     lowered = add_send_recv(generate("1f1b", 2, 1, [0, 0]), [0, 0])
     assert lowered == parse_schedule("rank 0: 0F0 1F0 1B0 0B0")
