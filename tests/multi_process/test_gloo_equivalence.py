@@ -40,3 +40,14 @@ def test_torchrun_resident_stages_match_reference(tiny_model_dir, tmp_path, sche
     losses, params, proc = torchrun_training(2, cfg)
     assert "offload: 1 of 2 stages per GPU stay resident" in proc.stdout, proc.stdout[-2000:]
     assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_torchrun_receives_posted_ahead_match_reference(tiny_model_dir, tmp_path, schedule):
+    """Receives posted two computes before the compute that takes them (``receive_ahead``): the
+    same messages in the same order per channel, so the same training."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, num_stages=4, use_offload=True, receive_ahead=2,
+                   save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
+    losses, params, _ = torchrun_training(2, cfg)
+    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
