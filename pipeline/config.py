@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -276,6 +277,11 @@ def flatten_sections(values: dict[str, Any], source: str = "config") -> dict[str
     return flat
 
 
+def nearest(name: str, known: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` names of ``known`` that look like ``name``, the nearest first."""
+    return difflib.get_close_matches(name, known, n=n)
+
+
 def _negative_flag(name: str) -> str:
     return "no_" + name[len("use_"):] if name.startswith("use_") else "no_" + name
 
@@ -288,10 +294,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = message.partition("unrecognized arguments: ")[2].split()
         flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        close = sorted({c for u in unknown if u.startswith("--")
-                        for c in difflib.get_close_matches(u.split("=")[0], flags, n=3)})
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"{message}{hint}; main.py --help lists the flags")
+        close = [c for u in unknown if u.startswith("--") for c in nearest(u.split("=")[0], flags)]
+        hint = f" (did you mean {', '.join(dict.fromkeys(close))}?)" if close else ""
+        # no program name: the same line reaches people who ran train.sh and main.py
+        raise ConfigError(f"{message}{hint}; --help lists the flags")
 
 
 class _Switch(argparse.Action):
@@ -357,6 +363,8 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
     if typ == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
+        if not math.isfinite(value):  # argparse's float() and YAML's .nan/.inf both make one
+            raise ConfigError(f"config key {name!r} must be a finite number, got {value!r}")
         return float(value)
     return "" if value is None else str(value)
 
@@ -387,7 +395,7 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
     for source in (flatten_sections(yaml_values or {}), overrides or {}):
         for key, value in source.items():
             if key not in fields:
-                close = [k for k in fields if k.split("_")[0] == key.split("_")[0]]
+                close = nearest(key, list(fields))
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"unknown config key {key!r}{hint}")
             values[key] = _coerce(key, value, fields[key].type)
