@@ -57,7 +57,9 @@ def eval_line(row: dict) -> str:
 
 def summary_line(row: dict) -> str:
     mems = " ".join(f"{m / GIB:.2f}" for m in row["peak_mem_bytes_per_rank"])
-    line = (f"summary: {row['num_steps']} steps in {row['total_time_s']:.2f}s, mean step "
+    first = row.get("resumed_after_step")
+    steps = f"{row['num_steps']} steps" + (f" (resumed after step {first})" if first else "")
+    line = (f"summary: {steps} in {row['total_time_s']:.2f}s, mean step "
             f"{row['mean_step_time_s']:.3f}s and {row['mean_tokens_per_s']:.0f} tok/s after the first step, "
             f"{row['skipped_steps']} skipped; peak memory per rank (GiB): {mems}")
     if row.get("eval_loss") is not None:
@@ -132,8 +134,9 @@ class Metrics:
     def __init__(self, log: Log, *, speaks: bool, num_steps: int, save_dir: str | Path | None,
                  progress_bar: bool):
         self.log, self.speaks, self.num_steps = log, speaks, num_steps
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # every step's row, those of the run this one resumed included
         self.evals: list[dict] = []
+        self.first_step = 0  # the steps this run resumed after (their rows came from the file)
         self.path = Path(save_dir) / METRICS_FILE if save_dir is not None and speaks else None
         self.plot_path = Path(save_dir) / PLOT_FILE if save_dir is not None and speaks else None
         self._file: IO[str] | None = None
@@ -149,6 +152,7 @@ class Metrics:
         new run; for a run resumed after ``first_step`` steps, the rows of steps up to it are
         kept (later ones belong to the abandoned continuation) and new rows are appended."""
         self.t0 = time.perf_counter()
+        self.first_step = first_step
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,11 +213,15 @@ class Metrics:
         total = time.perf_counter() - self.t0
         summary = None
         if self.speaks:
-            mean_step, mean_tps = steady_means(self.rows)
-            summary = {"kind": "summary", "num_steps": len(self.rows), "total_time_s": total,
+            # total_time_s is this run's: so are the steps it counts and averages
+            ran = [r for r in self.rows if r["step"] > self.first_step]
+            mean_step, mean_tps = steady_means(ran)
+            summary = {"kind": "summary", "num_steps": len(ran), "total_time_s": total,
                        "mean_step_time_s": mean_step, "mean_tokens_per_s": mean_tps,
-                       "skipped_steps": sum(1 for r in self.rows if r.get("skipped")),
+                       "skipped_steps": sum(1 for r in ran if r.get("skipped")),
                        "peak_mem_bytes_per_rank": per_rank}
+            if self.first_step:
+                summary["resumed_after_step"] = self.first_step
             if self.evals:
                 summary["eval_loss"] = self.evals[-1]["loss"]
                 summary["eval_perplexity"] = self.evals[-1]["perplexity"]

@@ -219,3 +219,26 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):
     assert summary["peak_mem_bytes_per_rank"] == [123] and m.bar is None
     out = capsys.readouterr().out
     assert "step    1/2 loss 2.5000" in out and "summary: 1 steps" in out
+
+
+def test_summary_after_a_resume_counts_the_steps_this_run_ran(tmp_path, monkeypatch, capsys):
+    """A run resumed after step 2 of 4 runs 2 steps: its summary says 2, and its means and skipped
+    steps are over those two (the kept rows of steps 1-2 took the earlier run's time)."""
+    import json
+
+    import pipeline.run.metrics as metrics
+    from pipeline.dist import Log
+
+    monkeypatch.setattr(metrics, "write_plot_png", lambda *a, **k: None)  # matplotlib: seconds, not tested here
+    rows = _train_rows(4)
+    rows[0]["skipped"] = True
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))  # 3: abandoned
+    m = metrics.Metrics(Log(0), speaks=True, num_steps=4, save_dir=tmp_path, progress_bar=False)
+    m.start(2)
+    for r in rows[2:]:
+        m.log_step({**{k: v for k, v in r.items() if k != "kind"}, "step_time_s": 2.0, "tokens_per_s": 256.0})
+    summary = m.finish(123)
+    assert summary["num_steps"] == 2 and summary["skipped_steps"] == 0 and summary["resumed_after_step"] == 2
+    assert summary["mean_step_time_s"] == 2.0 and summary["mean_tokens_per_s"] == 256.0
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert "summary: 2 steps (resumed after step 2) in " in capsys.readouterr().out
