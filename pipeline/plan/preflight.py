@@ -296,10 +296,10 @@ def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
         build_generated_model(cfg)
         source = resolve_model(cfg)
     if source.weights_dir is not None:
-        from pipeline.plan.weight_files import weight_files
+        from pipeline.plan.weight_files import check_weight_files
 
         try:
-            weight_files(source.weights_dir)
+            check_weight_files(source.weights_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model {cfg.model!r}: {e}") from None
     if records is not None:
