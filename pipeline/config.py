@@ -29,6 +29,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("auto", "sdpa", "eager")
 ATTN_BACKENDS = ("auto", "flash")  # pipeline.stage.attention.BACKENDS (not imported: config loads no torch)
 PARTITIONS = ("cost", "layers")
+REPORT_TO = ("tensorboard", "wandb", "none")  # report_to's names, one or several comma-separated
 
 
 class ConfigError(ValueError):
@@ -205,6 +206,11 @@ class TrainConfig:
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
                      "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
                      "again) or a checkpoint directory; empty = start from the model.")
+    report_to: str = _f("tensorboard", "Where the rows of metrics.jsonl also go, from the rank that writes it (with "
+                        "save_metrics): tensorboard (event files in save_dir/tensorboard; `tensorboard --logdir "
+                        "save_dir/tensorboard`), wandb (Weights & Biases, if installed; WANDB_MODE=offline needs no "
+                        "network, WANDB_PROJECT names the project, default mmoc-pipe), none, or several "
+                        "comma-separated (a YAML list too).", listed=REPORT_TO)
     # --- launch ---------------------------------------------------------------
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
     nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU); train.sh's "
@@ -239,14 +245,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "loss_scale_window", "max_skipped_steps"),
     "output": ("save_dir", "overwrite", "save_model", "save_params", "save_results", "save_metrics", "progress_bar",
                "eval_every", "timeline", "timeline_iteration", "debug_schedule", "checkpoint_every",
-               "keep_checkpoints", "resume"),
+               "keep_checkpoints", "resume", "report_to"),
     "launch": ("cuda_visible_devices", "nproc", "master_port"),
 }
 # Keys a resumed run may change without it being reported as a change of the run: the launch
 # section, and where, how long and how often it writes.
 RESUME_FREE = frozenset(SECTIONS["launch"]) | {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints",
                                                 "save_dir", "save_model", "save_params", "save_results", "overwrite",
-                                                "debug_schedule"}
+                                                "debug_schedule", "report_to"}
 
 
 def _fields() -> dict[str, dataclasses.Field]:
@@ -398,6 +404,8 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
                 close = nearest(key, list(fields))
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"unknown config key {key!r}{hint}")
+            if isinstance(value, (list, tuple)) and fields[key].metadata.get("listed"):
+                value = ",".join(map(str, value))  # a YAML list of names
             values[key] = _coerce(key, value, fields[key].type)
     for name, value in values.items():
         new = fields[name].metadata.get("renamed", {}).get(value)
@@ -411,7 +419,18 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
         if choices and getattr(cfg, name) not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
     partition_counts(cfg.partition)
+    report_targets(cfg.report_to)
     return cfg
+
+
+def report_targets(report_to: str) -> tuple[str, ...]:
+    """The names ``report_to`` lists (``()`` for none). Raises ConfigError for an unknown name."""
+    names = tuple(dict.fromkeys(n.strip() for n in report_to.split(",") if n.strip()))
+    bad = [n for n in names if n not in REPORT_TO]
+    if bad or ("none" in names and len(names) > 1):
+        raise ConfigError(f"report_to must be one of {', '.join(REPORT_TO)} or several of them comma-separated "
+                          f"(none alone); got {report_to!r}")
+    return tuple(n for n in names if n != "none")
 
 
 def partition_counts(partition: str) -> list[int] | None:

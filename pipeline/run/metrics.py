@@ -11,6 +11,8 @@ ranks take part in the summary's gather of peak memory and otherwise only warn. 
 * ``metrics.png``: a matplotlib figure of titled panels over the steps: training and validation
   loss, throughput (tokens/s, from zero), step time, and the gradient norm, peak memory and
   learning rate where the rows have them; skipped steps are shaded red in every panel.
+* ``tensorboard/`` and Weights & Biases, as ``report_to`` asks: the same rows
+  (``pipeline.run.sinks``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 
 from pipeline.dist import DistEnv, Log, barrier, gather_objects
 from pipeline.run.checkpoint import write_json_atomic
+from pipeline.run.sinks import Sink, open_sinks
 
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
@@ -129,10 +132,12 @@ class Metrics:
         num_steps: steps of the run (the bar's total).
         save_dir: where ``metrics.jsonl`` and ``metrics.png`` go; None writes no files.
         progress_bar: draw a tqdm bar (on stdout, only when it is a terminal).
+        report_to: where the rows also go (``pipeline.config.report_targets``), with a save_dir.
+        config: the run's settings, for a Weights & Biases run.
     """
 
     def __init__(self, log: Log, *, speaks: bool, num_steps: int, save_dir: str | Path | None,
-                 progress_bar: bool):
+                 progress_bar: bool, report_to: tuple[str, ...] = (), config: dict | None = None):
         self.log, self.speaks, self.num_steps = log, speaks, num_steps
         self.rows: list[dict] = []  # every step's row, those of the run this one resumed included
         self.evals: list[dict] = []
@@ -140,6 +145,8 @@ class Metrics:
         self.path = Path(save_dir) / METRICS_FILE if save_dir is not None and speaks else None
         self.plot_path = Path(save_dir) / PLOT_FILE if save_dir is not None and speaks else None
         self._file: IO[str] | None = None
+        self.report_to, self.config = report_to, config or {}
+        self.sinks: list[Sink] = []
         self.bar = None
         if speaks and progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
@@ -168,8 +175,9 @@ class Metrics:
         self.rows = [r for r in kept if r["kind"] == "train"]
         self.evals = [r for r in kept if r["kind"] == "eval"]
         self._file = self.path.open("w")
-        for row in kept:
+        for row in kept:  # the sinks have them from the run that wrote them
             self._write(row)
+        self.sinks = open_sinks(self.report_to, self.path.parent, first_step, self.config)
         if self.bar is not None:
             self.bar.update(first_step)
 
@@ -177,6 +185,12 @@ class Metrics:
         if self._file is not None:
             self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
             self._file.flush()  # a run that dies keeps every row written so far
+
+    def _emit(self, row: dict, step: int) -> None:
+        """A new row: to metrics.jsonl and to every sink, the same values."""
+        self._write(row)
+        for sink in self.sinks:
+            sink.write(row, step)
 
     def log_step(self, row: dict) -> None:
         """Report one step. ``row``: step (1-based), loss, grad_norm, lr, tokens, tokens_per_s,
@@ -189,7 +203,7 @@ class Metrics:
             gn = row.get("grad_norm")
             self.log.warn(f"step {row['step']}: non-finite loss {row['loss']} or gradient norm {gn}; the optimizer "
                           f"step is skipped on every rank (weights and AdamW state unchanged)")
-        self._write(row)
+        self._emit(row, row["step"])
         self.log.info(step_line(row, self.num_steps))
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {row['loss']:.4f} tok/s {row['tokens_per_s']:.0f} "
@@ -203,7 +217,7 @@ class Metrics:
             return
         row = {"kind": "eval", "split": "validation", **row, "perplexity": perplexity(row["loss"])}
         self.evals.append(row)
-        self._write(row)
+        self._emit(row, row["step"])
         self.log.info(eval_line(row))
 
     def finish(self, peak_mem_bytes: int) -> dict | None:
@@ -226,7 +240,7 @@ class Metrics:
                 summary["eval_loss"] = self.evals[-1]["loss"]
                 summary["eval_perplexity"] = self.evals[-1]["perplexity"]
             self._close_bar()  # the bar goes before the summary line
-            self._write(summary)
+            self._emit(summary, self.rows[-1]["step"] if self.rows else self.first_step)
             self.log.info(summary_line(summary))
             if self.plot_path is not None and self.rows:
                 write_plot_png(self.plot_path, self.rows, self.evals)
@@ -239,6 +253,9 @@ class Metrics:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def _close_bar(self) -> None:
         if self.bar is not None:

@@ -285,3 +285,13 @@ def test_check_only_says_it_in_one_line(tiny_model_dir):
     """main.py --check_only (what train.sh runs first): exit 2, one error line, no traceback."""
     one_error(check_only(["--model", str(tiny_model_dir), "--seq_length", "32", "--seq_chunks", "40"]),
                "seq_chunks (40) must be between 1 (whole rows) and seq_length (32)")
+
+
+@pytest.mark.slow
+def test_report_to_wandb_without_wandb_is_one_line(tiny_model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here: tests/one_process/test_metrics.py runs it offline")
+    one_error(check_only(["--model", str(tiny_model_dir), "--report_to", "tensorboard,wandb"]),
+              "report_to wandb needs the wandb package, which is not installed")

@@ -242,3 +242,83 @@ def test_summary_after_a_resume_counts_the_steps_this_run_ran(tmp_path, monkeypa
     assert summary["mean_step_time_s"] == 2.0 and summary["mean_tokens_per_s"] == 256.0
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
     assert "summary: 2 steps (resumed after step 2) in " in capsys.readouterr().out
+
+
+# --- TensorBoard and Weights & Biases ------------------------------------------------------------
+def _event_scalars(path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files under ``path``, read back as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _f32(value) -> float:
+    """metrics.jsonl's value as the event file stores it (float32; null is NaN)."""
+    import struct
+
+    return math.nan if value is None else struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
+def test_tensorboard_event_files_hold_the_metrics_rows(tiny_model_dir, tmp_path):
+    """report_to tensorboard (the default): save_dir/tensorboard holds every number of every row
+    of metrics.jsonl (train, eval, summary, each rank's peak memory), at its step, and no other."""
+    from pipeline.run.sinks import scalars
+
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, eval_every=2, eval_batches=1)
+    assert cfg.report_to == "tensorboard"
+    in_process_trainer(cfg).train()
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        step = row.get("step", rows[-2]["step"])  # the summary's: the last step
+        for tag, value in scalars(row).items():
+            expected.setdefault(tag, []).append((step, _f32(value)))
+    events = _event_scalars(tmp_path / "tensorboard")
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/tflops_per_gpu",
+            "train/peak_mem_bytes", "train/step_time_s", "train/skipped", "eval/loss", "eval/perplexity",
+            "summary/peak_mem_bytes_rank0"} <= set(events)
+    assert sorted(events) == sorted(expected)
+    for tag, points in expected.items():
+        assert [s for s, _ in events[tag]] == [s for s, _ in points], tag
+        assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(events[tag], points)), tag
+    assert events["train/loss"][0][1] == _f32(rows[0]["loss"]) and events["eval/loss"] == [(2, _f32(rows[2]["loss"]))]
+
+
+def test_report_to_none_and_lists(tiny_model_dir, tmp_path):
+    from pipeline.config import ConfigError, make_config, report_targets
+
+    assert report_targets(make_config({"report_to": ["tensorboard", "wandb"]}).report_to) == ("tensorboard", "wandb")
+    assert report_targets("tensorboard, wandb") == ("tensorboard", "wandb") and report_targets("none") == ()
+    with pytest.raises(ConfigError, match="report_to must be one of tensorboard, wandb, none"):
+        make_config({"report_to": "comet"})
+    with pytest.raises(ConfigError, match=r"\(none alone\); got 'none,wandb'"):
+        make_config({"report_to": "none,wandb"})
+    in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="none")).train()
+    assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
+
+
+def test_wandb_not_installed_is_refused_before_launch(tiny_model_dir, tmp_path, monkeypatch):
+    """wandb is optional: asked for and not installed, check_files (before any process group)
+    refuses the run in one line."""
+    import importlib.util
+
+    from pipeline.config import ConfigError
+    from pipeline.plan.preflight import check_report_to
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^report_to wandb needs the wandb package, which is not installed: "
+                                          r"python3 -m pip install wandb \(not a requirement\); or drop it"):
+        check_report_to(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb"))
+    check_report_to(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb", save_metrics=False))
+
+
+def test_wandb_offline_logs_the_rows(tiny_model_dir, tmp_path, monkeypatch):
+    """With wandb installed, WANDB_MODE=offline: a run under save_dir/wandb, no network."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="wandb")).train()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
