@@ -155,6 +155,9 @@ class TrainConfig:
                               "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
                               "90% of the GPU (0 without a GPU).")
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
+    host_memory_gb: float = _f(0.0, "Host memory the run may use in GiB, for the memory plan's host check (--plan and "
+                               "before training): set it, with nproc and gpu_memory_gb, to plan for another "
+                               "machine (0 = what this machine has available now).")
     optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
                                    "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
     delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
@@ -238,8 +241,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                     "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
                     "topology",
                     "plan_tflops", "stagger_loads", "device", "comm_timeout_s"),
-    "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
-                "delayed_update"),
+    "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "host_memory_gb",
+                "optimizer_threads", "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
                   "loss_scale_window", "max_skipped_steps"),

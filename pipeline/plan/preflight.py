@@ -260,7 +260,8 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         # the backward recomputes each stage whole: there is no layer whose activations could be kept
         raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
                           f"({cfg.keep_layers}) must be 0 or -1 with it")
-    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip") if getattr(cfg, k) < 0]
+    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip", "gpu_memory_gb",
+                                                      "host_memory_gb") if getattr(cfg, k) < 0]
     if negative:
         raise ConfigError(f"{' and '.join(negative)} must be >= 0")
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
