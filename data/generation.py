@@ -133,6 +133,9 @@ def generate(args: argparse.Namespace) -> list[str]:
         raise GenerateError("--device cuda was asked for but no CUDA GPU is visible; use --device auto or cpu")
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for loading a few files: stderr noise beside the answer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if fmt == CHAT and not getattr(tokenizer, "chat_template", None):
         raise GenerateError(f"--format chat needs a tokenizer with a chat template; {str(model_dir)!r} has none")

@@ -70,7 +70,8 @@ def test_generate_prints_the_models_continuation(tiny_model_dir, tmp_path, capsy
     (run / "results.json").write_text(json.dumps({"config": {"dataset": "sample", "dataset_split": "train"}}))
     assert training_format(run / "model") == "xsum"
     assert main(["--model", str(run / "model"), "--prompt", ARTICLE, "--max_new_tokens", "8", "--device", "cpu"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert err == "", err  # no loading bar beside the answer
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([encode_generation_prompt(tok, "xsum", {"document": ARTICLE})])
