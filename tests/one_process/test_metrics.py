@@ -322,3 +322,28 @@ def test_wandb_offline_logs_the_rows(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="wandb")).train()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_tensorboard_after_a_resume_and_an_overwrite(tmp_path, monkeypatch):
+    """A resumed run's event files replace the abandoned continuation's steps (TensorBoard reads
+    step 3 as the new run wrote it); a fresh run (overwrite) leaves none of the old run's."""
+    import pipeline.run.metrics as metrics
+    from pipeline.dist import Log
+
+    monkeypatch.setattr(metrics, "write_plot_png", lambda *a, **k: None)
+
+    def run(first_step: int, rows: list[dict]) -> None:
+        m = metrics.Metrics(Log(0), speaks=True, num_steps=4, save_dir=tmp_path, progress_bar=False,
+                            report_to=("tensorboard",))
+        m.start(first_step)
+        for r in rows:
+            m.log_step({k: v for k, v in r.items() if k != "kind"})
+        m.finish(1)
+
+    rows = _train_rows(4)
+    run(0, rows[:3])  # stopped after step 3, its checkpoint at step 2
+    run(2, [{**r, "loss": 10.0 + r["step"]} for r in rows[2:]])
+    loss = _event_scalars(tmp_path / "tensorboard")["train/loss"]
+    assert loss == [(1, _f32(3.0)), (2, _f32(1.5)), (3, 13.0), (4, 14.0)], loss
+    run(0, rows[:1])
+    assert _event_scalars(tmp_path / "tensorboard")["train/loss"] == [(1, _f32(3.0))]
