@@ -10,6 +10,8 @@ import traceback
 # Only the standard library here: a Ctrl-C while torch imports must reach the handler at the bottom.
 
 
+# --plan's exit status when the run would not fit (0: it fits; 2: bad settings).
+PLAN_DOES_NOT_FIT = 1
 # How long a rank other than 0 waits before exiting on an error that rank 0 reports too.
 REPORT_GRACE_S = 60.0
 
@@ -76,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "plan":  # for the processes torchrun starts, or for `nproc` of them
             world_size = env.world_size if env.world_size > 1 else (cfg.nproc or 1)
             check_config(cfg, world_size, need_devices=False)
-            if env.rank == 0:
-                print(plan_report(cfg, world_size), flush=True)
-            return 0
+            if env.rank != 0:
+                return 0
+            text, fits = plan_report(cfg, world_size)
+            print(text, flush=True)
+            return 0 if fits else PLAN_DOES_NOT_FIT  # for scripts: 2 is a bad setting, as elsewhere
         check_config(cfg, env.world_size)
         # Files too (model, tokenizer, data, save_dir), on every rank alike, before any process
         # group exists: a direct torchrun launch then fails as train.sh's --check_only does.

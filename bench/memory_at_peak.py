@@ -137,7 +137,7 @@ def main() -> int:
     cfg, _, _ = parse_args(flags)
     plan = io.StringIO()
     with redirect_stdout(plan):
-        print(plan_report(cfg, 1))
+        print(plan_report(cfg, 1)[0])
     trace_path = args.trace or str(Path(args.out).with_suffix(".pkl"))
 
     def keep_history(*_) -> None:  # on running out of memory: main() then leaves the process at once

@@ -87,6 +87,25 @@ def encode_prompt(tokenizer: Tokenizer, document: str) -> list[int]:
     return _bos(tokenizer) + prefix + doc + suffix
 
 
+def encode_generation_prompt(tokenizer: Tokenizer, fmt: str, record: Mapping[str, Any]) -> list[int]:
+    """Token ids of the prompt training puts before the trained part of a ``fmt`` record, for
+    generation: XSum ``bos + prompt(document)``, Alpaca ``bos + prompt(instruction, input)``, chat
+    the chat template's rendering of ``messages`` with its generation prompt (tokenized as
+    training tokenizes the whole conversation), text ``bos + text``. ``record`` has the training
+    record's fields without the answer (``summary``, ``output``, the last assistant turn)."""
+    if fmt == XSUM:
+        return encode_prompt(tokenizer, record["document"])
+    if fmt == ALPACA:
+        prompt = format_alpaca_prompt(record["instruction"], record.get("input") or "")
+        return _bos(tokenizer) + _encode(tokenizer, [prompt])[0]
+    if fmt == CHAT:
+        text = _ChatEncoder(tokenizer, 2).render(list(record["messages"]), add_generation_prompt=True)
+        return _encode(tokenizer, [text])[0]
+    if fmt == TEXT:
+        return _bos(tokenizer) + _encode(tokenizer, [record[TEXT]])[0]
+    raise ValueError(f"fmt ({fmt!r}) must be one of {list(FORMATS)}")
+
+
 def tokenize_records(
     records: Iterable[Mapping[str, Any]],
     tokenizer: Tokenizer,

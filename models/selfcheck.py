@@ -18,7 +18,7 @@ from models.registry import _CHECKED, REGISTRY, UnsupportedModel, accept, generi
 from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, submodule, tied
 
 RTOL = 1e-5
-BATCH, SEQ, WINDOW, VOCAB = 2, 24, 8, 128
+BATCH, SEQ, WINDOW, VOCAB, LAYERS = 2, 24, 8, 128, 2  # the shrunk model and its batch
 
 
 def family_spec(config) -> ArchSpec:
@@ -40,12 +40,26 @@ def family_spec(config) -> ArchSpec:
     return spec
 
 
+def generic_path_line(config) -> str:
+    """The log line of a family that trains on the self-checked generic path ("" for a
+    registered one): a run of a family no one wrote a spec for says so, and on what evidence."""
+    if config.model_type in REGISTRY:
+        return ""
+    windows = {"layer_types": "sliding windows where layer_types says", "all": "a sliding window on every layer",
+               "none": "no sliding window"}[generic_spec(config).sliding]
+    return (f"model: model_type {config.model_type!r} is not registered; it trains on the generic stage path "
+            f"(its own Hugging Face modules in Llama's embedding, layers, norm and head layout, {windows}), which its start-up self-check accepted: two pipeline stages against "
+            f"its Hugging Face model shrunk to {LAYERS} decoder layers, random weights, one batch of "
+            f"{BATCH}x{SEQ} tokens in float32, the loss and every parameter's gradient equal to {RTOL:g} "
+            f"(relative)")
+
+
 def shrunk(config):
     """``config`` with two decoder layers, small widths and a short window (its own layer types:
     a sliding and a full layer where it has both)."""
     kv = 2 if kv_heads(config) < config.num_attention_heads else 4
     small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=kv,
-                 num_hidden_layers=2, vocab_size=VOCAB, tie_word_embeddings=tied(config), use_cache=False)
+                 num_hidden_layers=LAYERS, vocab_size=VOCAB, tie_word_embeddings=tied(config), use_cache=False)
     if getattr(config, "head_dim", None):
         small["head_dim"] = 16
     if getattr(config, "sliding_window", None):

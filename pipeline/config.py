@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("auto", "sdpa", "eager")
 ATTN_BACKENDS = ("auto", "flash")  # pipeline.stage.attention.BACKENDS (not imported: config loads no torch)
 PARTITIONS = ("cost", "layers")
+REPORT_TO = ("tensorboard", "wandb", "none")  # report_to's names, one or several comma-separated
 
 
 class ConfigError(ValueError):
@@ -157,6 +159,9 @@ class TrainConfig:
                               "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
                               "90% of the GPU (0 without a GPU).")
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
+    host_memory_gb: float = _f(0.0, "Host memory the run may use in GiB, for the memory plan's host check (--plan and "
+                               "before training): set it, with nproc and gpu_memory_gb, to plan for another "
+                               "machine (0 = what this machine has available now).")
     optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
                                    "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
     delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
@@ -208,6 +213,11 @@ class TrainConfig:
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
                      "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
                      "again) or a checkpoint directory; empty = start from the model.")
+    report_to: str = _f("tensorboard", "Where the rows of metrics.jsonl also go, from the rank that writes it (with "
+                        "save_metrics): tensorboard (event files in save_dir/tensorboard; `tensorboard --logdir "
+                        "save_dir/tensorboard`), wandb (Weights & Biases, if installed; WANDB_MODE=offline needs no "
+                        "network, WANDB_PROJECT names the project, default mmoc-pipe), none, or several "
+                        "comma-separated (a YAML list too).", listed=REPORT_TO)
     # --- launch ---------------------------------------------------------------
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
     nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU); train.sh's "
@@ -235,21 +245,21 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                     "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
                     "topology",
                     "plan_tflops", "stagger_loads", "device", "receive_ahead", "comm_timeout_s"),
-    "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "optimizer_threads",
-                "delayed_update"),
+    "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "host_memory_gb",
+                "optimizer_threads", "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
                   "loss_scale_window", "max_skipped_steps"),
     "output": ("save_dir", "overwrite", "save_model", "save_params", "save_results", "save_metrics", "progress_bar",
                "eval_every", "timeline", "timeline_iteration", "debug_schedule", "checkpoint_every",
-               "keep_checkpoints", "resume"),
+               "keep_checkpoints", "resume", "report_to"),
     "launch": ("cuda_visible_devices", "nproc", "master_port"),
 }
 # Keys a resumed run may change without it being reported as a change of the run: the launch
 # section, and where, how long and how often it writes.
 RESUME_FREE = frozenset(SECTIONS["launch"]) | {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints",
                                                 "save_dir", "save_model", "save_params", "save_results", "overwrite",
-                                                "debug_schedule"}
+                                                "debug_schedule", "report_to"}
 
 
 def _fields() -> dict[str, dataclasses.Field]:
@@ -280,6 +290,11 @@ def flatten_sections(values: dict[str, Any], source: str = "config") -> dict[str
     return flat
 
 
+def nearest(name: str, known: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` names of ``known`` that look like ``name``, the nearest first."""
+    return difflib.get_close_matches(name, known, n=n)
+
+
 def _negative_flag(name: str) -> str:
     return "no_" + name[len("use_"):] if name.startswith("use_") else "no_" + name
 
@@ -292,10 +307,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = message.partition("unrecognized arguments: ")[2].split()
         flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        close = sorted({c for u in unknown if u.startswith("--")
-                        for c in difflib.get_close_matches(u.split("=")[0], flags, n=3)})
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"{message}{hint}; main.py --help lists the flags")
+        close = [c for u in unknown if u.startswith("--") for c in nearest(u.split("=")[0], flags)]
+        hint = f" (did you mean {', '.join(dict.fromkeys(close))}?)" if close else ""
+        # no program name: the same line reaches people who ran train.sh and main.py
+        raise ConfigError(f"{message}{hint}; --help lists the flags")
 
 
 class _Switch(argparse.Action):
@@ -361,6 +376,8 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
     if typ == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
+        if not math.isfinite(value):  # argparse's float() and YAML's .nan/.inf both make one
+            raise ConfigError(f"config key {name!r} must be a finite number, got {value!r}")
         return float(value)
     return "" if value is None else str(value)
 
@@ -391,9 +408,11 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
     for source in (flatten_sections(yaml_values or {}), overrides or {}):
         for key, value in source.items():
             if key not in fields:
-                close = [k for k in fields if k.split("_")[0] == key.split("_")[0]]
+                close = nearest(key, list(fields))
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"unknown config key {key!r}{hint}")
+            if isinstance(value, (list, tuple)) and fields[key].metadata.get("listed"):
+                value = ",".join(map(str, value))  # a YAML list of names
             values[key] = _coerce(key, value, fields[key].type)
     for name, value in values.items():
         new = fields[name].metadata.get("renamed", {}).get(value)
@@ -407,7 +426,18 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
         if choices and getattr(cfg, name) not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}")
     partition_counts(cfg.partition)
+    report_targets(cfg.report_to)
     return cfg
+
+
+def report_targets(report_to: str) -> tuple[str, ...]:
+    """The names ``report_to`` lists (``()`` for none). Raises ConfigError for an unknown name."""
+    names = tuple(dict.fromkeys(n.strip() for n in report_to.split(",") if n.strip()))
+    bad = [n for n in names if n not in REPORT_TO]
+    if bad or ("none" in names and len(names) > 1):
+        raise ConfigError(f"report_to must be one of {', '.join(REPORT_TO)} or several of them comma-separated "
+                          f"(none alone); got {report_to!r}")
+    return tuple(n for n in names if n != "none")
 
 
 def partition_counts(partition: str) -> list[int] | None:

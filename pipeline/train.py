@@ -8,7 +8,7 @@ import torch
 import schedule as sched
 from pipeline.config import TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
-from pipeline.plan.fit import device_type, gpu_capacity, report
+from pipeline.plan.fit import assess, assessment_report, device_type, gpu_capacity
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import longest_row_line
 from pipeline.plan.placement import load_topology, plan_text
@@ -20,14 +20,17 @@ from pipeline.run.metrics import TrainingError
 from pipeline.run.trainer import Trainer
 
 
-def plan_report(cfg: TrainConfig, world_size: int) -> str:
-    """The ``--plan`` report (rank 0 alone, before any process group exists)."""
+def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
+    """The ``--plan`` report (rank 0 alone, before any process group exists) and whether the run
+    fits (GPU and host memory, as training's check would find it)."""
     if cfg.model == "generated":
         build_generated_model(cfg)
     source = resolve_model(cfg)
     whole, resolved = cfg, resolve(cfg, world_size, source.config, saved_partition(cfg.resume, cfg.save_dir))
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
-    text = report(cfg, source.config, sched.round_robin(cfg.num_stages, world_size), world_size, resolved.kept)
+    mapping = sched.round_robin(cfg.num_stages, world_size)
+    a = assess(cfg, source.config, mapping, resolved.kept)
+    text = assessment_report(a, cfg, source.config, mapping, world_size)
     text += "".join(f"\n{line}" for line in resolved.lines)
     if device_type(cfg) == "cuda" and gpu_capacity(cfg) is not None:
         text += "\n" + longest_row_line(replica_config(whole), source.config, world_size)
@@ -39,7 +42,7 @@ def plan_report(cfg: TrainConfig, world_size: int) -> str:
                  f"{whole.data_parallel * world_size} processes; each replica runs {cfg.num_chunks} of the "
                  f"{whole.num_chunks} micro-batches of the global batch of {whole.batch_size}; per-rank memory as "
                  f"above, host memory per node times the replicas it holds")
-    return text
+    return text, a.fits
 
 
 def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:

@@ -119,6 +119,12 @@ def auto_capacity(cfg: TrainConfig, key: str, set_to: str) -> int:
     return cap
 
 
+def host_capacity(cfg: TrainConfig) -> int | None:
+    """Host bytes the run may use: ``host_memory_gb`` (the machine a plan is for), else what this
+    machine has available now; None when that is unknown."""
+    return int(cfg.host_memory_gb * 2**30) if cfg.host_memory_gb else host_available()
+
+
 def host_available() -> int | None:
     try:
         with open("/proc/meminfo") as fh:
@@ -300,7 +306,7 @@ class Assessment:
 def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...] | None = None) -> Assessment:
     device = device_type(cfg)
     ranks, program = memory_plan(cfg, hf_config, mapping, device, kept)
-    return Assessment(ranks, program, device, gpu_capacity(cfg) if device == "cuda" else None, host_available())
+    return Assessment(ranks, program, device, gpu_capacity(cfg) if device == "cuda" else None, host_capacity(cfg))
 
 
 def advice(cfg: TrainConfig, hf_config, world_size: int) -> list[str]:
@@ -325,11 +331,12 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
         need = f"needs about {gib(a.worst.device_peak)} on GPU rank {a.worst.rank} (peak during {a.worst.at}) " \
                f"but {USABLE_FRACTION:.0%} of {gib(a.gpu)} is usable"
     else:
-        need = f"needs about {gib(a.total_host)} of host memory but {gib(a.host or 0)} is available"
+        need = f"needs about {gib(a.total_host)} of host memory but {gib(a.host or 0)} is " + \
+            ("host_memory_gb" if cfg.host_memory_gb else "available")
     tips = advice(cfg, hf_config, world_size)
     hint = "; try one of: " + "; ".join(tips) if tips else \
         "; no single change of checkpointing, offload, micro-batch size, stages, schedule or seq_chunks is enough"
-    raise ConfigError(f"this configuration does not fit: it {need}{hint} (see main.py --plan)")
+    raise ConfigError(f"this configuration does not fit: it {need}{hint} (--plan shows each rank's memory)")
 
 
 def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
@@ -364,7 +371,11 @@ def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], wor
 def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
            kept: tuple[int, ...] | None = None) -> str:
     """The text ``--plan`` prints."""
-    a = assess(cfg, hf_config, mapping, kept)
+    return assessment_report(assess(cfg, hf_config, mapping, kept), cfg, hf_config, mapping, world_size)
+
+
+def assessment_report(a: Assessment, cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> str:
+    """The text ``--plan`` prints of the assessment ``a`` of ``cfg``."""
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
     segs = f" in {cfg.seq_chunks} sequence segments of {list(_segments(cfg, hf_config))} columns" \
         if cfg.seq_chunks > 1 else ""
@@ -391,13 +402,14 @@ def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
                      f"{'fits' if a.gpu_fits else 'DOES NOT FIT'}")
     elif a.device == "cuda":
         lines.append(f"GPU: {gib(a.worst.device_peak)}, not checked (no GPU visible; gpu_memory_gb sets the card's size)")
+    where = "host_memory_gb" if cfg.host_memory_gb else "available here"
     lines.append(f"host: {gib(a.total_host)} for all ranks" +
-                 (f" of {gib(a.host)} available: {'fits' if a.host_fits else 'DOES NOT FIT'}" if a.host else ""))
+                 (f" of {gib(a.host)} ({where}): {'fits' if a.host_fits else 'DOES NOT FIT'}" if a.host else ""))
     if not a.fits:
         tips = advice(cfg, hf_config, world_size)
         lines.append("would fit with: " + ("; ".join(tips) if tips else "no single change"))
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "check_fits", "memory_plan", "out_of_memory_line", "partition_line", "report",
+__all__ = ["Assessment", "advice", "assess", "assessment_report", "check_fits", "host_capacity", "memory_plan", "out_of_memory_line", "partition_line", "report",
            "resolve_kept", "resolve_resident"]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.config import ConfigError, TrainConfig, partition_counts, report_targets
 from pipeline.plan.layout import check_replicas
 from pipeline.plan.source import build_generated_model, generated_model_dir, needs_generated, resolve_model
 from pipeline.plan import saved
@@ -263,7 +263,8 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         # the backward recomputes each stage whole: there is no layer whose activations could be kept
         raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
                           f"({cfg.keep_layers}) must be 0 or -1 with it")
-    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip") if getattr(cfg, k) < 0]
+    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip", "gpu_memory_gb",
+                                                      "host_memory_gb") if getattr(cfg, k) < 0]
     if negative:
         raise ConfigError(f"{' and '.join(negative)} must be >= 0")
     if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
@@ -277,6 +278,25 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
                           f"({cfg.keep_checkpoints}) >= 1")
 
 
+# report_to's names -> the package each needs, and how to get it.
+REPORT_PACKAGES = {"tensorboard": ("tensorboard", "python3 -m pip install tensorboard (requirements.txt lists it)"),
+                   "wandb": ("wandb", "python3 -m pip install wandb (not a requirement)")}
+
+
+def check_report_to(cfg: TrainConfig) -> None:
+    """Every place ``report_to`` names can be written to: its package is installed (found, not
+    imported: wandb imports in seconds)."""
+    import importlib.util
+
+    if not cfg.save_metrics:
+        return
+    for name in report_targets(cfg.report_to):
+        package, install = REPORT_PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"report_to {name} needs the {package} package, which is not installed: {install}; "
+                              f"or drop it from report_to ({cfg.report_to!r}; none = metrics.jsonl only)")
+
+
 def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
     """Checks that read files (model, tokenizer, data, save_dir): run before any process group
     exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
@@ -287,6 +307,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
     other ranks skip what needs the model until rank 0 has built it."""
     from data import SAMPLE_TRAIN, check_first_records, load_records
 
+    check_report_to(cfg)
     source = resolve_model(cfg)  # a generated model not built yet: the shape it will have
     records = None
     if cfg.dataset != "synthetic":
@@ -299,10 +320,10 @@ def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
         build_generated_model(cfg)
         source = resolve_model(cfg)
     if source.weights_dir is not None:
-        from pipeline.plan.weight_files import weight_files
+        from pipeline.plan.weight_files import check_weight_files
 
         try:
-            weight_files(source.weights_dir)
+            check_weight_files(source.weights_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model {cfg.model!r}: {e}") from None
     if records is not None:

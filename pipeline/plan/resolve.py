@@ -4,7 +4,8 @@
 decides what ``-1 = auto`` leaves open (for long rows the stages, sequence segments and tiled
 MLPs; then the resident stages and the layers that keep their activations, all from the memory
 plan of one replica's pipeline), keeps a resumed checkpoint's
-layers per stage, and says so in log lines.
+layers per stage, and says so in log lines (and that a family not registered runs on the
+self-checked generic path).
 Training runs it on rank 0 (auto reads that rank's GPU) and broadcasts the result; ``--plan``
 and a ``Trainer`` built directly (tests) run it themselves. Everything after it reads the
 ``Resolved`` and decides nothing again.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from models.selfcheck import generic_path_line
 from pipeline.config import TrainConfig, partition_counts
 from pipeline.plan.fit import resolve_kept, resolve_resident
 from pipeline.plan.layout import replica_config
@@ -56,7 +58,8 @@ def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int]
     one, resident = resolve_resident(replica_config(cfg), hf_config, size)
     kept, recompute = resolve_kept(one, hf_config, size)
     return Resolved(dataclasses.replace(cfg, resident_stages=one.resident_stages), kept, size,
-                    tuple(line for line in (long_rows, partition, resident, recompute) if line))
+                    tuple(line for line in (generic_path_line(hf_config), long_rows, partition, resident, recompute)
+                          if line))
 
 
 def resume_partition(cfg: TrainConfig, hf_config, size: int, saved: list[int] | None) -> tuple[TrainConfig, str]:

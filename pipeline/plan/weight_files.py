@@ -45,13 +45,28 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
                             f"sharded .index.json")
 
 
-def _tensor_names(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
+def check_weight_files(model_dir: Path) -> None:
+    """Every weight file of ``model_dir`` opens: a safetensors header that covers the file, a
+    ``.bin`` whose archive reads. Raises ValueError naming the first that does not (a truncated
+    file is what an interrupted download leaves)."""
+    files = weight_files(model_dir)  # a single file is opened there
+    if any((Path(model_dir) / name).exists() for name in _INDEXES):
+        for path in sorted(set(files.values())):
+            _tensor_names(path)
 
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    return list(_load_bin(path))
+
+def _tensor_names(path: Path) -> list[str]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        return list(_load_bin(path))
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError derives from Exception only
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"weight file {path} cannot be read ({reason}): truncated or corrupt, as an interrupted "
+                         f"download leaves it; download it again") from None
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -88,4 +103,4 @@ def _read(path: Path, keys: list[str]):
             yield k, tensors[k]
 
 
-__all__ = ["check_tied_checkpoint", "weight_files"]
+__all__ = ["check_tied_checkpoint", "check_weight_files", "weight_files"]

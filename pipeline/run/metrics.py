@@ -11,6 +11,8 @@ ranks take part in the summary's gather of peak memory and otherwise only warn. 
 * ``metrics.png``: a matplotlib figure of titled panels over the steps: training and validation
   loss, throughput (tokens/s, from zero), step time, and the gradient norm, peak memory and
   learning rate where the rows have them; skipped steps are shaded red in every panel.
+* ``tensorboard/`` and Weights & Biases, as ``report_to`` asks: the same rows
+  (``pipeline.run.sinks``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 
 from pipeline.dist import DistEnv, Log, barrier, gather_objects
 from pipeline.run.checkpoint import write_json_atomic
+from pipeline.run.sinks import Sink, open_sinks
 
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
@@ -57,7 +60,9 @@ def eval_line(row: dict) -> str:
 
 def summary_line(row: dict) -> str:
     mems = " ".join(f"{m / GIB:.2f}" for m in row["peak_mem_bytes_per_rank"])
-    line = (f"summary: {row['num_steps']} steps in {row['total_time_s']:.2f}s, mean step "
+    first = row.get("resumed_after_step")
+    steps = f"{row['num_steps']} steps" + (f" (resumed after step {first})" if first else "")
+    line = (f"summary: {steps} in {row['total_time_s']:.2f}s, mean step "
             f"{row['mean_step_time_s']:.3f}s and {row['mean_tokens_per_s']:.0f} tok/s after the first step, "
             f"{row['skipped_steps']} skipped; peak memory per rank (GiB): {mems}")
     if row.get("eval_loss") is not None:
@@ -127,16 +132,21 @@ class Metrics:
         num_steps: steps of the run (the bar's total).
         save_dir: where ``metrics.jsonl`` and ``metrics.png`` go; None writes no files.
         progress_bar: draw a tqdm bar (on stdout, only when it is a terminal).
+        report_to: where the rows also go (``pipeline.config.report_targets``), with a save_dir.
+        config: the run's settings, for a Weights & Biases run.
     """
 
     def __init__(self, log: Log, *, speaks: bool, num_steps: int, save_dir: str | Path | None,
-                 progress_bar: bool):
+                 progress_bar: bool, report_to: tuple[str, ...] = (), config: dict | None = None):
         self.log, self.speaks, self.num_steps = log, speaks, num_steps
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # every step's row, those of the run this one resumed included
         self.evals: list[dict] = []
+        self.first_step = 0  # the steps this run resumed after (their rows came from the file)
         self.path = Path(save_dir) / METRICS_FILE if save_dir is not None and speaks else None
         self.plot_path = Path(save_dir) / PLOT_FILE if save_dir is not None and speaks else None
         self._file: IO[str] | None = None
+        self.report_to, self.config = report_to, config or {}
+        self.sinks: list[Sink] = []
         self.bar = None
         if speaks and progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
@@ -149,6 +159,7 @@ class Metrics:
         new run; for a run resumed after ``first_step`` steps, the rows of steps up to it are
         kept (later ones belong to the abandoned continuation) and new rows are appended."""
         self.t0 = time.perf_counter()
+        self.first_step = first_step
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,8 +175,9 @@ class Metrics:
         self.rows = [r for r in kept if r["kind"] == "train"]
         self.evals = [r for r in kept if r["kind"] == "eval"]
         self._file = self.path.open("w")
-        for row in kept:
+        for row in kept:  # the sinks have them from the run that wrote them
             self._write(row)
+        self.sinks = open_sinks(self.report_to, self.path.parent, first_step, self.config)
         if self.bar is not None:
             self.bar.update(first_step)
 
@@ -173,6 +185,12 @@ class Metrics:
         if self._file is not None:
             self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
             self._file.flush()  # a run that dies keeps every row written so far
+
+    def _emit(self, row: dict, step: int) -> None:
+        """A new row: to metrics.jsonl and to every sink, the same values."""
+        self._write(row)
+        for sink in self.sinks:
+            sink.write(row, step)
 
     def log_step(self, row: dict) -> None:
         """Report one step. ``row``: step (1-based), loss, grad_norm, lr, tokens, tokens_per_s,
@@ -185,7 +203,7 @@ class Metrics:
             gn = row.get("grad_norm")
             self.log.warn(f"step {row['step']}: non-finite loss {row['loss']} or gradient norm {gn}; the optimizer "
                           f"step is skipped on every rank (weights and AdamW state unchanged)")
-        self._write(row)
+        self._emit(row, row["step"])
         self.log.info(step_line(row, self.num_steps))
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {row['loss']:.4f} tok/s {row['tokens_per_s']:.0f} "
@@ -199,7 +217,7 @@ class Metrics:
             return
         row = {"kind": "eval", "split": "validation", **row, "perplexity": perplexity(row["loss"])}
         self.evals.append(row)
-        self._write(row)
+        self._emit(row, row["step"])
         self.log.info(eval_line(row))
 
     def finish(self, peak_mem_bytes: int) -> dict | None:
@@ -209,16 +227,20 @@ class Metrics:
         total = time.perf_counter() - self.t0
         summary = None
         if self.speaks:
-            mean_step, mean_tps = steady_means(self.rows)
-            summary = {"kind": "summary", "num_steps": len(self.rows), "total_time_s": total,
+            # total_time_s is this run's: so are the steps it counts and averages
+            ran = [r for r in self.rows if r["step"] > self.first_step]
+            mean_step, mean_tps = steady_means(ran)
+            summary = {"kind": "summary", "num_steps": len(ran), "total_time_s": total,
                        "mean_step_time_s": mean_step, "mean_tokens_per_s": mean_tps,
-                       "skipped_steps": sum(1 for r in self.rows if r.get("skipped")),
+                       "skipped_steps": sum(1 for r in ran if r.get("skipped")),
                        "peak_mem_bytes_per_rank": per_rank}
+            if self.first_step:
+                summary["resumed_after_step"] = self.first_step
             if self.evals:
                 summary["eval_loss"] = self.evals[-1]["loss"]
                 summary["eval_perplexity"] = self.evals[-1]["perplexity"]
             self._close_bar()  # the bar goes before the summary line
-            self._write(summary)
+            self._emit(summary, self.rows[-1]["step"] if self.rows else self.first_step)
             self.log.info(summary_line(summary))
             if self.plot_path is not None and self.rows:
                 write_plot_png(self.plot_path, self.rows, self.evals)
@@ -231,6 +253,9 @@ class Metrics:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def _close_bar(self) -> None:
         if self.bar is not None:

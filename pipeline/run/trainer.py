@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import TrainConfig
+from pipeline.config import TrainConfig, report_targets
 from pipeline.dist import DistEnv, gather_objects
 from pipeline.plan.layout import replica_share
 from pipeline.plan.resolve import Resolved
@@ -128,7 +128,8 @@ class Trainer:
                    + f" ({r.device.type}, {r.dtype}), schedule {cfg.schedule}, "
                    f"offload={cfg.use_offload} prefetch={cfg.use_prefetch}")
         metrics = Metrics(r.log, speaks=self.env.rank == r.loss_rank, num_steps=cfg.num_iterations,
-                          save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar)
+                          save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar,
+                          report_to=report_targets(cfg.report_to), config=cfg.to_dict())
         guard = SkipGuard(cfg.max_skipped_steps)
         # What exists now (modules, stores, torch's and transformers' own objects: some 400k for
         # 7B) lives for the whole run: frozen out of the cyclic GC, whose full collections would

@@ -188,6 +188,49 @@ def test_bin_weights_load_like_safetensors(tiny_model_dir, tmp_path):
     assert check_only(["--model", str(sharded)]).returncode == 0
 
 
+def _truncate(path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])  # what an interrupted download leaves
+
+
+def test_truncated_weight_file_is_one_line(tiny_model_dir, tmp_path):
+    """A truncated safetensors file, alone or one shard of several, is a ValueError naming it
+    (check_files makes it one error: line), not safetensors' own traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.plan.weight_files import check_weight_files
+
+    weights = [p.name for p in tiny_model_dir.glob("model*.safetensors*")]
+    single = _model_copy(tiny_model_dir, tmp_path / "single", drop=weights)
+    tensors = {k: v for f in sorted(tiny_model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    save_file(tensors, single / "model.safetensors")
+    _truncate(single / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"^weight file {single / 'model.safetensors'} cannot be read \(.*\): "
+                                         "truncated or corrupt"):
+        check_weight_files(single)
+    sharded = _model_copy(tiny_model_dir, tmp_path / "sharded", drop=weights)
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, sharded / file)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in halves.items() for k in keys}}))
+    check_weight_files(sharded)
+    _truncate(sharded / "model-00002-of-00002.safetensors", keep=0.9)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors cannot be read"):
+        check_weight_files(sharded)
+
+
+@pytest.mark.slow
+def test_truncated_weight_file_refused_before_launch(tiny_model_dir, tmp_path):
+    weights = [p.name for p in tiny_model_dir.glob("model*.safetensors*")]
+    broken = _model_copy(tiny_model_dir, tmp_path / "broken")
+    for name in weights:
+        if name.endswith(".safetensors"):
+            _truncate(broken / name)
+    one_error(check_only(["--model", str(broken)]), f"weight file {broken}")
+
+
 def test_long_summary_keeps_a_quarter_of_the_document():
     from data import IGNORE_INDEX, tokenize_records
 
@@ -242,3 +285,13 @@ def test_check_only_says_it_in_one_line(tiny_model_dir):
     """main.py --check_only (what train.sh runs first): exit 2, one error line, no traceback."""
     one_error(check_only(["--model", str(tiny_model_dir), "--seq_length", "32", "--seq_chunks", "40"]),
                "seq_chunks (40) must be between 1 (whole rows) and seq_length (32)")
+
+
+@pytest.mark.slow
+def test_report_to_wandb_without_wandb_is_one_line(tiny_model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here: tests/one_process/test_metrics.py runs it offline")
+    one_error(check_only(["--model", str(tiny_model_dir), "--report_to", "tensorboard,wandb"]),
+              "report_to wandb needs the wandb package, which is not installed")

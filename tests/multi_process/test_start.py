@@ -3,6 +3,7 @@ the processes meet; no GPU advice on a CPU machine; --plan without torchrun."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -66,6 +67,50 @@ def test_ctrl_c_through_train_sh_after_launch_is_two_lines(tmp_path):
     assert proc.returncode == 130, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
     assert text.rstrip().endswith("launcher: stopped by SIGINT"), text[-2000:]
+
+
+@pytest.mark.slow
+def test_launcher_prints_no_omp_notice():
+    """torchrun's four-line OMP_NUM_THREADS notice (several workers, the variable unset) is not
+    printed: a launch of two trivial workers says nothing."""
+    env = {k: v for k, v in env_without_dist().items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node", "2",
+                           "--no-python", "true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr.strip() == "" and proc.stdout.strip() == "", proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.3, 3.0])
+def test_ctrl_c_while_workers_start_is_at_most_two_lines(tmp_path, delay_s):
+    """Ctrl-C to train.sh's process group once the launcher runs (while it imports torch, or while
+    its workers start), with OMP_NUM_THREADS unset as on a user's shell: rank 0's line if a worker
+    had its handler, and the launcher's; no torchrun notice (OMP_NUM_THREADS, forwarded signals),
+    no traceback."""
+    import os
+    import signal
+    import time
+
+    env = {k: v for k, v in env_without_dist().items() if k != "OMP_NUM_THREADS"}
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(["bash", str(ROOT / "train.sh"), "--save_dir", str(tmp_path / "run"),
+                                 "--master_port", "29612"], cwd=ROOT, env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not subprocess.run(
+                ["pgrep", "-g", str(proc.pid), "-f", "pipeline.launch"], capture_output=True).stdout:
+            time.sleep(0.05)
+        time.sleep(delay_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    lines = [line for line in (tmp_path / "err").read_text().splitlines() if line.strip()]
+    assert proc.returncode == 130, lines
+    assert lines[-1] == "launcher: stopped by SIGINT" and len(lines) <= 2, lines
+    assert lines[:-1] in ([], ["error: interrupted by Ctrl-C (SIGINT) outside the training steps; no checkpoint "
+                               "was written by this stop"]), lines
 
 
 def _port_in_time_wait() -> int:

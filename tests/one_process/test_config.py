@@ -89,7 +89,8 @@ def test_empty_yaml_is_refused(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--nproc_per", "3"], "unrecognized arguments: --nproc_per 3 (did you mean --nproc?)"),
-    (["--lr_sched", "cosine"], "(did you mean --loss_scale, --lr_schedule, --schedule?)"),
+    (["--lr_sched", "cosine"], "(did you mean --lr_schedule, --schedule, --loss_scale?)"),  # the nearest first
+    (["--num_stage", "4"], "(did you mean --num_stages, --num_layers, --resident_stages?); --help lists the flags"),
     (["--save", "x"], "unrecognized arguments: --save x"),  # a prefix is not a flag
     (["--lr"], "argument --lr: expected one argument"),
     (["--lr", "x"], "argument --lr: invalid float value: 'x'"),
@@ -98,6 +99,31 @@ def test_bad_flags_are_one_line(argv, message):
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", "", *argv])
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_key_names_the_nearest_first():
+    with pytest.raises(ConfigError, match=r"^unknown config key 'num_stage' \(did you mean num_stages, num_layers\?\)$"):
+        make_config({"num_stage": 4})
+
+
+def test_hints_name_no_entry_point():
+    """The same line reaches people who ran train.sh and main.py: it names neither."""
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", "", "--bogus"])
+    assert "main.py" not in str(info.value) and "--help lists the flags" in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["--lr", "nan"], ["--lr", "inf"], ["--comm_timeout_s=-inf"],
+                                  ["--gpu_memory_gb", "NaN"]])
+def test_non_finite_numbers_are_refused(argv):
+    """float() reads nan and inf: such a setting would start workers and train into save_dir."""
+    with pytest.raises(ConfigError, match=rf"^config key '{argv[0][2:].split('=')[0]}' must be a finite number, got "):
+        parse_args(["--config", "", *argv])
+
+
+def test_non_finite_yaml_numbers_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"config key 'adam_eps' must be a finite number, got nan"):
+        parse_args(["--config", _yaml(tmp_path, "adam_eps: .nan\n")])
 
 
 def test_help_groups_flags_by_section_with_the_yaml_values(tmp_path, capsys, monkeypatch):

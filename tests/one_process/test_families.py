@@ -234,6 +234,23 @@ def test_an_unregistered_family_is_refused_before_launch(tmp_path):
         resolve_model(tiny_cfg(tmp_path))
 
 
+def test_a_self_checked_family_says_so_in_one_line(tmp_path):
+    """Starcoder2 is not registered and passes the self-check: the run's log (resolve's lines,
+    printed by rank 0 and by --plan) says it runs on the generic path and what was compared."""
+    from models.registry import _CHECKED
+    from models.selfcheck import family_spec
+    from pipeline.plan.resolve import resolve
+
+    cfg = tiny_cfg(tmp_path)
+    config = _config("Starcoder2Config")
+    _CHECKED.pop("starcoder2", None)
+    family_spec(config)  # what resolve_model does first: the self-check passes
+    lines = [line for line in resolve(cfg, 2, config).lines if line.startswith("model:")]
+    assert len(lines) == 1 and "model_type 'starcoder2' is not registered; it trains on the generic stage path" \
+        in lines[0] and "the loss and every parameter's gradient equal to 1e-05" in lines[0], lines
+    assert not [line for line in resolve(cfg, 2, _config("LlamaConfig")).lines if line.startswith("model:")]
+
+
 # --- on a GPU, in bf16 -------------------------------------------------------------------------------
 def bf16_agreement(root: str, family: str, device: str) -> tuple[float, float, list]:
     """The pipeline's bf16 training (4 stages, 1F1B, offload, every layer recomputed) against

@@ -219,3 +219,131 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):
     assert summary["peak_mem_bytes_per_rank"] == [123] and m.bar is None
     out = capsys.readouterr().out
     assert "step    1/2 loss 2.5000" in out and "summary: 1 steps" in out
+
+
+def test_summary_after_a_resume_counts_the_steps_this_run_ran(tmp_path, monkeypatch, capsys):
+    """A run resumed after step 2 of 4 runs 2 steps: its summary says 2, and its means and skipped
+    steps are over those two (the kept rows of steps 1-2 took the earlier run's time)."""
+    import json
+
+    import pipeline.run.metrics as metrics
+    from pipeline.dist import Log
+
+    monkeypatch.setattr(metrics, "write_plot_png", lambda *a, **k: None)  # matplotlib: seconds, not tested here
+    rows = _train_rows(4)
+    rows[0]["skipped"] = True
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))  # 3: abandoned
+    m = metrics.Metrics(Log(0), speaks=True, num_steps=4, save_dir=tmp_path, progress_bar=False)
+    m.start(2)
+    for r in rows[2:]:
+        m.log_step({**{k: v for k, v in r.items() if k != "kind"}, "step_time_s": 2.0, "tokens_per_s": 256.0})
+    summary = m.finish(123)
+    assert summary["num_steps"] == 2 and summary["skipped_steps"] == 0 and summary["resumed_after_step"] == 2
+    assert summary["mean_step_time_s"] == 2.0 and summary["mean_tokens_per_s"] == 256.0
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert "summary: 2 steps (resumed after step 2) in " in capsys.readouterr().out
+
+
+# --- TensorBoard and Weights & Biases ------------------------------------------------------------
+def _event_scalars(path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files under ``path``, read back as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _f32(value) -> float:
+    """metrics.jsonl's value as the event file stores it (float32; null is NaN)."""
+    import struct
+
+    return math.nan if value is None else struct.unpack("f", struct.pack("f", float(value)))[0]
+
+
+def test_tensorboard_event_files_hold_the_metrics_rows(tiny_model_dir, tmp_path):
+    """report_to tensorboard (the default): save_dir/tensorboard holds every number of every row
+    of metrics.jsonl (train, eval, summary, each rank's peak memory), at its step, and no other."""
+    from pipeline.run.sinks import scalars
+
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, eval_every=2, eval_batches=1)
+    assert cfg.report_to == "tensorboard"
+    in_process_trainer(cfg).train()
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        step = row.get("step", rows[-2]["step"])  # the summary's: the last step
+        for tag, value in scalars(row).items():
+            expected.setdefault(tag, []).append((step, _f32(value)))
+    events = _event_scalars(tmp_path / "tensorboard")
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/tflops_per_gpu",
+            "train/peak_mem_bytes", "train/step_time_s", "train/skipped", "eval/loss", "eval/perplexity",
+            "summary/peak_mem_bytes_rank0"} <= set(events)
+    assert sorted(events) == sorted(expected)
+    for tag, points in expected.items():
+        assert [s for s, _ in events[tag]] == [s for s, _ in points], tag
+        assert all(a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(events[tag], points)), tag
+    assert events["train/loss"][0][1] == _f32(rows[0]["loss"]) and events["eval/loss"] == [(2, _f32(rows[2]["loss"]))]
+
+
+def test_report_to_none_and_lists(tiny_model_dir, tmp_path):
+    from pipeline.config import ConfigError, make_config, report_targets
+
+    assert report_targets(make_config({"report_to": ["tensorboard", "wandb"]}).report_to) == ("tensorboard", "wandb")
+    assert report_targets("tensorboard, wandb") == ("tensorboard", "wandb") and report_targets("none") == ()
+    with pytest.raises(ConfigError, match="report_to must be one of tensorboard, wandb, none"):
+        make_config({"report_to": "comet"})
+    with pytest.raises(ConfigError, match=r"\(none alone\); got 'none,wandb'"):
+        make_config({"report_to": "none,wandb"})
+    in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="none")).train()
+    assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
+
+
+def test_wandb_not_installed_is_refused_before_launch(tiny_model_dir, tmp_path, monkeypatch):
+    """wandb is optional: asked for and not installed, check_files (before any process group)
+    refuses the run in one line."""
+    import importlib.util
+
+    from pipeline.config import ConfigError
+    from pipeline.plan.preflight import check_report_to
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^report_to wandb needs the wandb package, which is not installed: "
+                                          r"python3 -m pip install wandb \(not a requirement\); or drop it"):
+        check_report_to(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb"))
+    check_report_to(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb", save_metrics=False))
+
+
+def test_wandb_offline_logs_the_rows(tiny_model_dir, tmp_path, monkeypatch):
+    """With wandb installed, WANDB_MODE=offline: a run under save_dir/wandb, no network."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="wandb")).train()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_tensorboard_after_a_resume_and_an_overwrite(tmp_path, monkeypatch):
+    """A resumed run's event files replace the abandoned continuation's steps (TensorBoard reads
+    step 3 as the new run wrote it); a fresh run (overwrite) leaves none of the old run's."""
+    import pipeline.run.metrics as metrics
+    from pipeline.dist import Log
+
+    monkeypatch.setattr(metrics, "write_plot_png", lambda *a, **k: None)
+
+    def run(first_step: int, rows: list[dict]) -> None:
+        m = metrics.Metrics(Log(0), speaks=True, num_steps=4, save_dir=tmp_path, progress_bar=False,
+                            report_to=("tensorboard",))
+        m.start(first_step)
+        for r in rows:
+            m.log_step({k: v for k, v in r.items() if k != "kind"})
+        m.finish(1)
+
+    rows = _train_rows(4)
+    run(0, rows[:3])  # stopped after step 3, its checkpoint at step 2
+    run(2, [{**r, "loss": 10.0 + r["step"]} for r in rows[2:]])
+    loss = _event_scalars(tmp_path / "tensorboard")["train/loss"]
+    assert loss == [(1, _f32(3.0)), (2, _f32(1.5)), (3, 13.0), (4, 14.0)], loss
+    run(0, rows[:1])
+    assert _event_scalars(tmp_path / "tensorboard")["train/loss"] == [(1, _f32(3.0))]

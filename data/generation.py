@@ -1,0 +1,174 @@
+"""Try a trained model: ``python3 generate.py --model outputs/run/model --prompt "..."``.
+
+The prompt is built exactly as training built the records of its data format
+(``encode_generation_prompt``): XSum's summarisation prompt, Alpaca's instruction prompt, the
+tokenizer's chat template with its generation prompt, or plain text after ``bos``. The format is
+the one the run trained on (read from the run's ``results.json`` beside the model directory)
+unless ``--format`` gives it. Greedy by default, sampled with ``--do_sample``; on a GPU when
+there is one. Bad input is one ``error:`` line and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from data.dataset import ALPACA, CHAT, FORMATS, TEXT, XSUM, DataError, detect_format
+
+
+class GenerateError(ValueError):
+    """Bad input to generate.py: printed as one line, exit status 2."""
+
+
+def training_format(model_dir: Path) -> str | None:
+    """The data format the run that wrote ``model_dir`` (``save_dir/model``) trained on, from the
+    ``dataset`` of that run's ``results.json``; None when it cannot be told (no results file,
+    synthetic data, data no longer there)."""
+    try:
+        config = json.loads((Path(model_dir).parent / "results.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    dataset = config.get("dataset")
+    if not dataset or dataset == "synthetic":
+        return None
+    from data import SAMPLE_TRAIN, load_records
+
+    try:
+        records = load_records(str(SAMPLE_TRAIN) if dataset == "sample" else dataset, config.get("dataset_split", "train"))
+        return detect_format(records.column_names)
+    except (DataError, OSError, ValueError):
+        return None
+
+
+def prompt_record(fmt: str, prompt: str, input: str = "", system: str = "") -> dict[str, Any]:
+    """A record of ``fmt`` without its answer, from the command line's text: the document (XSum),
+    the instruction and input (Alpaca), a user turn after an optional system turn (chat), or the
+    text to continue."""
+    if fmt == XSUM:
+        return {"document": prompt}
+    if fmt == ALPACA:
+        return {"instruction": prompt, "input": input}
+    if fmt == CHAT:
+        return {"messages": ([{"role": "system", "content": system}] if system else [])
+                + [{"role": "user", "content": prompt}]}
+    return {TEXT: prompt}
+
+
+def read_prompts(path: Path, fmt: str, system: str = "") -> list[dict[str, Any]]:
+    """The records of a prompts file: ``.jsonl`` holds one record a line with the format's fields
+    (``document``; ``instruction`` and ``input``; ``messages``; ``text``), any other file one
+    prompt a line (blank lines skipped)."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise GenerateError(f"cannot read --prompts {str(path)!r}: {e.strerror}") from None
+    if Path(path).suffix != ".jsonl":
+        return [prompt_record(fmt, line, system=system) for line in lines]
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            raise GenerateError(f"--prompts {str(path)!r} line {i} is not JSON (a .jsonl file holds one record "
+                                f"a line)") from None
+        need = {XSUM: "document", ALPACA: "instruction", CHAT: "messages", TEXT: TEXT}[fmt]
+        if not isinstance(out[-1], dict) or need not in out[-1]:
+            raise GenerateError(f"--prompts {str(path)!r} line {i} has no {need!r} field, which a {fmt} prompt needs")
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every refusal here, not argparse's usage block
+        raise GenerateError(f"{message}; --help lists the flags")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="generate.py", description="Continue prompts with a model MMoC-Pipe trained, "
+                                "the prompt built as training built it.", allow_abbrev=False)
+    p.add_argument("--model", required=True, help="Hugging Face model directory (save_dir/model, or a checkpoint's "
+                                                  "save_dir/checkpoints/step_N).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="The document (xsum), instruction (alpaca), user message (chat) or text.")
+    src.add_argument("--prompts", type=Path, help="A file: one prompt a line, or .jsonl records with the format's "
+                                                  "fields.")
+    p.add_argument("--format", choices=("auto", *FORMATS), default="auto",
+                   help="The data format the model trained on; auto: the run's, from save_dir/results.json.")
+    p.add_argument("--input", default="", help="Alpaca's input (context) for --prompt.")
+    p.add_argument("--system", default="", help="A system message before the user's (chat).")
+    p.add_argument("--max_new_tokens", type=int, default=60)
+    p.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top_p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: bfloat16 on a GPU, float32 on the CPU.")
+    return p
+
+
+def generate(args: argparse.Namespace) -> list[str]:
+    """The continuation of every prompt ``args`` gives, in order."""
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise GenerateError(f"--model {str(model_dir)!r} is not a Hugging Face model directory (no config.json); "
+                            "give save_dir/model of a finished run")
+    if args.max_new_tokens < 1:
+        raise GenerateError(f"--max_new_tokens ({args.max_new_tokens}) must be at least 1")
+    fmt = args.format if args.format != "auto" else training_format(model_dir)
+    if fmt is None:
+        raise GenerateError(f"the data format {str(model_dir)!r} trained on is not known here (no results.json "
+                            f"beside it naming data that is still there); give --format {'|'.join(FORMATS)}")
+    records = read_prompts(args.prompts, fmt, args.system) if args.prompts is not None else \
+        [prompt_record(fmt, args.prompt, args.input, args.system)]
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.tokenization import encode_generation_prompt
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise GenerateError("--device cuda was asked for but no CUDA GPU is visible; use --device auto or cpu")
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for loading a few files: stderr noise beside the answer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if fmt == CHAT and not getattr(tokenizer, "chat_template", None):
+        raise GenerateError(f"--format chat needs a tokenizer with a chat template; {str(model_dir)!r} has none")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    torch.manual_seed(args.seed)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.do_sample else \
+        dict(do_sample=False)
+    out = []
+    for record in records:
+        try:
+            ids = torch.tensor([encode_generation_prompt(tokenizer, fmt, record)], device=device)
+        except Exception as e:  # noqa: BLE001 - a chat template's own errors, a record's missing field
+            raise GenerateError(f"cannot build the {fmt} prompt of {json.dumps(record)[:80]}: "
+                                f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                    else tokenizer.eos_token_id, **sampling)
+        out.append(tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        texts = generate(build_parser().parse_args(argv))
+    except GenerateError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- {i + 1}")
+        print(text, flush=True)
+    return 0
+
+
+__all__ = ["GenerateError", "build_parser", "generate", "main", "prompt_record", "read_prompts", "training_format"]
