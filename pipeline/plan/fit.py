@@ -14,7 +14,7 @@ from models import head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
-from pipeline.plan.programs import program_spec, tied_across_stages
+from pipeline.plan.programs import program_spec, trains_tied_copies
 from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
 from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
 
@@ -156,7 +156,7 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
             if peak > AUTO_RESIDENT_FRACTION * cap:
                 break
             k, why = n, f"auto: estimated peak {gib(peak)} within {AUTO_RESIDENT_FRACTION:.0%} of {gib(cap)}"
-        if 0 < k < per_rank and tied_across_stages(cfg.num_stages, hf_config):
+        if 0 < k < per_rank and trains_tied_copies(cfg, hf_config):
             # the tied copies (first stage, resident from 1; last stage, only with all) must step alike
             k, why = 0, f"auto: {k} fit, but tied embeddings need 0 or all {per_rank} (both copies step alike)"
     kept = f": each rank's first {k}" if k else ""
