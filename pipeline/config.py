@@ -42,7 +42,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # --- model ----------------------------------------------------------------
     model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
-                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, qwen3-4b, qwen3-moe-small), or 'generated' "
+                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen3-moe-small), or 'generated' "
                     "(small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
     num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")

@@ -88,15 +88,28 @@ def adapter_config(path: str | Path) -> dict:
     return saved
 
 
+# Per model config (its JSON): each decoder layer's linear modules as (name, in + out features).
+# The memory plan asks for them many times while it resolves the automatic choices.
+_LINEARS: dict[str, list[list[tuple[str, int]]]] = {}
+
+
+def _layer_linears(hf_config) -> list[list[tuple[str, int]]]:
+    key = hf_config.to_json_string(use_diff=False)
+    if key not in _LINEARS:
+        from torch import nn
+
+        from models import skeleton
+
+        sk = skeleton(hf_config)
+        _LINEARS[key] = [[(n.rsplit(".", 1)[-1], m.in_features + m.out_features) for n, m in layer.named_modules()
+                          if isinstance(m, nn.Linear)] for layer in sk.model.layers]
+    return _LINEARS[key]
+
+
 def linear_names(hf_config) -> list[str]:
     """The last names of the decoder layers' linear modules (what peft's all-linear targets: every
     linear layer but the output head; stacked experts are parameters, not linear layers)."""
-    from torch import nn
-
-    from models import skeleton
-
-    sk = skeleton(hf_config)
-    return sorted({n.rsplit(".", 1)[-1] for n, m in sk.model.layers.named_modules() if isinstance(m, nn.Linear)})
+    return sorted({name for layer in _layer_linears(hf_config) for name, _ in layer})
 
 
 def lora_settings(cfg: TrainConfig, hf_config) -> LoraSettings | None:
@@ -130,16 +143,8 @@ def adapter_numel(hf_config, settings: LoraSettings | None, layer_ids) -> int:
 
 
 def _adapter_per_layer(hf_config, settings: LoraSettings) -> list[int]:
-    from torch import nn
-
-    from models import skeleton
-
-    sk = skeleton(hf_config)
-    out = []
-    for layer in sk.model.layers:
-        out.append(sum(settings.rank * (m.in_features + m.out_features) for n, m in layer.named_modules()
-                       if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in settings.targets))
-    return out
+    return [sum(settings.rank * width for name, width in layer if name in settings.targets)
+            for layer in _layer_linears(hf_config)]
 
 
 def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
@@ -147,13 +152,8 @@ def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
     activation per token for its backward."""
     if settings is None:
         return 0
-    from torch import nn
-
-    from models import skeleton
-
-    sk = skeleton(hf_config)
-    return max((sum(isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in settings.targets
-                    for n, m in layer.named_modules()) for layer in sk.model.layers), default=0)
+    return max((sum(name in settings.targets for name, _ in layer) for layer in _layer_linears(hf_config)),
+               default=0)
 
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ALL_LINEAR", "LoraSettings", "adapted_per_layer", "adapter_config",

@@ -207,3 +207,35 @@ def test_unknown_target_module_is_one_line(tiny_model_dir):
 
     with pytest.raises(ConfigError, match=r"qkv_proj is not a linear module of this model's decoder layers \(down_proj"):
         check_files(lora_cfg(tiny_model_dir, lora_target_modules="qkv_proj,q_proj"))
+
+
+# --- the memory plan -----------------------------------------------------------------------------
+def test_plan_counts_frozen_weights_once_and_adapters_on_the_gpu():
+    """LoRA's parameters in the plan: offloaded, the frozen base weights are host memory in the
+    compute dtype (2 bytes a parameter, not full fine-tuning's 18) and the adapters with their fp32
+    masters, gradients and AdamW state the GPU's; a Llama-3-70B LoRA of every linear layer, 4K-token
+    rows, plans within 24 GiB on each of two GPUs, without a GPU."""
+    from pipeline.plan.fit import memory_plan
+    from pipeline.plan.lora import adapter_numel, lora_settings
+    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.plan.source import preset_config
+    from pipeline.config import make_config
+
+    hf = preset_config("llama-3-70b")
+    kw = dict(model="llama-3-70b", batch_size=8, num_chunks=8, seq_length=4096, num_stages=40, device="cuda",
+              use_offload=True, resident_stages=0, activation_checkpointing=True, activation_offload=True,
+              gpu_memory_gb=24.0)
+    lora = make_config(dict(kw, lora_rank=16, lora_target_modules="all-linear"))
+    full = make_config(kw)
+    mapping = [s % 2 for s in range(40)]
+    ranks, _ = memory_plan(lora, hf, mapping, "cuda")
+    full_ranks, _ = memory_plan(full, hf, mapping, "cuda")
+    frozen = sum(stage_param_counts(hf, 40))
+    assert 70e9 < frozen < 71e9
+    host_params = sum(r.host_parts["parameters"] for r in ranks)
+    assert host_params == 2 * frozen
+    assert sum(r.host_parts["parameters"] for r in full_ranks) == 18 * frozen
+    adapters = adapter_numel(hf, lora_settings(lora, hf), range(80))
+    assert adapters == 16 * 80 * (2 * (8192 + 8192) + 2 * (8192 + 1024) + 3 * (8192 + 28672))
+    assert all(r.device_peak < 0.9 * 24 * 2**30 for r in ranks), [r.device_peak / 2**30 for r in ranks]
+    assert all(r.device_peak < f.device_peak for r, f in zip(ranks, full_ranks))
