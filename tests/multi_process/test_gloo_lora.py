@@ -54,3 +54,21 @@ def test_every_family_trains_peft_adapters(root, tmp_path, mode):
             assert_same_training(losses, adapters, *ref)
         except AssertionError as e:
             raise AssertionError(f"{family}: {e}") from None
+
+
+@pytest.mark.slow
+def test_data_parallel_trains_peft_adapters(tiny_model_dir, tmp_path):
+    """data_parallel 2 x a 1-rank pipeline of 2 stages (one offloaded): the replicas sum the
+    adapters' gradients before the device step; the adapters are one pipeline's on the whole batch."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
+
+    cfg = tiny_cfg(tiny_model_dir, num_stages=2, data_parallel=2, use_offload=True, resident_stages=1,
+                   save_dir=str(tmp_path / "out"), save_model=True, save_results=str(tmp_path / "results.json"),
+                   **LORA)
+    proc = run_torchrun(2, cli_flags(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
+    adapters = load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"))
+    assert_same_training(losses, adapters, *reference_train(tiny_cfg(tiny_model_dir, **LORA), tiny_model_dir))
