@@ -289,7 +289,7 @@ def main() -> None:
     p.add_argument("--seq_length", type=int, default=512)
     p.add_argument("--num_chunks", type=int, default=16)
     p.add_argument("--num_stages", type=int, default=8)
-    p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--schedule", default="1f1b", help="main.py's default; every row of the README uses it")
     p.add_argument("--fsdp_micro_batch", type=int, default=32,
                    help="fsdp2 rows: micro-batch per rank (the best known at 64 x 512 on 2 GPUs; bench/peers.py sweeps it)")
     p.add_argument("--iterations", type=int, default=5)

@@ -78,6 +78,10 @@ class FlatAdamW:
                 leaf.grad = self.master_grad[lo:hi]
                 leaves.append(leaf)
             groups.append({"params": leaves, "weight_decay": wd})
+        if not groups:  # nothing to train here (a LoRA stage without adapters): one empty leaf
+            leaf = self.master[0:0].requires_grad_()
+            leaf.grad = self.master_grad[0:0]
+            groups.append({"params": [leaf], "weight_decay": 0.0})
         self.optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim.betas, eps=optim.eps, fused=optim.fused)
         if optim.fused:
             self.init_state()

@@ -66,12 +66,14 @@ from torch import nn
 
 from offload import owners
 from offload.adamw import FlatAdamW, OptimSettings, ShardPeers, squared_norm
+from offload.frozen import FrozenWeights
 from offload.loader import StepProgress, Workers, done
 from offload.offloaded import Offloaded
 from offload.resident import Resident
 from offload.streams import BufferPool, Clock, Streams
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
+_FROZEN_VIEW = object()  # tag of a packed view of the frozen weights' device buffer
 
 
 class Residency(Protocol):
@@ -106,9 +108,14 @@ class Residency(Protocol):
     def discard(self, store: "StageStore") -> None: ...
 
 
-def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, **kw) -> "StageStore":
+def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, frozen: bool = False,
+               **kw) -> "StageStore":
     """A ``StageStore`` for ``module``: offloaded (``delayed``: delayed update) or resident; the
-    other arguments as ``StageStore``'s."""
+    other arguments as ``StageStore``'s. ``frozen`` (LoRA): the parameters that need no gradient
+    are ``FrozenWeights``, in host memory when ``offload``; the trainable ones (the adapters),
+    their gradients and AdamW state stay on the device."""
+    if frozen:
+        return StageStore(module, Resident(), frozen_offload=offload, **kw)
     return StageStore(module, Offloaded(delayed) if offload else Resident(), **kw)
 
 
@@ -117,7 +124,8 @@ class StageStore:
 
     def __init__(self, module: nn.Module, residency: Residency, *, device: torch.device, compute_dtype: torch.dtype,
                  optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None,
-                 tied: str | None = None, tied_copy: bool = False, shard: ShardPeers | None = None):
+                 tied: str | None = None, tied_copy: bool = False, shard: ShardPeers | None = None,
+                 frozen_offload: bool | None = None):
         """``residency``: where the stage's state lives and how it moves (``Resident``,
         ``Offloaded``; ``make_store`` picks). ``tied`` names this stage's copy of a matrix tied
         across stages (the embedding of the first stage, the head of the last,
@@ -134,6 +142,10 @@ class StageStore:
         so every peer again holds all the masters. The gradient it steps from is the replicas'
         sum (``reduce_grads``).
 
+        ``frozen_offload`` (LoRA; None: every parameter trains): the parameters that do not
+        require a gradient are left out of the flat buffers and kept as ``FrozenWeights`` (in host
+        memory when True), which LOAD, DROP and OFFLOAD_GRADS move; the rest is as above.
+
         The calling thread owns the store: it alone writes its fields from now on (module
         docstring; checked under ``owners.CHECK_THREADS``)."""
         self._owner = threading.current_thread()
@@ -144,6 +156,11 @@ class StageStore:
         if self.workers is not None:
             streams.hand_to("load", self.workers.loader.thread)  # the load stream's one producer
         named = list(module.named_parameters())
+        self.frozen: FrozenWeights | None = None
+        if frozen_offload is not None:
+            self.frozen = FrozenWeights([(n, p) for n, p in named if not p.requires_grad], offload=frozen_offload,
+                                        device=device, dtype=compute_dtype, streams=streams, pool=pool)
+            named = [(n, p) for n, p in named if p.requires_grad]
         if tied is not None:
             named.sort(key=lambda np_: np_[0] != tied)  # stable: the tied matrix first, the rest in order
             if named[0][0] != tied or named[0][1].ndim < 2:
@@ -192,6 +209,11 @@ class StageStore:
             owners.assert_owner(self._owner, f"StageStore.{name}")
         object.__setattr__(self, name, value)
 
+    def _label(self) -> str:
+        """The stage in messages: its index, else its first parameter (a LoRA stage may train none)."""
+        index = getattr(self.module, "index", None)
+        return f"stage {index}" if index is not None else f"stage with {self.names[0]}"
+
     def _views(self, flat: torch.Tensor):
         off = 0
         for shape in self.shapes:
@@ -211,7 +233,9 @@ class StageStore:
     def load(self) -> Future:
         """LOAD: the weights to the device, issued by the load stream's producer; a future of the
         copy's ``LoadSpan``. The host never blocks here (module docstring)."""
-        return self.residency.load(self)
+        span = self.residency.load(self)
+        frozen = self.frozen.load() if self.frozen is not None else None
+        return frozen or span
 
     def before_compute(self, backward: bool, clock: Clock | None = None) -> None:
         """Called before every F/B of this stage: waits for its load (the host for the copy to be
@@ -219,8 +243,10 @@ class StageStore:
         zeroed gradient buffer (autograd then accumulates every micro-batch into it in place).
         ``clock`` gets the waits: ``optimizer_wait`` (host, for the stage's step) and
         ``load_wait`` (the compute stream, or on the CPU the host, for the copy)."""
-        if not self.loaded:
-            raise RuntimeError(f"stage with {self.names[0]} computed while its parameters are not loaded")
+        if not self.loaded or (self.frozen is not None and not self.frozen.loaded):
+            raise RuntimeError(f"{self._label()} computed while its parameters are not loaded")
+        if self.frozen is not None:
+            self.frozen.wait()
         if self._load_future is not None:
             t0 = time.perf_counter()
             span = self._load_future.result()  # host wait: only when the copy is not issued yet
@@ -248,11 +274,16 @@ class StageStore:
     def drop(self) -> None:
         """DROP: forget the device copy (weights did not change, nothing goes back)."""
         self.residency.drop(self)
+        if self.frozen is not None:
+            self.frozen.drop()
 
     def offload_grads(self, norm: bool = False) -> None:
         """OFFLOAD_GRADS: fp32 gradients device -> host, then free device memory; with ``norm`` the
-        optimizer thread takes their squared norm once they have landed."""
+        optimizer thread takes their squared norm once they have landed. Frozen weights have no
+        gradient: their device copy is dropped."""
         self.residency.offload_grads(self, norm)
+        if self.frozen is not None:
+            self.frozen.drop()
 
     def _squared_norm(self, grads_event=None) -> torch.Tensor:
         """On the optimizer thread (offload, the rank's share of the cores) or the main thread
@@ -375,18 +406,19 @@ class StageStore:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        dev = self.dev
-        if (dev is not None and t.device == dev.device and t.dtype == dev.dtype
-                and t.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()):
-            return (_WEIGHT_VIEW, t.size(), t.stride(), t.storage_offset() - dev.storage_offset())
+        for tag, dev in ((_WEIGHT_VIEW, self.dev), (_FROZEN_VIEW, self.frozen.dev if self.frozen else None)):
+            if (dev is not None and t.device == dev.device and t.dtype == dev.dtype
+                    and t.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()):
+                return (tag, t.size(), t.stride(), t.storage_offset() - dev.storage_offset())
         return t
 
     def _unpack(self, packed):
-        if isinstance(packed, tuple) and packed and packed[0] is _WEIGHT_VIEW:
-            _, size, stride, offset = packed
-            if self.dev is None:
-                raise RuntimeError(f"backward of the stage with {self.names[0]} while its weights are not loaded")
-            return self.dev.as_strided(size, stride, self.dev.storage_offset() + offset)
+        if isinstance(packed, tuple) and packed and packed[0] in (_WEIGHT_VIEW, _FROZEN_VIEW):
+            tag, size, stride, offset = packed
+            dev = self.dev if tag is _WEIGHT_VIEW else self.frozen.dev
+            if dev is None:
+                raise RuntimeError(f"backward of the {self._label()} while its weights are not loaded")
+            return dev.as_strided(size, stride, dev.storage_offset() + offset)
         return packed
 
     # --- checkpoints ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Every field is a YAML key and a flag of the same name (``--batch_size 8``). A boolean field
 ``use_x`` or ``x`` is set with ``--use_x`` / ``--x`` and cleared with ``--no_x``. The fields
-fall into sections (``SECTIONS``: model, data, parallelism, offload, optimizer, output, launch);
+fall into sections (``SECTIONS``: model, data, parallelism, offload, optimizer, lora, output, launch);
 a YAML file may give its keys flat or under their section (``optimizer: {lr: 1e-5}``), and the
 code reads them flat (``cfg.lr``).
 """
@@ -44,7 +44,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # --- model ----------------------------------------------------------------
     model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
-                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, qwen3-4b, qwen3-moe-small), or 'generated' "
+                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen3-moe-small), or 'generated' "
                     "(small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
     num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")
@@ -188,13 +188,30 @@ class TrainConfig:
     max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
                                 "error after more than this many in a row (0 = stop at the first; -1 = no check, "
                                 "non-finite steps are applied).")
+    # --- lora -----------------------------------------------------------------
+    lora_rank: int = _f(0, "LoRA: train low-rank adapters (peft's) of this rank instead of the whole model (0 = full "
+                        "fine-tuning). The base weights are frozen: no gradient, master copy or AdamW state, kept in "
+                        "the compute dtype (with use_offload in host memory, streamed to the GPU like an offloaded "
+                        "stage); the adapters and their AdamW state stay on the GPU.")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator: an adapter's update is multiplied by lora_alpha / lora_rank.")
+    lora_dropout: float = _f(0.0, "Dropout on an adapter's input (peft's lora_dropout), 0 <= p < 1. Not with "
+                             "activation_offload, whose recompute would draw another mask.")
+    lora_target_modules: str = _f("all-linear", "The modules that get adapters, by peft's names, comma-separated "
+                                  "(e.g. q_proj,k_proj,v_proj,o_proj), or all-linear (every linear layer of the "
+                                  "decoder layers; not the head). Mixture-of-experts experts are not linear layers "
+                                  "and get none.")
+    lora_adapter: str = _f("", "A saved peft adapter directory (adapter_config.json, adapter_model.safetensors) to "
+                           "continue training; its rank, alpha and target modules must be this run's.")
+    merge_lora: bool = _f(False, "With lora_rank: also write the base model with the adapters merged into it to "
+                          "save_dir/model (save_dir/adapter is written anyway).")
     # --- output ---------------------------------------------------------------
     save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
                        "holds an earlier run is refused unless resume or overwrite is set; one that a live run "
                        "writes is refused whatever is set (rank 0 holds save_dir/.lock while it runs).")
     overwrite: bool = _f(False, "Start afresh in a save_dir that holds an earlier run, replacing its model, "
                          "metrics and results (its checkpoints stay until pruned by keep_checkpoints).")
-    save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model.")
+    save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model (with "
+                          "lora_rank: the adapter in peft's format to save_dir/adapter).")
     save_params: bool = _f(False, "Also write the whole state dict to save_dir/params.pt.")
     save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank "
                            "(empty = save_dir/results.json).")
@@ -250,6 +267,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
                   "loss_scale_window", "max_skipped_steps"),
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_adapter", "merge_lora"),
     "output": ("save_dir", "overwrite", "save_model", "save_params", "save_results", "save_metrics", "progress_bar",
                "eval_every", "timeline", "timeline_iteration", "debug_schedule", "checkpoint_every",
                "keep_checkpoints", "resume", "report_to"),

@@ -12,9 +12,10 @@ import torch
 import schedule as sched
 from models import head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.plan.lora import adapted_per_layer, adapter_numel, lora_settings
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
-from pipeline.plan.programs import program_spec, tied_across_stages
+from pipeline.plan.programs import program_spec, trains_tied_copies
 from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
 from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
 
@@ -49,7 +50,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     S = cfg.num_stages
     parts = stage_layers(cfg, hf_config, len(set(mapping)))
     counts = stage_param_counts(hf_config, S, parts)
-    stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1)
+    adapters = lora_settings(cfg, hf_config)
+    stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1, adapter_numel(hf_config, adapters, parts[s]))
               for s in range(S)]
     program = program_spec(cfg, hf_config).build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
@@ -59,7 +61,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
                        fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
                        compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
-                       cudnn=_takes_cudnn(cfg, hf_config, device))
+                       cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
+                       lora_modules=adapted_per_layer(hf_config, adapters))
     return inp, program
 
 
@@ -162,7 +165,7 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
             if peak > AUTO_RESIDENT_FRACTION * cap:
                 break
             k, why = n, f"auto: estimated peak {gib(peak)} within {AUTO_RESIDENT_FRACTION:.0%} of {gib(cap)}"
-        if 0 < k < per_rank and tied_across_stages(cfg.num_stages, hf_config):
+        if 0 < k < per_rank and trains_tied_copies(cfg, hf_config):
             # the tied copies (first stage, resident from 1; last stage, only with all) must step alike
             k, why = 0, f"auto: {k} fit, but tied embeddings need 0 or all {per_rank} (both copies step alike)"
     kept = f": each rank's first {k}" if k else ""
@@ -368,6 +371,21 @@ def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], wor
                    "; no single change leaves that margin: use a shorter seq_length or more GPUs")
 
 
+def _lora_lines(cfg: TrainConfig, hf_config, device: str) -> list[str]:
+    """LoRA's line of the plan: what trains, and what the frozen base weights cost."""
+    adapters = lora_settings(cfg, hf_config)
+    if adapters is None:
+        return []
+    S, d = cfg.num_stages, dtype_bytes(cfg, device)
+    parts = stage_layers(cfg, hf_config, 1)
+    trained = sum(adapter_numel(hf_config, adapters, p) for p in parts)
+    frozen = sum(stage_param_counts(hf_config, S, parts))
+    return [f"lora: rank {adapters.rank} on {','.join(adapters.targets)}: {trained / 1e6:.1f}M adapter parameters "
+            f"trained ({gib(trained * 16)} with their fp32 masters, gradients and AdamW state, on the GPUs); "
+            f"{frozen / 1e9:.2f}B frozen base parameters, {gib(frozen * d)} in the compute dtype "
+            f"({'host memory, streamed' if cfg.use_offload else 'on the GPUs'}; resident stages' on the GPUs)"]
+
+
 def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
            kept: tuple[int, ...] | None = None) -> str:
     """The text ``--plan`` prints."""
@@ -387,6 +405,7 @@ def assessment_report(a: Assessment, cfg: TrainConfig, hf_config, mapping: list[
              f"checkpointing={cfg.activation_checkpointing} activation_offload={cfg.activation_offload}",
              f"stage -> rank: {mapping}",
              partition_line(cfg, hf_config, len(set(mapping))),
+             *_lora_lines(cfg, hf_config, a.device),
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
     for r in a.ranks:
         mine = [s for s, m in enumerate(mapping) if m == r.rank]

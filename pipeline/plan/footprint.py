@@ -121,6 +121,7 @@ class StagePlan:
     num_layers: int
     first: bool
     last: bool
+    adapter: int = 0  # LoRA: adapter elements (trained); ``numel`` is then the frozen base weights
 
 
 @dataclass
@@ -157,6 +158,9 @@ class MemoryInputs:
     mlp_tile_tokens: int = 0  # tiled_mlp: tokens per MLP tile (0: untiled)
     compiled: bool = False    # compile_layers: inductor's graphs keep less than eager autograd
     cudnn: bool = False       # whole rows through cuDNN's attention (no fp32 query-gradient accumulator)
+    # LoRA: the adapters' rank (0: full fine-tuning) and the adapted linear modules of a layer
+    lora_rank: int = 0
+    lora_modules: int = 0
 
     @property
     def inductor(self) -> bool:
@@ -192,6 +196,8 @@ def weight_grad_bytes(inp: MemoryInputs, s: int) -> int:
     """Autograd computes a weight's gradient as a new tensor, then adds it into ``.grad``: the
     largest weight of the stage is a transient of its backward."""
     m, st = inp.shape, inp.stages[s]
+    if inp.lora_rank:  # frozen weights get no gradient: the largest is an adapter's (r x the widest side)
+        return inp.lora_rank * max(m.hidden, m.intermediate, m.q) * inp.dtype_bytes if st.num_layers else 0
     largest = m.largest if st.num_layers else 0
     if st.first or st.last:
         largest = max(largest, m.vocab * m.hidden)
@@ -210,6 +216,9 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
     # activation_offload: the backward's recompute of the stage checkpoints no layer again
     layer_ckpt = inp.checkpointing and not inp.activation_offload
     recomputed = st.num_layers - kept if layer_ckpt else 0  # layers that save only their input
+    # LoRA: each adapted linear keeps its r-wide down-projection for B's gradient (its input is
+    # the one the layer formula counts: a frozen weight's product saves the weight, not the input)
+    layer += inp.lora_modules * inp.lora_rank * d
     saved = recomputed * d * h + (st.num_layers - recomputed) * layer
     if seg is not None:
         # A segment's own keys/values stay, carried for the later segments (a recomputed layer's
@@ -316,6 +325,11 @@ def param_bytes_resident(numel: int, d: int) -> int:
     return numel * (d + d + 4 + 4 + 8 - (8 if d == 4 else 0))
 
 
+def frozen_bytes(numel: int, d: int) -> int:
+    # LoRA's base weights: one compute-dtype copy (host or device), no gradient, master or AdamW state
+    return numel * d
+
+
 def param_bytes_host(numel: int, d: int) -> int:
     # fp32 master + master grad (the offload's destination) + AdamW moments, and the pinned
     # compute copy of the weights
@@ -361,10 +375,16 @@ class Ledger:
         mine = [s for s, r in enumerate(inp.mapping) if r == rank]
         self.out = out = RankMemory(rank)
         self.offloaded = offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
-        out.host = sum(param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+        self.lora = bool(inp.lora_rank)
+        if self.lora:  # frozen base weights in host memory (offloaded) or on the device; adapters on the device
+            out.host = sum(frozen_bytes(inp.stages[s].numel, d) for s in mine if s in offloaded)
+            self.params_static = sum(param_bytes_resident(inp.stages[s].adapter, d)
+                                     + (0 if s in offloaded else frozen_bytes(inp.stages[s].numel, d)) for s in mine)
+        else:
+            out.host = sum(param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+            self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
         out.host_parts = {"parameters": out.host}
-        self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
-        if offloaded and d < 4 and not inp.cpu:  # the load stream's staging buffer (masters converted on the GPU)
+        if offloaded and d < 4 and not inp.cpu and not self.lora:  # the load stream's staging buffer (masters converted on the GPU)
             self.params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
         # numel -> buffers: free now, and made (``pool``: what an earlier iteration left, all free)
         self.pool_free: dict[int, int] = dict(pool or {})
@@ -405,7 +425,7 @@ class Ledger:
     def grad_buffer(self, s: int) -> None:
         """An offloaded stage's first gradient-making compute of the iteration takes its device
         gradient buffer from the pool (``StageStore.before_compute(backward=True)``)."""
-        if s in self.offloaded and s not in self.has_grad:
+        if s in self.offloaded and s not in self.has_grad and not self.lora:  # LoRA: adapters' grads are static
             self.take(self.inp.stages[s].numel)
             self.has_grad.add(s)
 
@@ -439,6 +459,8 @@ class Ledger:
         elif a.op is Op.LOAD:
             self.take(self.inp.stages[a.stage].numel)
         elif a.op is Op.DROP:
+            self.give(self.inp.stages[a.stage].numel)
+        elif a.op is Op.OFFLOAD_GRADS and self.lora:  # the frozen weights' copy only: no gradient goes back
             self.give(self.inp.stages[a.stage].numel)
         elif a.op is Op.OFFLOAD_GRADS:
             numel = self.inp.stages[a.stage].numel

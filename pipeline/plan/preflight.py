@@ -28,6 +28,7 @@ import torch
 
 from pipeline.config import ConfigError, TrainConfig, partition_counts, report_targets
 from pipeline.plan.layout import check_replicas
+from pipeline.plan.lora import check_lora, lora_settings
 from pipeline.plan.source import build_generated_model, generated_model_dir, needs_generated, resolve_model
 from pipeline.plan import saved
 
@@ -276,6 +277,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
     if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1:
         raise ConfigError(f"checkpoint_every ({cfg.checkpoint_every}) must be >= 0 and keep_checkpoints "
                           f"({cfg.keep_checkpoints}) >= 1")
+    check_lora(cfg)
 
 
 # report_to's names -> the package each needs, and how to get it.
@@ -319,6 +321,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
             return
         build_generated_model(cfg)
         source = resolve_model(cfg)
+    lora_settings(cfg, source.config)  # the target modules against the model's layers, the saved adapter's
     if source.weights_dir is not None:
         from pipeline.plan.weight_files import check_weight_files
 

@@ -19,13 +19,19 @@ def tied_across_stages(num_stages: int, hf_config) -> bool:
     return tied(hf_config) and num_stages > 1
 
 
+def trains_tied_copies(cfg: TrainConfig, hf_config) -> bool:
+    """Two stages train copies of a tied matrix (TIE actions sum their gradients): tied across
+    stages, and not LoRA, where both copies are frozen."""
+    return tied_across_stages(cfg.num_stages, hf_config) and not cfg.lora_rank
+
+
 def program_spec(cfg: TrainConfig, hf_config) -> ProgramSpec:
     """The spec of ``cfg``'s programs for the model ``hf_config``; ``cfg`` is one pipeline's
     (``Resolved.replica``: its ``num_chunks`` are one replica's micro-batches). An unresolved
     ``resident_stages`` (-1, the memory plan's candidates before ``resolve``) counts as 0."""
     return ProgramSpec(cfg.schedule, cfg.num_stages, cfg.num_chunks, offload=cfg.use_offload,
                        prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
-                       tied=tied_across_stages(cfg.num_stages, hf_config), num_segments=cfg.seq_chunks,
+                       tied=trains_tied_copies(cfg, hf_config), num_segments=cfg.seq_chunks,
                        receive_ahead=cfg.receive_ahead)
 
 
@@ -41,4 +47,4 @@ def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, eval
     return schedule, schedule[position], eval_actions
 
 
-__all__ = ["ProgramSpec", "build_programs", "program_spec", "tied_across_stages"]
+__all__ = ["ProgramSpec", "build_programs", "program_spec", "tied_across_stages", "trains_tied_copies"]

@@ -20,6 +20,7 @@ from offload.streams import BufferPool, Streams
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
 from pipeline.plan.layout import Layout, layout
+from pipeline.plan.lora import LoraSettings, lora_settings
 from pipeline.plan.partition import stage_layers
 from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
 from pipeline.plan.programs import build_programs, program_spec
@@ -35,7 +36,7 @@ from pipeline.run.executor import Executor
 from pipeline.run.optim import LossScaler, optim_settings
 from pipeline.run.replicas import GradSync, shard_peers
 from pipeline.runners import RankRunners
-from pipeline.stage import attention
+from pipeline.stage import attention, lora
 from pipeline.stage.model import build_stage, compile_layers
 from pipeline.stage.router_loss import RouterLoss
 
@@ -140,6 +141,7 @@ class Rank:
         parts: each stage's decoder layers (``pipeline.plan.partition.stage_layers``).
         stages, stores: this rank's stages and their parameter stores, by stage id.
         replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
+        adapters: LoRA's settings (the stores train the adapters only), None for full fine-tuning.
     """
 
     cfg: TrainConfig
@@ -164,6 +166,7 @@ class Rank:
     replicas: GradSync | None
     executor: Executor
     scaler: LossScaler | None
+    adapters: LoraSettings | None = None
 
     @property
     def mapping(self) -> list[int]:
@@ -204,12 +207,15 @@ def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchSt
 
 def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
                  offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
-                 replicas: GradSync | None, log: Log) -> tuple[dict, dict, Streams]:
-    """This rank's stages (only those are ever built) and their stores."""
+                 replicas: GradSync | None, log: Log, adapters: LoraSettings | None = None,
+                 adapter_dir=None) -> tuple[dict, dict, Streams]:
+    """This rank's stages (only those are ever built) and their stores. ``adapters`` (LoRA):
+    peft's adapters go into every stage, from ``adapter_dir`` (a saved peft adapter) or their
+    seeded initial values; the base weights are frozen."""
     S = cfg.num_stages
     streams, pool = Streams(device), BufferPool(device)
     workers, share = None, []
-    if offloaded:
+    if offloaded and adapters is None:  # LoRA: no CPU optimizer step, the adapters step on the device
         # torchrun sets OMP_NUM_THREADS=1; the optimizer thread gets this rank's share of the cores.
         share = rank_cpus(cfg, env, device)
         cpus = adamw_cpus(cfg, share)
@@ -237,6 +243,12 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                 checkpointing=cfg.activation_checkpointing,
                                 kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device,
                                 mlp_tile_tokens=tile)
+            if adapters is not None:
+                lora.inject(stage, adapters)
+                if adapter_dir is not None:
+                    lora.load_adapter(stage, adapter_dir)
+                else:
+                    lora.init_adapters(stage, cfg.seed)
             stage.buffers_to(device)
             if compiled:
                 compile_layers(stage)
@@ -245,11 +257,13 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
             # Replicas split an offloaded stage's CPU step (ZeRO-1 on host state); not a tied
             # copy's (both copies must step alike) nor a delayed one's.
-            sharded = s in offloaded and stage.tied_name is None and not cfg.delayed_update
+            # LoRA: the tied matrix is frozen, both copies as loaded; the adapters step on the device.
+            sharded = s in offloaded and stage.tied_name is None and not cfg.delayed_update and adapters is None
             shard = shard_peers(replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
-            stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update, device=device,
-                                   compute_dtype=dtype, optim=optim_settings(cfg, fused=True), streams=streams,
-                                   pool=pool, workers=workers, tied=stage.tied_name, tied_copy=s == S - 1,
+            stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update,
+                                   frozen=adapters is not None, device=device, compute_dtype=dtype,
+                                   optim=optim_settings(cfg, fused=True), streams=streams, pool=pool, workers=workers,
+                                   tied=stage.tied_name if adapters is None else None, tied_copy=s == S - 1,
                                    shard=shard)
             stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
@@ -307,6 +321,15 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
     resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, log)
     weights_dir = resume_point.path if resume_point else source.weights_dir
+    adapters = lora_settings(cfg, hf)
+    adapter_dir = None
+    if adapters is not None:
+        # LoRA: the base weights are the model's; a checkpoint holds only the adapters
+        weights_dir = source.weights_dir
+        adapter_dir = checkpoint.adapter_dir(resume_point.path) if resume_point else (cfg.lora_adapter or None)
+        log.info(f"lora: rank {adapters.rank}, alpha {adapters.alpha:g}, dropout {adapters.dropout:g} on "
+                 f"{','.join(adapters.targets)}; adapters "
+                 + (f"from {adapter_dir}" if adapter_dir else "initialised (peft's scheme, seeded)"))
     stream, eval_batches = build_data(cfg, source, log)
     spec = program_spec(one, hf)
     schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
@@ -325,7 +348,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     # creation is collective.
     replicas = GradSync(lay, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
     stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
-                                           device, dtype, replicas, log)
+                                           device, dtype, replicas, log, adapters, adapter_dir)
     p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
     # How each stage's work runs, chosen once here (pipeline.runners)
     runners = RankRunners(stages, stores, device=device, num_stages=S, num_segments=cfg.seq_chunks,
@@ -337,7 +360,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
                         router_loss=build_router_loss(cfg, hf, stages, device))
     scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
     return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
-                schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler)
+                schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler, adapters)
 
 
 __all__ = ["Rank", "adamw_cpus", "build_data", "build_device", "build_rank", "build_router_loss", "build_stages",

@@ -70,7 +70,7 @@ def _shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int) -> None:
+def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int, tensors_of=None) -> None:
     """Every rank writes its stages' shards into the existing ``out_dir``; rank 0 then writes the
     index, config and tokenizer. Ends with a collective (the gather), no barrier."""
     from safetensors.torch import save_file
@@ -79,7 +79,7 @@ def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stage
 
     mine = {}
     for s, store in stores.items():
-        tensors = checkpoint_tensors(source.config, _cpu_copy(store))
+        tensors = checkpoint_tensors(source.config, tensors_of(s, store) if tensors_of else _cpu_copy(store))
         path = out_dir / _shard_name(s, num_stages)
         save_file(tensors, str(path), metadata={"format": "pt"})
         # safetensors writes a private (0600) file: the shard gets the mode of the run's other files
@@ -106,16 +106,78 @@ def _write_hf_files(out_dir: Path, stores: dict, source, env: DistEnv, num_stage
             AutoTokenizer.from_pretrained(source.tokenizer_dir).save_pretrained(out_dir)
 
 
-def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int) -> None:
+def save_hf_model(out_dir: Path, stores: dict, source, env: DistEnv, num_stages: int, tensors=None) -> None:
     """A Hugging Face directory (config, one safetensors shard per stage, index, tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained`` loads. Each rank writes only its own stages."""
+    ``AutoModelForCausalLM.from_pretrained`` loads. Each rank writes only its own stages.
+    ``tensors(s, store)``: a stage's weights (default: its fp32 masters; LoRA's merged model)."""
     tmp = out_dir.with_name(out_dir.name + ".partial")
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    _write_hf_files(tmp, stores, source, env, num_stages)
+    _write_hf_files(tmp, stores, source, env, num_stages, tensors)
     if env.rank == 0:
+        _replace_dir(tmp, out_dir)
+    barrier()
+
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's (and save_dir's) adapter, in peft's format
+
+
+def adapter_dir(path: Path | str) -> Path:
+    return Path(path) / ADAPTER_DIR
+
+
+def _part_name(stage: int) -> str:
+    return f"stage{stage:05d}.safetensors"
+
+
+def _write_adapter_parts(out_dir: Path, stores: dict) -> None:
+    """Every rank: its stages' adapters (fp32 masters, peft's keys) as part files in ``out_dir``."""
+    from safetensors.torch import save_file
+
+    from pipeline.stage.lora import adapter_tensors
+
+    for s, store in stores.items():
+        path = out_dir / _part_name(s)
+        save_file(adapter_tensors(store), str(path), metadata={"format": "pt"})
+        _fsync(path)
+
+
+def _merge_adapter_parts(out_dir: Path, settings, base_model: str | None) -> None:
+    """Rank 0, once every part is on disk: the parts into peft's one ``adapter_model.safetensors``
+    (adapters are small: LoRA rank 16 of every linear layer of a 70B model is 0.8 GB in fp32) and
+    its ``adapter_config.json``."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.plan.lora import ADAPTER_WEIGHTS
+    from pipeline.stage.lora import peft_config
+
+    parts = sorted(out_dir.glob("stage*.safetensors"))
+    merged = {}
+    for part in parts:
+        merged.update(load_file(str(part)))
+    path = out_dir / ADAPTER_WEIGHTS
+    save_file(dict(sorted(merged.items())), str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+    _fsync(path)
+    for part in parts:
+        part.unlink()
+    peft_config(settings, base_model).save_pretrained(str(out_dir))
+
+
+def save_adapter(out_dir: Path, stores: dict, settings, base_model: str | None, env: DistEnv) -> None:
+    """A peft adapter directory (``PeftModel.from_pretrained(base, out_dir)`` loads it), written
+    as ``<out_dir>.partial`` and renamed once complete. Collective."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    if env.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    _write_adapter_parts(tmp, stores)
+    barrier()  # every part on disk before rank 0 reads them
+    if env.rank == 0:
+        _merge_adapter_parts(tmp, settings, base_model)
         _replace_dir(tmp, out_dir)
     barrier()
 
@@ -171,21 +233,30 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, env: DistEnv, *, num_stages: int,
-                             trainer_state: dict, device: torch.device, keep: int, rank_state: bool = True) -> Path:
+                             trainer_state: dict, device: torch.device, keep: int, rank_state: bool = True,
+                             adapters=None) -> Path:
     """Write ``save_dir/checkpoints/step_{step}`` (see above); collective: every rank calls it.
 
     Every rank writes its own stages' shards and optimizer states and its RNG state; after a
     barrier rank 0 writes the trainer state and the COMPLETE marker last, renames the
     directory into place and only then deletes checkpoints beyond the newest ``keep``.
     ``rank_state=False``: this rank writes no RNG state (data parallelism: only replica 0's ranks
-    write, and pass no ``stores`` in the other replicas, so those write nothing at all)."""
+    write, and pass no ``stores`` in the other replicas, so those write nothing at all).
+    ``adapters`` (LoRA's settings): the checkpoint holds the adapters in peft's format
+    (``adapter/``) instead of the model's shards: the base weights never change."""
     final = checkpoint_dir(save_dir, step)
     tmp = final.with_name(final.name + ".partial")
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / STATE_DIR).mkdir(parents=True)
     barrier()
-    _write_hf_files(tmp, stores, source, env, num_stages)
+    if adapters is None:
+        _write_hf_files(tmp, stores, source, env, num_stages)
+    else:
+        if env.rank == 0:
+            adapter_dir(tmp).mkdir()
+        barrier()
+        _write_adapter_parts(adapter_dir(tmp), stores)
     for s, store in stores.items():
         path = tmp / stage_file(s)
         torch.save({"numel": store.numel, "optimizer": store.optimizer_state_dict()}, path)
@@ -196,6 +267,8 @@ def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, en
         _fsync(path)
     barrier()  # every rank's files are on disk before the marker vouches for them
     if env.rank == 0:
+        if adapters is not None:
+            _merge_adapter_parts(adapter_dir(tmp), adapters, source.weights_dir and str(source.weights_dir))
         write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
         _fsync(tmp / TRAINER_STATE)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -294,9 +367,11 @@ class CheckpointManager:
     With data parallelism replica 0 writes; every replica restores."""
 
     def __init__(self, cfg, env: DistEnv, source, device: torch.device, log, layout, *, stores: dict, stream,
-                 scaler, parts: list[range], mapping: list[int]) -> None:
+                 scaler, parts: list[range], mapping: list[int], adapters=None) -> None:
+        """``adapters``: LoRA's settings (the checkpoints hold the adapters), None for full fine-tuning."""
         self.cfg, self.env, self.source, self.device, self.log, self.layout = cfg, env, source, device, log, layout
         self.stores, self.stream, self.scaler, self.parts, self.mapping = stores, stream, scaler, parts, mapping
+        self.adapters = adapters
 
     @property
     def saved_stores(self) -> dict:
@@ -323,7 +398,8 @@ class CheckpointManager:
             self.stores[s].gather_optimizer_state()
         path = save_training_checkpoint(Path(cfg.save_dir), step, self.saved_stores, self.source, self.env,
                                         num_stages=cfg.num_stages, trainer_state=trainer_state, device=self.device,
-                                        keep=cfg.keep_checkpoints, rank_state=self.layout.replica == 0)
+                                        keep=cfg.keep_checkpoints, rank_state=self.layout.replica == 0,
+                                        adapters=self.adapters)
         self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 

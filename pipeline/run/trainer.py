@@ -76,7 +76,7 @@ class Trainer:
                                                      r.cfg.seq_length)
         self.checkpoints = checkpoint.CheckpointManager(
             r.cfg, env, r.source, r.device, r.log, r.layout, stores=r.stores, stream=r.stream, scaler=r.scaler,
-            parts=r.parts, mapping=r.mapping)
+            parts=r.parts, mapping=r.mapping, adapters=r.adapters)
         if r.resume_point:
             self.checkpoints.restore(r.resume_point)
 
@@ -220,12 +220,31 @@ class Trainer:
         self.executor.finish()
         return self.checkpoints.save(step)
 
+    def save_lora(self, out: Path) -> None:
+        """LoRA's outputs: the adapter in peft's format (``save_dir/adapter``) and, with
+        ``merge_lora``, the base model with the adapters merged into it (``save_dir/model``)."""
+        from pipeline.stage.lora import merged_tensors
+
+        cfg, r = self.cfg, self.rank
+        if not cfg.save_model or self.stopped_by:
+            return
+        stores = self.checkpoints.saved_stores
+        base = str(r.source.weights_dir) if r.source.weights_dir is not None else None
+        checkpoint.save_adapter(out / checkpoint.ADAPTER_DIR, stores, r.adapters, base, self.env)
+        r.log.info(f"saved LoRA adapter (peft format) to {out / checkpoint.ADAPTER_DIR}")
+        if cfg.merge_lora:
+            checkpoint.save_hf_model(out / "model", stores, r.source, self.env, cfg.num_stages,
+                                     lambda s, store: merged_tensors(r.stages[s], store))
+            r.log.info(f"saved the merged Hugging Face model to {out / 'model'}")
+
     def save(self, history: list[dict]) -> None:
         """The run's outputs: the Hugging Face model and params.pt (not after a stop: its model is
         its last checkpoint), then results.json (collective)."""
         cfg, r = self.cfg, self.rank
         out = Path(cfg.save_dir)
-        if cfg.save_model and not self.stopped_by:
+        if r.adapters is not None:
+            self.save_lora(out)
+        elif cfg.save_model and not self.stopped_by:
             checkpoint.save_hf_model(out / "model", self.checkpoints.saved_stores, r.source, self.env,
                                      cfg.num_stages)
             r.log.info(f"saved Hugging Face model to {out / 'model'}")

@@ -32,9 +32,14 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
         import copy
 
         compute = copy.deepcopy(model).to(compute_dtype)
-    stream, _ = build_stream(cfg, resolve_model(cfg))
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    source = resolve_model(cfg)
+    stream, _ = build_stream(cfg, source)
+    adapters = _with_adapters(cfg, source, model, compute is not model)
+    if adapters is not None:
+        model = compute = adapters
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
@@ -48,7 +53,7 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
                 master.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
         for g in opt.param_groups:
             g["lr"] = lr_at(it, cfg)
         opt.step()
@@ -58,8 +63,33 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
                 for master, p in zip(model.parameters(), compute.parameters()):
                     p.copy_(master)
         losses.append(loss.item())
+    if adapters is not None:  # the adapters, as peft saves them
+        from peft import get_peft_model_state_dict
+
+        return losses, {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # saved once, as the embedding
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in tied}
+
+
+def _with_adapters(cfg: TrainConfig, source, model, mixed: bool):
+    """LoRA (``cfg.lora_rank``): ``model`` as a peft ``PeftModel`` with the run's adapters, their
+    initial values the pipeline's (``pipeline.stage.lora.init_adapters``) or ``cfg.lora_adapter``'s;
+    None for full fine-tuning."""
+    from pipeline.plan.lora import lora_settings
+
+    settings = lora_settings(cfg, source.config)
+    if settings is None:
+        return None
+    assert not mixed, "the LoRA reference trains in float32"
+    from peft import PeftModel, get_peft_model
+
+    from pipeline.stage.lora import init_adapters, peft_config
+
+    if cfg.lora_adapter:
+        return PeftModel.from_pretrained(model, cfg.lora_adapter, is_trainable=True)
+    peft_model = get_peft_model(model, peft_config(settings))
+    init_adapters(peft_model, cfg.seed)
+    return peft_model
 
 
 def _loss_and_backward(model, batch, cfg: TrainConfig, accumulate: bool = False) -> torch.Tensor:
