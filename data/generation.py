@@ -4,7 +4,8 @@ The prompt is built exactly as training built the records of its data format
 (``encode_generation_prompt``): XSum's summarisation prompt, Alpaca's instruction prompt, the
 tokenizer's chat template with its generation prompt, or plain text after ``bos``. The format is
 the one the run trained on (read from the run's ``results.json`` beside the model directory)
-unless ``--format`` gives it. Greedy by default, sampled with ``--do_sample``; on a GPU when
+unless ``--format`` gives it. ``--adapter`` applies a LoRA run's peft adapter (``save_dir/adapter``)
+to the base model ``--model`` names. Greedy by default, sampled with ``--do_sample``; on a GPU when
 there is one. Bad input is one ``error:`` line and exit status 2.
 """
 from __future__ import annotations
@@ -88,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="generate.py", description="Continue prompts with a model MMoC-Pipe trained, "
                                 "the prompt built as training built it.", allow_abbrev=False)
     p.add_argument("--model", required=True, help="Hugging Face model directory (save_dir/model, or a checkpoint's "
-                                                  "save_dir/checkpoints/step_N).")
+                                                  "save_dir/checkpoints/step_N); with --adapter, the base model.")
+    p.add_argument("--adapter", default="", help="A LoRA run's peft adapter directory (save_dir/adapter), applied to "
+                                                 "--model, the base model the run trained it on.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="The document (xsum), instruction (alpaca), user message (chat) or text.")
     src.add_argument("--prompts", type=Path, help="A file: one prompt a line, or .jsonl records with the format's "
@@ -116,9 +119,14 @@ def generate(args: argparse.Namespace) -> list[str]:
                             "give save_dir/model of a finished run")
     if args.max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens ({args.max_new_tokens}) must be at least 1")
-    fmt = args.format if args.format != "auto" else training_format(model_dir)
+    adapter = Path(args.adapter) if args.adapter else None
+    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+        raise GenerateError(f"--adapter {str(adapter)!r} is not a peft adapter directory (no adapter_config.json); "
+                            "give save_dir/adapter of a LoRA run")
+    trained = adapter or model_dir  # save_dir/model or save_dir/adapter: results.json is beside it
+    fmt = args.format if args.format != "auto" else training_format(trained)
     if fmt is None:
-        raise GenerateError(f"the data format {str(model_dir)!r} trained on is not known here (no results.json "
+        raise GenerateError(f"the data format {str(trained)!r} trained on is not known here (no results.json "
                             f"beside it naming data that is still there); give --format {'|'.join(FORMATS)}")
     records = read_prompts(args.prompts, fmt, args.system) if args.prompts is not None else \
         [prompt_record(fmt, args.prompt, args.input, args.system)]
@@ -139,7 +147,12 @@ def generate(args: argparse.Namespace) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if fmt == CHAT and not getattr(tokenizer, "chat_template", None):
         raise GenerateError(f"--format chat needs a tokenizer with a chat template; {str(model_dir)!r} has none")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model = model.to(device).eval()
     torch.manual_seed(args.seed)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.do_sample else \
         dict(do_sample=False)

@@ -100,7 +100,7 @@ def test_adapter_reloads_with_peft_and_merges(tiny_model_dir, tmp_path):
     pipeline's adapters' (the reference's), it generates; --merge_lora's model equals peft's
     merge_and_unload."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = lora_cfg(tiny_model_dir, use_offload=True, save_model=True, merge_lora=True, save_dir=str(tmp_path / "run"))
     _, adapters, trainer = trained(cfg)
@@ -115,6 +115,19 @@ def test_adapter_reloads_with_peft_and_merges(tiny_model_dir, tmp_path):
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     out = peft_model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 10)
+    # generate.py with --adapter: the base model and the adapter, the training prompt, peft's continuation
+    from data import encode_generation_prompt
+    from data.generation import generate
+    from data.generation import build_parser as generate_parser
+
+    args = generate_parser().parse_args(["--model", str(tiny_model_dir), "--adapter", str(tmp_path / "run" / "adapter"),
+                                         "--format", "xsum", "--prompt", "the match ended", "--max_new_tokens", "6",
+                                         "--device", "cpu"])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = torch.tensor([encode_generation_prompt(tok, "xsum", {"document": "the match ended"})])
+    expected_ids = peft_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                       do_sample=False, pad_token_id=tok.eos_token_id)
+    assert generate(args) == [tok.decode(expected_ids[0, prompt.shape[1]:], skip_special_tokens=True)]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", dtype=torch.float32).eval()
     expected = peft_model.merge_and_unload().state_dict()
     assert_close(merged.state_dict(), expected, 1e-6)
