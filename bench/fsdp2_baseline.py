@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep  # noqa: E402
+from host_clip import clip_host_grads_, local  # noqa: E402
 
 # (hidden, intermediate, layers, heads, kv heads, vocab)
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -165,7 +166,10 @@ def train_step(model: FSDPModule, opt: torch.optim.Optimizer, vocab: int, micro_
         loss.backward()
         total += loss.detach()
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if any(p.grad is not None and local(p.grad).device.type == "cpu" for p in model.parameters()):
+            clip_host_grads_(list(model.parameters()), grad_clip)  # host shards: on every core, not one
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total.item()  # host sync; the timed step ends here anyway

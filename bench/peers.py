@@ -52,7 +52,8 @@ def peer_command(peer: str, args: argparse.Namespace, json_path: Path, budget_s:
     """The command line and the environment additions of one peer's sweep."""
     cores = len(os.sched_getaffinity(0))
     common = ["--model", args.model, "--batch_size", str(args.batch_size), "--seq_length", str(args.seq_length),
-              "--mem_cap_gb", str(args.cap_gb), "--json", str(json_path), "--budget_s", str(round(budget_s))]
+              "--mem_cap_gb", str(args.cap_gb), "--json", str(json_path), "--budget_s", str(round(budget_s)),
+              "--grad_clip", str(args.grad_clip)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"]
     env = {"NCCL_P2P_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
     if peer == "fsdp2":
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cap_gb", type=float, default=48.0)
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--seq_length", type=int, default=512)
+    p.add_argument("--grad_clip", type=float, default=1.0,
+                   help="every peer clips at this norm (0: none; compare with this project's -noclip rows); host "
+                        "gradients' norms on every core (bench/host_clip.py), DeepSpeed's on the GPU")
     p.add_argument("--fsdp_micro_batches", default="32,16,8,4")
     p.add_argument("--deepspeed_micro_batches", default="32,16,8")
     p.add_argument("--roundpipe_points", default="async:8,sync:8,async:4,sync:4,async:16,sync:16")

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep  # noqa: E402
+from host_clip import clip_host_grads_  # noqa: E402
 
 GIB = 2**30
 POINT_RE = re.compile(r"(async|sync):([1-9]\d*)(?:x([1-9]\d*))?")
@@ -205,8 +206,8 @@ def main() -> None:
 
     def step_fn() -> None:
         # Runs on RoundPipe's optimizer thread, on the fp32 host copies and their gradients.
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        if args.grad_clip > 0:  # host tensors: summed on every core, not torch's one-core norm
+            clip_host_grads_(params, args.grad_clip)
         optim.step()
         optim.zero_grad()
 

@@ -286,8 +286,9 @@ def test_peers_partial_run_and_budgets(tmp_path):
         peers.parse_budgets("megatron=1")
     cmd, env = peers.peer_command("roundpipe", peers_args := argparse.Namespace(
         model="llama-2-7b", batch_size=64, seq_length=512, cap_gb=48.0, gpus=2, fsdp_micro_batches="32,16",
-        deepspeed_micro_batches="32", roundpipe_points="async:8"), tmp_path / "rp.json", 300)
+        deepspeed_micro_batches="32", roundpipe_points="async:8", grad_clip=0.0), tmp_path / "rp.json", 300)
     assert "torch.distributed.run" not in cmd and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert cmd[cmd.index("--grad_clip") + 1] == "0.0"  # the no-clipping form reaches the peer
     cmd, env = peers.peer_command("deepspeed", peers_args, tmp_path / "ds.json", 300)
     assert "--nproc_per_node=2" in cmd and env["NCCL_P2P_DISABLE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
 
