@@ -15,7 +15,7 @@ from torch import nn
 
 from offload import loader
 from offload.loader import LoadSpan
-from offload.streams import BufferPool, Streams, host_empty
+from offload.streams import BufferPool, Streams, flat_views, host_empty
 
 
 class FrozenWeights:
@@ -33,7 +33,7 @@ class FrozenWeights:
         self.host = host_empty(self.numel, dtype, cuda) if offload else None
         self.dev = None if offload else torch.empty(self.numel, dtype=dtype, device=device)
         with torch.no_grad():
-            for p, view in zip(self.params, self._views(self.host if offload else self.dev)):
+            for p, view in zip(self.params, flat_views(self.host if offload else self.dev, self.shapes)):
                 view.copy_(p.detach())
                 p.requires_grad_(False)
         self._ready = None  # load stream: the copy into ``dev`` is done
@@ -44,16 +44,10 @@ class FrozenWeights:
     def loaded(self) -> bool:
         return self.dev is not None
 
-    def _views(self, flat: torch.Tensor):
-        off = 0
-        for shape in self.shapes:
-            n = shape.numel()
-            yield flat[off:off + n].view(shape)
-            off += n
-
     def _bind(self, dev: torch.Tensor | None) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for p, v in zip(self.params, self._views(dev) if dev is not None else (empty for _ in self.params)):
+        views = flat_views(dev, self.shapes) if dev is not None else (empty for _ in self.params)
+        for p, v in zip(self.params, views):
             p.data = v
 
     def load(self) -> Future | None:
@@ -90,7 +84,7 @@ class FrozenWeights:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The frozen weights under the stage's parameter names (views of the host or device buffer)."""
         flat = self.host if self.offload else self.dev
-        return dict(zip(self.names, self._views(flat)))
+        return dict(zip(self.names, flat_views(flat, self.shapes)))
 
 
 __all__ = ["FrozenWeights"]

@@ -70,7 +70,7 @@ from offload.frozen import FrozenWeights
 from offload.loader import StepProgress, Workers, done
 from offload.offloaded import Offloaded
 from offload.resident import Resident
-from offload.streams import BufferPool, Clock, Streams
+from offload.streams import BufferPool, Clock, Streams, flat_views
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
 _FROZEN_VIEW = object()  # tag of a packed view of the frozen weights' device buffer
@@ -178,7 +178,7 @@ class StageStore:
 
         self.master = residency.master(self)
         with torch.no_grad():
-            for p, view in zip(self.params, self._views(self.master)):
+            for p, view in zip(self.params, flat_views(self.master, self.shapes)):
                 view.copy_(p.detach())  # the module's weights may live on another device than the master
         self.master_grad = residency.master_grad(self)
         # ZeRO-1 for offloaded stages only: a resident stage steps on its own device
@@ -214,17 +214,10 @@ class StageStore:
         index = getattr(self.module, "index", None)
         return f"stage {index}" if index is not None else f"stage with {self.names[0]}"
 
-    def _views(self, flat: torch.Tensor):
-        off = 0
-        for shape in self.shapes:
-            n = shape.numel()
-            yield flat[off:off + n].view(shape)
-            off += n
-
     def _bind(self, dev: torch.Tensor | None, grad: torch.Tensor | None) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        views = self._views(dev) if dev is not None else (empty for _ in self.params)
-        gviews = self._views(grad) if grad is not None else (None for _ in self.params)
+        views = flat_views(dev, self.shapes) if dev is not None else (empty for _ in self.params)
+        gviews = flat_views(grad, self.shapes) if grad is not None else (None for _ in self.params)
         for p, v, g in zip(self.params, views, gviews):
             p.data = v
             p.grad = g
@@ -426,7 +419,7 @@ class StageStore:
         """fp32 weights under their Hugging Face names (views into the master buffer)."""
         self.wait_step()
         # The second copy of a tied matrix is not saved: the first stage's is (as Hugging Face saves it)
-        return {n: v for n, v in zip(self.names, self._views(self.master.detach()))
+        return {n: v for n, v in zip(self.names, flat_views(self.master.detach(), self.shapes))
                 if not (self.tied_copy and n == self.tied)}
 
     def optimizer_state_dict(self) -> dict:

@@ -8,11 +8,21 @@ import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
 from offload import owners, slices
+
+
+def flat_views(flat: torch.Tensor, shapes) -> Iterator[torch.Tensor]:
+    """Views of consecutive ranges of ``flat`` with ``shapes``: a stage's tensors in one buffer."""
+    off = 0
+    for shape in shapes:
+        n = shape.numel()
+        yield flat[off:off + n].view(shape)
+        off += n
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -152,4 +162,4 @@ class BufferPool:
         self._free.clear()
 
 
-__all__ = ["BufferPool", "Clock", "Streams", "host_empty", "time_point"]
+__all__ = ["BufferPool", "Clock", "Streams", "flat_views", "host_empty", "time_point"]

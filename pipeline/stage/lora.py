@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload.streams import flat_views
 from pipeline.plan.lora import ADAPTER_WEIGHTS, LoraSettings
 
 ADAPTER_NAME = "default"  # peft's own adapter name; the saved keys leave it out
@@ -103,7 +104,7 @@ def merged_tensors(stage: nn.Module, store) -> dict[str, torch.Tensor]:
     """The stage's weights with its adapters merged in (W + scaling * B @ A, in float32, as
     peft's ``merge_and_unload``), under the Hugging Face names; a tied head's second copy left out."""
     frozen = {n: v.to("cpu", torch.float32, copy=True) for n, v in store.frozen.state_dict().items()}
-    masters = dict(zip(store.names, store._views(store.master.detach())))
+    masters = dict(zip(store.names, flat_views(store.master.detach(), store.shapes)))
     out = {}
     for name, w in frozen.items():
         key = name.replace(".base_layer.", ".")

@@ -40,29 +40,36 @@ def test_plan_through_train_sh_runs_no_torchrun(tmp_path):
     assert "rank 1 actions" in proc.stdout and "rank 2 actions" not in proc.stdout
 
 
+def _ctrl_c_when(proc: subprocess.Popen, ready, poll_s: float, delay_s: float = 0.0) -> None:
+    """Ctrl-C to ``proc``'s process group (as a terminal sends it) once ``ready()`` (or 120 s), after
+    ``delay_s`` more; wait for it to end, killing the group if it has not in 90 s."""
+    import os
+    import signal
+    import time
+
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(poll_s)
+    time.sleep(delay_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 @pytest.mark.slow
 def test_ctrl_c_through_train_sh_after_launch_is_two_lines(tmp_path):
     """Ctrl-C (to the whole process group, as a terminal sends it) once the workers are being
     started: rank 0's line and the launcher's, exit 130, no traceback, nothing left running;
     a rank still waiting in the rendezvous leaves at once instead of after comm_timeout_s."""
-    import os
-    import signal
-    import time
-
     out = tmp_path / "log"
     with open(out, "w") as log:
         proc = subprocess.Popen(["bash", str(ROOT / "train.sh"), "--save_dir", str(tmp_path / "run")], cwd=ROOT,
                                 env={**env_without_dist(), "MASTER_PORT": "29611"}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 120
-        while "run: " not in out.read_text() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        _ctrl_c_when(proc, lambda: "run: " in out.read_text(), poll_s=0.2)
     text = out.read_text()
     assert proc.returncode == 130, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
@@ -86,26 +93,13 @@ def test_ctrl_c_while_workers_start_is_at_most_two_lines(tmp_path, delay_s):
     its workers start), with OMP_NUM_THREADS unset as on a user's shell: rank 0's line if a worker
     had its handler, and the launcher's; no torchrun notice (OMP_NUM_THREADS, forwarded signals),
     no traceback."""
-    import os
-    import signal
-    import time
-
     env = {k: v for k, v in env_without_dist().items() if k != "OMP_NUM_THREADS"}
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen(["bash", str(ROOT / "train.sh"), "--save_dir", str(tmp_path / "run"),
                                  "--master_port", "29612"], cwd=ROOT, env=env, stdout=out, stderr=err,
                                 start_new_session=True)
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None and not subprocess.run(
-                ["pgrep", "-g", str(proc.pid), "-f", "pipeline.launch"], capture_output=True).stdout:
-            time.sleep(0.05)
-        time.sleep(delay_s)
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        _ctrl_c_when(proc, lambda: bool(subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "pipeline.launch"],
+                                                       capture_output=True).stdout), poll_s=0.05, delay_s=delay_s)
     lines = [line for line in (tmp_path / "err").read_text().splitlines() if line.strip()]
     assert proc.returncode == 130, lines
     assert lines[-1] == "launcher: stopped by SIGINT" and len(lines) <= 2, lines
