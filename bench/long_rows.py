@@ -1,10 +1,11 @@
-"""Long rows on one memory-limited GPU (issue 28): this project, RoundPipe's exact step and FSDP2 with
-CPU offload on the same job, back to back, one table.
+"""Long rows on memory-limited GPUs (one by default, ``--gpus N`` for a pipeline over N): this
+project, RoundPipe's exact step and FSDP2 with CPU offload on the same job, back to back, one table.
 
     OUT=$OUT bash bench/long_rows.sh                          # the device call (wheels, then this)
     python3 bench/long_rows.py --out OUT --budget_s 560       # the same, wheels installed
     python3 bench/long_rows.py --out OUT --rows ours@131072,roundpipe@65536
     python3 bench/long_rows.py --smoke --out /tmp/lr          # the plumbing on a CPU (tiny model, short rows)
+    python3 bench/long_rows.py --gpus 2 --model llama-3-8b --rows ours@65536/whole,ours@65536,roundpipe@65536
     python3 bench/long_rows.py --summarise OUT                # the table of a finished run again
 
 The job: ``llama-3b`` (OpenLLaMA-3B shapes, random weights), batch 1, bf16, activation
@@ -95,7 +96,7 @@ def estimate_s(system: str, tokens: int, smoke: bool) -> float:
 # --- this project's rows ---------------------------------------------------------------------------
 def our_flags(args, tokens: int, variant: str | None) -> list[str]:
     if args.smoke:
-        base = ["--model", "tiny", "--dtype", "float32", "--device", "cpu", "--num_stages", "4"]
+        base = ["--model", "tiny", "--dtype", "float32", "--device", "cpu", "--num_stages", str(4 * args.gpus)]
     else:
         base = ["--model", args.model, "--dtype", "bfloat16", "--device", "cuda", "--gpu_memory_gb", str(args.cap_gb),
                 "--num_stages", "-1"]
@@ -118,11 +119,11 @@ def our_plan(args, tokens: int, variant: str | None) -> dict:
     cfg, _, _ = parse_cfg(our_flags(args, tokens, variant))
     hf = resolve_model(cfg).config
     try:
-        resolved = resolve(cfg, 1, hf)
+        resolved = resolve(cfg, args.gpus, hf)
     except Exception as e:  # noqa: BLE001 - a plan error is the row's status, not the bench's end
         return {"plan_error": f"{type(e).__name__}: {e}"}
     one = resolved.replica
-    a = plan_mod.assess(one, hf, round_robin(one.num_stages, 1), resolved.kept)
+    a = plan_mod.assess(one, hf, round_robin(one.num_stages, args.gpus), resolved.kept)
     worst = a.worst
     return {"num_stages": one.num_stages, "seq_chunks": one.seq_chunks, "tiled_mlp": one.tiled_mlp,
             "plan_gib": worst.device_peak / GiB, "plan_at": worst.at, "plan_fits": a.fits,
@@ -135,9 +136,11 @@ def run_ours(args, row: dict, out: Path, limit_s: float) -> dict:
     rdir = out / row["slug"]
     rdir.mkdir(parents=True, exist_ok=True)
     results = rdir / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(ROOT / "main.py"),
-           *our_flags(args, tokens, variant), "--save_dir", str(rdir / "run"), "--save_results", str(results)]
-    rc, log, wall = run(cmd, {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}, limit_s, rdir / "log.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+           str(ROOT / "main.py"), *our_flags(args, tokens, variant), "--save_dir", str(rdir / "run"), "--save_results",
+           str(results)]
+    cores = str(max(1, len(os.sched_getaffinity(0)) // args.gpus))
+    rc, log, wall = run(cmd, {"OMP_NUM_THREADS": cores, "NCCL_P2P_DISABLE": "1"}, limit_s, rdir / "log.txt")
     res = {"rc": rc, "wall_s": round(wall, 1), "status": status_of(rc, log)}
     chosen = CHOSEN_RE.search(log)
     if chosen:
@@ -176,16 +179,19 @@ def run_peer(args, row: dict, out: Path, limit_s: float) -> dict:
         cmd = [sys.executable, str(ROOT / "bench/roundpipe_baseline.py"), "--model", args.model, "--batch_size", "1",
                "--seq_length", str(tokens), "--points", "sync:1", "--iterations", str(iters), "--warmup", str(warm),
                "--mem_cap_gb", str(args.cap_gb), "--json", str(jpath), "--budget_s", str(round(limit_s - 30))]
-        env = {"OMP_NUM_THREADS": cores, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        env = {"OMP_NUM_THREADS": cores, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+               "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(args.gpus))}
+    elif args.gpus > 1:  # FSDP2 is data-parallel: each GPU takes rows of its own, and one row has no half
+        return {"status": "skipped (FSDP2 cannot split a batch of one row over GPUs)"}
     else:
         model = "tiny" if args.smoke else args.model
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
                str(ROOT / "bench/fsdp2_baseline.py"), "--model", model, "--batch_size", "1", "--seq_length",
                str(tokens), "--micro_batches", "1", "--iterations", str(iters), "--warmup", str(warm), "--json",
                str(jpath), "--budget_s", str(round(limit_s - 30))]
         if not args.smoke:
             cmd += ["--mem_cap_gb", str(args.cap_gb)]
-        env = {"OMP_NUM_THREADS": cores}
+        env = {"OMP_NUM_THREADS": str(max(1, int(cores) // args.gpus)), "NCCL_P2P_DISABLE": "1"}
     rc, log, wall = run(cmd, env, limit_s, rdir / "log.txt")
     res = {"rc": rc, "wall_s": round(wall, 1), "status": status_of(rc, log)}
     try:
@@ -296,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=None, help=f"comma-separated, in order (default: {DEFAULT_ROWS})")
     p.add_argument("--budget_s", type=float, default=560.0, help="every row together, start-ups included")
     p.add_argument("--model", default="llama-3b")
-    p.add_argument("--cap_gb", type=float, default=24.0)
+    p.add_argument("--cap_gb", type=float, default=24.0, help="per GPU")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of one node (PCIe only: NCCL_P2P_DISABLE=1): this "
+                   "project's pipeline over them, FSDP2 sharded over them, RoundPipe's rounds over them")
     p.add_argument("--smoke", action="store_true", help="the plumbing on a CPU: tiny model, rows of 128 and 256 "
                    "tokens, RoundPipe skipped")
     p.add_argument("--summarise", metavar="OUT", default=None, help="print OUT's table again, run nothing")
