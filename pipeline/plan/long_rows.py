@@ -1,4 +1,4 @@
-"""Automatic choices for long rows (issue 28): ``num_stages -1``, ``seq_chunks -1`` and ``tiled_mlp
+"""Automatic choices for long rows: ``num_stages -1``, ``seq_chunks -1`` and ``tiled_mlp
 auto`` resolved into the first configuration whose memory plan fits, in an order that is data
 (``AUTO_SEQ_CHUNKS``, ``AUTO_TILED``), and the longest row that fits for ``--plan``."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pipeline.plan.memory import gib
 
 
 # The order in which automatic long-row settings are tried: whole rows before sequence segments
-# (measured faster at 16K and 32K on one GPU, issue 28), an untiled MLP before a tiled one (tiles
+# (measured faster at 16K and 32K on one GPU), an untiled MLP before a tiled one (tiles
 # cost one more MLP forward), then the fewest stages that fit (more stages cost little with every
 # stage offloaded: each parameter is loaded twice a step however the layers are cut).
 AUTO_SEQ_CHUNKS = (1, 2, 4, 8, 16, 32, 64)

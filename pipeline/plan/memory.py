@@ -30,7 +30,7 @@ by the same ``runner_for`` from the same mode. The walk has no mode of its own.
   a segment's forward to its backward; on a GPU they wait in host memory between a stage's
   forwards of a micro-batch and its backwards (``offload.kv``), the next backward's brought back
   during the one before.
-* **Long rows** (issue 28). On a GPU sdpa computes every pass without a score matrix
+* **Long rows**. On a GPU sdpa computes every pass without a score matrix
   (``pipeline.stage.attention``): a layer's attention allocates flash's padded copies of q, k, v and
   the output (head dimension to a multiple of 8) and in its backward an fp32 query-gradient
   accumulator and the padded gradients; a segment concatenates its keys/values behind the carried

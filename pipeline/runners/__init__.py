@@ -1,4 +1,4 @@
-"""One runner per way of running a stage's work (STYLE habit 15), chosen once per stage from its
+"""One runner per way of running a stage's work, chosen once per stage from its
 ``Mode``: the executor calls its ``forward``/``backward`` and the memory plan sums its
 ``account``, so what a mode does and what the plan counts for it cannot drift apart.
 

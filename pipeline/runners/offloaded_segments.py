@@ -1,4 +1,4 @@
-"""Long rows (issue 28): sequence segments with activation offload, in training. A segment's
+"""Long rows: sequence segments with activation offload, in training. A segment's
 forward runs without a graph but keeps its keys/values as carried leaves (the later segments
 attend to them); after a micro-batch's last forward at the stage they go to pinned host memory
 (``offload.kv``) and come back before its first backward there, prefetched at the backward
