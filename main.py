@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -32,10 +33,13 @@ def _fail(env, message: str) -> int:
     return 2
 
 
+_INTERRUPTED = threading.Lock()  # the line once, whichever thread sees the signal first
+
+
 def _interrupted() -> int:
     """Ctrl-C outside the training loop (which stops at a step boundary and saves instead): one
     line from rank 0, no traceback from any rank. Nothing of this run's start-up is kept."""
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and _INTERRUPTED.acquire(blocking=False):
         sys.stderr.write("error: interrupted by Ctrl-C (SIGINT) outside the training steps; no checkpoint was "
                          "written by this stop\n")
         sys.stderr.flush()
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     # a setting of the user's wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from data import DataError
-    from pipeline.run import orphans
+    from pipeline.run import faults, orphans
     from pipeline.config import ConfigError, parse_args
     from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
     from pipeline.run.metrics import TrainingError
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(env, pick_device(cfg.device, env), timeout_s=cfg.comm_timeout_s)
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
+    faults.leave_at_once_outside_steps(_interrupted)  # the start-up's collectives wait in C++ too
     try:
         train(cfg, env)
     except (ConfigError, DataError, TrainingError) as e:

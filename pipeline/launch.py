@@ -28,7 +28,32 @@ def _quiet(logger: str, words: str) -> None:
     logging.getLogger(logger).addFilter(lambda record: words not in str(record.msg))
 
 
+_signals: list[int] = []  # SIGINT/SIGTERM that came while the launcher imported torch
+_stopped: list[int] = []  # the signal the launcher stopped on, once its line is written
+
+
+def _remember(signum: int, frame) -> None:
+    # While importing, a KeyboardInterrupt can be raised inside importlib's own callbacks, which
+    # print it as "Exception ignored" and go on: the Ctrl-C was lost and training started.
+    _signals.append(signum)
+
+
+def _stop(sig: int) -> int:
+    """The launcher stops on ``sig``: its one line (once), and no later signal can end it by the
+    signal (exit -2) instead of 128 + the signal's number: SIGINT and SIGTERM are ignored from here
+    (the workers have theirs; a terminal's second Ctrl-C or a signal tripped twice would land while
+    it exits)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    if not _stopped:
+        _stopped.append(sig)
+        sys.stderr.write(f"launcher: stopped by {signal.Signals(sig).name}\n")
+    return 128 + int(_stopped[0])
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, _remember)
+    signal.signal(signal.SIGTERM, _remember)
     try:
         from pipeline.run.orphans import LAUNCHER_PID_ENV
 
@@ -39,20 +64,28 @@ def main(argv: list[str]) -> int:
 
         for logger, words in _QUIET.items():
             _quiet(logger, words)
-        try:
-            torchrun(argv)
-        except SignalException as e:
-            sys.stderr.write(f"launcher: stopped by {signal.Signals(e.sigval).name}\n")
-            return 128 + int(e.sigval)
-        except ChildFailedError as e:
-            rank, failure = e.get_first_failure()
-            sys.stderr.write(f"launcher: rank {rank} exited with code {failure.exitcode} (its message is above)\n")
-            return failure.exitcode if 0 < failure.exitcode < 256 else 1
+    finally:
+        # as Python starts: a Ctrl-C raises KeyboardInterrupt, SIGTERM ends the process, until torchrun's own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _signals:  # before any worker was started
+        return _stop(_signals[0])
+    try:
+        torchrun(argv)
+    except SignalException as e:
+        return _stop(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        sys.stderr.write(f"launcher: rank {rank} exited with code {failure.exitcode} (its message is above)\n")
+        return failure.exitcode if 0 < failure.exitcode < 256 else 1
     except KeyboardInterrupt:  # before torchrun's own handler was in place; any worker got the signal too
-        sys.stderr.write("launcher: stopped by SIGINT\n")
-        return 128 + signal.SIGINT
+        return _stop(signal.SIGINT)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except KeyboardInterrupt:  # a signal tripped while the launcher was already stopping on one
+        code = _stop(signal.SIGINT)
+    sys.exit(code)

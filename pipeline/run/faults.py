@@ -8,8 +8,10 @@ to every worker, but not at the same instant, which is why the agreement is need
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,27 @@ class StopRequest:
         flag = torch.tensor([self.signum], dtype=torch.int32, device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())  # host sync: once per step, after the step's own end-of-step sync
+
+
+def leave_at_once_outside_steps(leave: Callable[[], int]) -> None:
+    """From now on a stop signal outside the training steps ends this process at once with
+    ``leave()``'s exit code (after its line), from a thread the signal wakes
+    (``signal.set_wakeup_fd``): the main thread may be waiting inside C++, in a start-up
+    collective with a peer that has already left, where Python's handler would run only when the
+    wait times out (``comm_timeout_s``). Inside the steps a ``StopRequest`` takes the signal and
+    the thread leaves it be. Call from the main thread, once."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            signum = os.read(read, 1)[0]
+            taker = getattr(signal.getsignal(signum), "__self__", None)
+            if signum in STOP_SIGNALS and not isinstance(taker, StopRequest):
+                os._exit(leave())
+
+    threading.Thread(target=watch, name="stop-signal-watch", daemon=True).start()
 
 
 def signal_name(signum: int) -> str:
