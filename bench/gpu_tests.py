@@ -6,10 +6,10 @@
 
 The tests are split by their expected time (``gpu_test_seconds.json`` beside this file, measured
 on nvidia-h200-x2; a test it does not list counts as ``--unknown_s``), longest first, each to the
-part expected to finish first. A part's log (``pytest.txt``) keeps every test's outcome and its
-duration (``-rA --durations=0``) even when a later test hangs: pytest writes it as it goes, and
-``--timeout_s`` stops the part with the summary of what ran (``summary.txt``). ``seconds.json``
-in ``--out`` holds the measured times, to merge into ``gpu_test_seconds.json``.
+part expected to finish first. A part's log (``pytest.txt``, verbose) gets each test's outcome as
+it ends, so one cut by ``--timeout_s`` still says what ran (``summary.txt``); the durations table
+(``--durations=0``) comes only with a finished part, and ``seconds.json`` in ``--out`` holds its
+times, to merge into ``gpu_test_seconds.json``.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SECONDS = Path(__file__).with_name("gpu_test_seconds.json")
 DURATION_RE = re.compile(r"^([\d.]+)s (?:call|setup|teardown)\s+(\S+)$", re.M)
+OUTCOME_RE = re.compile(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED)\b", re.M)  # a verbose run's line per test
 
 
 def collect() -> list[str]:
@@ -78,8 +79,8 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-rA", "--durations=0", "-p", "no:cacheprovider", *extra,
-           *parts[args.part - 1]]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "--durations=0", "-p", "no:cacheprovider",
+           *extra, *parts[args.part - 1]]
     log = out / "pytest.txt"
     with log.open("w") as fh:
         try:
@@ -88,11 +89,11 @@ def main() -> None:
             rc = 124
     text = log.read_text(errors="replace")
     (out / "seconds.json").write_text(json.dumps(measured(text), indent=1, sort_keys=True) + "\n")
-    outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED)\b.*$", text, re.M)
+    outcomes = OUTCOME_RE.findall(text)
     summary = (f"part {args.part} of {args.parts}: pytest exit {rc}{' (timed out)' if rc == 124 else ''}; "
                + ", ".join(f"{outcomes.count(k)} {k.lower()}" for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")))
-    (out / "summary.txt").write_text(summary + "\n" + "".join(
-        line + "\n" for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))))
+    failed = [line for line in text.splitlines() if (m := OUTCOME_RE.match(line)) and m[1] in ("FAILED", "ERROR")]
+    (out / "summary.txt").write_text(summary + "\n" + "".join(line + "\n" for line in failed))
     print(summary)
     sys.exit(rc)
 

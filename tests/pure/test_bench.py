@@ -393,3 +393,21 @@ def test_memory_at_peak_replays_the_highest_point():
                    "pipeline/stage/layer.py:7 forward": (8, [8]), "x.py lib": (16, [16])}
     peak, at, live = peak_mod.replay(events + [dict(action="alloc", addr=4, size=19, frames=[])])
     assert (peak, at, sorted(live)) == (29, 7, [2, 4, 5])  # 1 and 3 were freed before it
+
+
+def test_gpu_test_parts_balance_and_read_back():
+    """bench/gpu_tests.py: the parts are balanced by expected seconds and keep pytest's order; a
+    verbose log cut before its summary still gives each finished test's outcome, and a finished
+    one its durations."""
+    import gpu_tests
+
+    ids = [f"tests/gpu/t.py::test_{c}" for c in "abcde"]
+    seconds = {ids[0]: 100.0, ids[1]: 60.0, ids[2]: 50.0, ids[3]: 10.0}
+    parts = gpu_tests.split(ids, seconds, 2, unknown_s=5.0)
+    assert sorted(n for part in parts for n in part) == ids
+    assert [round(sum(seconds.get(n, 5.0) for n in part)) for part in parts] == [115, 110]
+    assert all(part == sorted(part) for part in parts)
+    cut = f"{ids[0]} PASSED [ 50%]\n{ids[1]} FAILED [100%]\n{ids[2]} "
+    assert gpu_tests.OUTCOME_RE.findall(cut) == ["PASSED", "FAILED"]
+    table = f"12.50s call     {ids[0]}\n0.50s setup    {ids[0]}\n3.00s call     {ids[1]}\n"
+    assert gpu_tests.measured(table) == {ids[0]: 13.0, ids[1]: 3.0}
