@@ -48,8 +48,8 @@ def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
 
 @pytest.mark.slow
 def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir):
-    """While training, what start-up built is out of the cyclic GC's reach (a full collection
-    would walk it all); the time the GC still takes is reported per iteration; afterwards the
+    """While training, what start-up and the first step built is out of the cyclic GC's reach (a
+    full collection would walk it all); the time the GC still takes is reported per iteration; afterwards the
     process collects as before."""
     import gc
 
@@ -62,8 +62,18 @@ def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir)
         real_forward(a)
 
     trainer.executor._handlers[Op.FORWARD] = forward
+    per_step, real_run = [], trainer.executor.run
+
+    def run(*args, **kwargs):
+        per_step.append(gc.get_freeze_count())
+        return real_run(*args, **kwargs)
+
+    trainer.executor.run = run
     history = trainer.train()
     assert min(frozen) > 10_000  # torch's, transformers' and the trainer's objects
+    # what the first step built (on a GPU: the compiled layers) is frozen too (frozen objects
+    # that die leave the count, so without that freeze it could only fall)
+    assert per_step[1] > per_step[0], per_step
     assert gc.get_freeze_count() == 0 and trainer.gc_clock not in gc.callbacks
     assert all(h["gc_seconds"] >= 0.0 for h in history)
 
