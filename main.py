@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         check_config(cfg, env.world_size)
         # Files too (model, tokenizer, data, save_dir), on every rank alike, before any process
         # group exists: a direct torchrun launch then fails as train.sh's --check_only does.
-        check_files(cfg, rank0=env.rank == 0)
+        source = check_files(cfg, rank0=env.rank == 0, world_size=env.world_size)
         if mode == "check":
             return 0
         if env.rank == 0:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, handler)
     faults.leave_at_once_outside_steps(_interrupted)  # the start-up's collectives wait in C++ too
     try:
-        train(cfg, env)
+        train(cfg, env, source)
     except (ConfigError, DataError, TrainingError) as e:
         # The line goes out before any teardown: a process-group shutdown that aborts (gloo, with
         # this rank's channels still referenced by the traceback) must not swallow it.

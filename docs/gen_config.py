@@ -3,7 +3,7 @@
     python3 docs/gen_config.py > docs/config.md
 
 Sections are ``pipeline.config.SECTIONS``; each row is a field:
-its YAML key and flag(s), its default, and its help text. ``tests/pure/test_docs.py`` regenerates the
+its YAML key and flag(s), its default, its help text, its choices and its own rule (``check=``). ``tests/pure/test_docs.py`` regenerates the
 page and fails when the committed docs/config.md is out of date.
 """
 from __future__ import annotations
@@ -66,6 +66,9 @@ def render() -> str:
             choices = f.metadata.get("choices")
             if choices:
                 meaning += " One of: " + ", ".join(choices) + "."
+            check = f.metadata.get("check")
+            if check is not None:  # the field's own rule, as pipeline.config checks it
+                meaning += f" Must be {check.must}."
             lines.append(f"| `{name}` | {_flags(f)} | `{f.default!r}` | {_cell(meaning)} |")
         lines.append("")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -36,8 +36,22 @@ class ConfigError(ValueError):
     """Bad configuration: printed as one line by rank 0, exit code 2."""
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+@dataclass(frozen=True)
+class Check:
+    """A rule on one field's value alone, declared beside the field (``_f(..., check=...)``): a
+    value for which ``ok`` is false is refused as "<name> (<value>) must be <must>"."""
+
+    ok: Callable[[Any], bool]
+    must: str
+
+
+def at_least(low: float, meaning: str = "") -> Check:
+    """The value is ``>= low``; ``meaning`` says what the lowest values do (" (0 = off)")."""
+    return Check(lambda v: v >= low, f">= {low}{meaning}")
+
+
+def _f(default: Any, help: str, check: Check | None = None, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "check": check, **kw})
 
 
 @dataclass
@@ -64,7 +78,8 @@ class TrainConfig:
                       "save_to_disk directory, .json/.jsonl/.parquet/.csv file(s), or a cached dataset name.")
     dataset_split: str = _f("train", "Split to train on.")
     seq_length: int = _f(256, "Maximum tokens per sequence (longer records are truncated; an XSum record keeps at "
-                         "least a quarter of seq_length of its document, else it is skipped).")
+                         "least a quarter of seq_length of its document, else it is skipped).",
+                         check=Check(lambda v: v >= 2, "at least 2"))
     allow_long_sequences: bool = _f(False, "Allow seq_length above the model's max_position_embeddings (RoPE then "
                                     "runs past the positions the model was trained on).")
     packing: bool = _f(False, "Pack several records into each row (greedy, in data order, up to seq_length): "
@@ -74,7 +89,7 @@ class TrainConfig:
     num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
     eval_dataset: str = _f("", "Validation data, same forms as dataset; default: the training source's validation "
                            "split (the bundled validation file for dataset: sample).")
-    eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).")
+    eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).", check=at_least(0))
     # --- parallelism ----------------------------------------------------------
     num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages). -1 = auto "
                          "(with a GPU or gpu_memory_gb): the fewest whose memory plan fits, with seq_chunks and "
@@ -107,7 +122,8 @@ class TrainConfig:
                           "for backward instead of recomputing them (the stage's last ones; exact, faster, more "
                           "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
                           "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
-                          "stays in 90% of the GPU beside the resident stages (not yet measured on GPUs).")
+                          "stays in 90% of the GPU beside the resident stages (not yet measured on GPUs).",
+                          check=Check(lambda v: v >= -1, "-1 (auto) or >= 0 (layers per stage)"))
     compile_layers: str = _f("auto", "Regional torch.compile of every decoder layer (one compiled graph serves "
                              "all layers of a shape): fused norms, activations and rotary embeddings, the same "
                              "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton) without "
@@ -148,7 +164,8 @@ class TrainConfig:
     receive_ahead: int = _f(0, "Post each receive from another rank this many computes before the compute that takes "
                             "it, so that its transfer can run during them (0 = right before it). Each costs one "
                             "more receive buffer per incoming neighbour, which --plan counts. On two H200s over "
-                            "PCIe (7B, 16 stages) 1 measured the same step as 0.")
+                            "PCIe (7B, 16 stages) 1 measured the same step as 0.",
+                            check=at_least(0, " computes (0: each receive right before the compute that takes it)"))
     comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
                                "an error naming the stalled action.")
     # --- offload --------------------------------------------------------------
@@ -158,10 +175,11 @@ class TrainConfig:
                               "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
                               "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
                               "90% of the GPU (0 without a GPU).")
-    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).")
+    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).",
+                              check=at_least(0))
     host_memory_gb: float = _f(0.0, "Host memory the run may use in GiB, for the memory plan's host check (--plan and "
                                "before training): set it, with nproc and gpu_memory_gb, to plan for another "
-                               "machine (0 = what this machine has available now).")
+                               "machine (0 = what this machine has available now).", check=at_least(0))
     optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
                                    "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
     delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
@@ -169,16 +187,16 @@ class TrainConfig:
                               "delayed parameter update): the gradients are one update stale. Needs use_offload; "
                               "every stage is offloaded (resident_stages 0); no eval_every, checkpoints or resume.")
     # --- optimizer ------------------------------------------------------------
-    num_iterations: int = _f(20, "Optimizer steps to run.")
-    lr: float = _f(1e-4, "Peak learning rate (AdamW).")
+    num_iterations: int = _f(20, "Optimizer steps to run.", check=Check(lambda v: v >= 1, "at least 1"))
+    lr: float = _f(1e-4, "Peak learning rate (AdamW).", check=at_least(0))
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr (linear/cosine).")
     lr_schedule: str = _f("cosine", "Decay after warm-up.", choices=LR_SCHEDULES)
     warmup_iterations: int = _f(0, "Linear warm-up steps.")
-    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to 1-D weights such as norms).")
+    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to 1-D weights such as norms).", check=at_least(0))
     adam_beta1: float = _f(0.9, "AdamW beta1.")
     adam_beta2: float = _f(0.95, "AdamW beta2.")
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
-    grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).")
+    grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).", check=at_least(0))
     seed: int = _f(0, "Seed for data order and random initialisation.")
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
                     choices=DTYPES)
@@ -187,12 +205,13 @@ class TrainConfig:
     loss_scale_window: int = _f(1000, "float16 only: finite steps before the loss scale doubles (0 = a fixed scale).")
     max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
                                 "error after more than this many in a row (0 = stop at the first; -1 = no check, "
-                                "non-finite steps are applied).")
+                                "non-finite steps are applied).", check=at_least(-1))
     # --- lora -----------------------------------------------------------------
     lora_rank: int = _f(0, "LoRA: train low-rank adapters (peft's) of this rank instead of the whole model (0 = full "
                         "fine-tuning). The base weights are frozen: no gradient, master copy or AdamW state, kept in "
                         "the compute dtype (with use_offload in host memory, streamed to the GPU like an offloaded "
-                        "stage); the adapters and their AdamW state stay on the GPU.")
+                        "stage); the adapters and their AdamW state stay on the GPU.",
+                        check=at_least(0, " (0 = full fine-tuning)"))
     lora_alpha: float = _f(16.0, "LoRA scaling numerator: an adapter's update is multiplied by lora_alpha / lora_rank.")
     lora_dropout: float = _f(0.0, "Dropout on an adapter's input (peft's lora_dropout), 0 <= p < 1. Not with "
                              "activation_offload, whose recompute would draw another mask.")
@@ -217,16 +236,17 @@ class TrainConfig:
                            "(empty = save_dir/results.json).")
     save_metrics: bool = _f(True, "Write save_dir/metrics.jsonl (a row per step and evaluation) and save_dir/metrics.png.")
     progress_bar: bool = _f(True, "tqdm progress bar on the rank that computes the loss (only when stdout is a terminal).")
-    eval_every: int = _f(0, "Validation loss and perplexity every N steps and after the last (0 = off).")
+    eval_every: int = _f(0, "Validation loss and perplexity every N steps and after the last (0 = off).",
+                         check=at_least(0))
     timeline: bool = _f(False, "Record one iteration per rank; write save_dir/timeline.json (Chrome trace), "
                         "timeline.png (Gantt) and timeline_predicted.json (cost model).")
     timeline_iteration: int = _f(-1, "Iteration the timeline records (-1 = the last).")
     debug_schedule: bool = _f(False, "Print every rank's action list before training.")
     checkpoint_every: int = _f(0, "Save a training checkpoint (weights, AdamW state, data position) to "
                                "save_dir/checkpoints/step_N every N steps and at the end (0 = only when "
-                               "stopped by SIGINT/SIGTERM).")
+                               "stopped by SIGINT/SIGTERM).", check=at_least(0))
     keep_checkpoints: int = _f(3, "Keep the newest K complete checkpoints; older ones are deleted once a newer "
-                               "one is complete.")
+                               "one is complete.", check=Check(lambda v: v >= 1, "at least 1"))
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
                      "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
                      "again) or a checkpoint directory; empty = start from the model.")
@@ -238,9 +258,11 @@ class TrainConfig:
     # --- launch ---------------------------------------------------------------
     cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
     nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU); train.sh's "
-                    "--nproc, then NPROC, come before the YAML's.")
+                    "--nproc, then NPROC, come before the YAML's.",
+                    check=at_least(0, " (0 = one process per visible GPU, or 2 without one)"))
     master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun; train.sh's --master_port, then "
-                          "MASTER_PORT, come before the YAML's.")
+                          "MASTER_PORT, come before the YAML's.",
+                          check=Check(lambda v: 1 <= v <= 65535, "a TCP port, 1..65535"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -473,6 +495,149 @@ def partition_counts(partition: str) -> list[int] | None:
     return counts
 
 
+# --- the rules on the settings ----------------------------------------------------------------
+# Every rule that needs nothing but the settings and the number of processes lives here, beside
+# the declarations: one field's own rule as its ``check=``, the rules between fields below. They
+# run before anything is read or launched (``check_settings``, from ``preflight.check_config``).
+# The rules that need the model are ``pipeline.plan.model_rules``'s, the files' and the machine's
+# ``pipeline.plan.preflight``'s.
+def check_fields(values: dict[str, Any]) -> None:
+    """Each field's own rule (its ``check=``) on ``values`` (name -> value). Fields that break
+    the same rule are named together: "lr (-1.0) and grad_clip (-2.0) must be >= 0"."""
+    fields = _fields()
+    broken: dict[str, list[str]] = {}
+    for name, value in values.items():
+        check = fields[name].metadata["check"]
+        if check is not None and not check.ok(value):
+            broken.setdefault(check.must, []).append(f"{name} ({value})")
+    for must, names in broken.items():
+        raise ConfigError(f"{' and '.join(names)} must be {must}")
+
+
+def _replicas(cfg: TrainConfig, world_size: int) -> None:
+    D = cfg.data_parallel
+    if D < 1 or world_size % D:
+        raise ConfigError(f"data_parallel ({D}) must be >= 1 and divide the number of processes ({world_size}); "
+                          f"e.g. launch {max(D, 1) * max(world_size // max(D, 1), 1)} processes, or data_parallel 1")
+    if cfg.num_chunks % D:
+        raise ConfigError(f"num_chunks ({cfg.num_chunks}) must be divisible by data_parallel ({D}): each replica "
+                          f"runs num_chunks / data_parallel of the global batch's micro-batches; "
+                          f"e.g. num_chunks={D * max(cfg.num_chunks // D, 1)}")
+
+
+def _stages(cfg: TrainConfig, world_size: int) -> None:
+    P = world_size // cfg.data_parallel  # the ranks of one pipeline
+    if cfg.num_stages != -1 and (cfg.num_stages < 1 or cfg.num_stages % P):
+        per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
+        raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
+                          f"processes{per} ({P}), or -1 (auto); e.g. num_stages={P * 2}")
+    if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
+        raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
+                          f"number, not -1 (auto)")
+    if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
+        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
+
+
+def _segments(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
+        raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
+                          f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
+    if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
+        # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
+        raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
+                          "(eager with tiles) or false")
+    if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
+        # The carried keys/values pass through a Python cache object the compiled layer cannot
+        # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
+        raise ConfigError("compile_layers true does not work with seq_chunks > 1 yet; use compile_layers auto "
+                          "(eager with segments) or false")
+    if cfg.seq_chunks > 1 and cfg.fuse_last_stage == "true":
+        # segment j's backward needs the gradients of its keys/values from the backwards of the
+        # later segments, which have not run when its forward ends
+        raise ConfigError("fuse_last_stage true does not work with seq_chunks > 1 (a segment's backward needs the "
+                          "later segments'); use fuse_last_stage auto or false")
+
+
+def _offload(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.delayed_update:
+        # Each of these would see or save the weights between the two that the delay keeps apart.
+        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
+                                       (f"resident_stages {cfg.resident_stages}", cfg.resident_stages > 0),
+                                       (f"eval_every {cfg.eval_every}", cfg.eval_every > 0),
+                                       (f"checkpoint_every {cfg.checkpoint_every}", cfg.checkpoint_every > 0),
+                                       (f"resume {cfg.resume!r}", bool(cfg.resume))) if on]
+        if clash:
+            raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
+                              f"checkpoints or resume; got {', '.join(clash)}")
+    per_rank = cfg.num_stages // (world_size // cfg.data_parallel) if cfg.num_stages > 0 else 0
+    if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
+        raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
+                          f"(the stages per process)")
+    if cfg.activation_offload and cfg.keep_layers > 0:
+        # the backward recomputes each stage whole: there is no layer whose activations could be kept
+        raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
+                          f"({cfg.keep_layers}) must be 0 or -1 with it")
+
+
+def _timeline(cfg: TrainConfig, world_size: int) -> None:
+    if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
+        raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
+                          f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
+
+
+# Modules outside the decoder layers: frozen always (peft's all-linear leaves the head out too).
+LORA_FROZEN = ("embed_tokens", "lm_head")
+ALL_LINEAR = "all-linear"
+
+
+def lora_targets(cfg: TrainConfig) -> list[str]:
+    """The module names ``lora_target_modules`` lists, as given (all-linear not expanded)."""
+    return [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()]
+
+
+def _lora(cfg: TrainConfig, world_size: int) -> None:
+    if not cfg.lora_rank:
+        given = [k for k, on in (("lora_adapter", bool(cfg.lora_adapter)), ("merge_lora", cfg.merge_lora)) if on]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} need lora_rank > 0 (the adapter's rank); got lora_rank 0")
+        return
+    if cfg.lora_alpha <= 0:
+        raise ConfigError(f"lora_alpha ({cfg.lora_alpha}) must be > 0")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"lora_dropout ({cfg.lora_dropout}) must be in [0, 1)")
+    if cfg.lora_dropout and cfg.activation_offload:
+        # the backward's recompute of a stage runs outside torch.utils.checkpoint: another mask
+        raise ConfigError(f"lora_dropout ({cfg.lora_dropout}) does not work with activation_offload (its recompute "
+                          "would draw other dropout masks than the forward); use lora_dropout 0")
+    targets = lora_targets(cfg)
+    if not targets:
+        raise ConfigError("lora_target_modules is empty; give peft module names (q_proj,v_proj) or all-linear")
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise ConfigError(f"lora_target_modules {cfg.lora_target_modules!r}: all-linear stands alone")
+    frozen = [t for t in targets if t in LORA_FROZEN]
+    if frozen:
+        raise ConfigError(f"lora_target_modules: {', '.join(frozen)} cannot take adapters here (the embedding and "
+                          "head stay frozen); target the decoder layers' modules")
+    if cfg.delayed_update:
+        raise ConfigError("delayed_update does not apply to lora_rank > 0: the adapters step on the GPU, no CPU "
+                          "AdamW step is left to overlap; drop delayed_update")
+
+
+# The rules between fields, in the order they are checked (each field's own rule comes first).
+SETTINGS_RULES: tuple[Callable[[TrainConfig, int], None], ...] = (_replicas, _stages, _segments, _offload, _timeline,
+                                                                  _lora)
+
+
+def check_settings(cfg: TrainConfig, world_size: int) -> None:
+    """Every rule on the settings alone for a run of ``world_size`` processes: each field's own
+    (``check=``), then ``SETTINGS_RULES``. The first broken one is a ConfigError of one line: the
+    values given, what is allowed, what to change. The launch keys are train.sh's, checked where
+    it resolves them (``launch_settings``)."""
+    check_fields({name: getattr(cfg, name) for name in _fields() if _SECTION_OF[name] != "launch"})
+    for rule in SETTINGS_RULES:
+        rule(cfg, world_size)
+
+
 def config_file(given: str | None) -> str | None:
     """The YAML file a run reads: ``--config`` (empty: none), else fine_tune.yaml in the working directory."""
     if given is None and os.path.exists("fine_tune.yaml"):
@@ -533,8 +698,5 @@ def launch_settings(argv: list[str], environ: dict[str, str]) -> dict[str, Any]:
         out[key] = value
     if out["cuda_visible_devices"] == "" and "cuda_visible_devices" not in args:
         out["cuda_visible_devices"] = None  # YAML's empty string: all GPUs, as if unset
-    if out["nproc"] < 0:
-        raise ConfigError(f"nproc ({out['nproc']}) must be >= 0 (0 = one process per visible GPU, or 2 without one)")
-    if not 1 <= out["master_port"] <= 65535:
-        raise ConfigError(f"master_port ({out['master_port']}) must be a TCP port, 1..65535")
+    check_fields({"nproc": out["nproc"], "master_port": out["master_port"]})
     return out

@@ -12,9 +12,9 @@ from pipeline.plan.fit import assess, assessment_report, device_type, gpu_capaci
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import longest_row_line
 from pipeline.plan.placement import load_topology, plan_text
-from pipeline.plan.resolve import resolve
-from pipeline.plan.saved import saved_partition
-from pipeline.plan.source import build_generated_model, ensure_generated_model, resolve_model
+from pipeline.plan.preflight import build_model, read_model
+from pipeline.plan.resolve import resolve_run
+from pipeline.plan.source import ModelSource, needs_generated
 from pipeline.run.executor import OutOfMemory
 from pipeline.run.metrics import TrainingError
 from pipeline.run.trainer import Trainer
@@ -24,9 +24,9 @@ def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
     """The ``--plan`` report (rank 0 alone, before any process group exists) and whether the run
     fits (GPU and host memory, as training's check would find it)."""
     if cfg.model == "generated":
-        build_generated_model(cfg)
-    source = resolve_model(cfg)
-    whole, resolved = cfg, resolve(cfg, world_size, source.config, saved_partition(cfg.resume, cfg.save_dir))
+        build_model(cfg)
+    source = read_model(cfg, world_size)
+    whole, resolved = cfg, resolve_run(cfg, world_size, source.config)
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
     mapping = sched.round_robin(cfg.num_stages, world_size)
     a = assess(cfg, source.config, mapping, resolved.kept)
@@ -45,17 +45,27 @@ def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
     return text, a.fits
 
 
-def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
+def shared_model(cfg: TrainConfig, env: DistEnv, source: ModelSource | None) -> ModelSource:
+    """The model every rank trains: ``source``, what ``check_files`` read before the process group
+    existed. A generated model not built then was built by rank 0's ``check_files``; the other
+    ranks wait for it here (collective) and read it now."""
+    if needs_generated(cfg):
+        if env.rank == 0:
+            build_model(cfg)  # nothing to do after check_files; train() called without it builds here
+        broadcast_object(None)  # the others pass once rank 0 has the model
+    return source or read_model(cfg, env.world_size)
+
+
+def train(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None) -> list[dict]:
     """Train ``cfg`` (checked by ``check_config`` and ``check_files`` before the process group
-    existed) on this rank, then save what it asks for."""
+    existed; ``source``: the model ``check_files`` read) on this rank, then save what it asks for."""
     from pipeline.plan.fit import check_fits
 
-    ensure_generated_model(cfg, env)
-    source = resolve_model(cfg)
+    source = shared_model(cfg, env, source)
     # Rank 0 makes the automatic choices (auto reads its GPU's size); every rank runs them.
     resolved = None
     if env.rank == 0:
-        resolved = resolve(cfg, env.world_size, source.config, saved_partition(cfg.resume, cfg.save_dir))
+        resolved = resolve_run(cfg, env.world_size, source.config)
         for line in resolved.lines:
             print(line, flush=True)
     resolved = broadcast_object(resolved)
@@ -79,4 +89,4 @@ def train(cfg: TrainConfig, env: DistEnv) -> list[dict]:
     return history
 
 
-__all__ = ["plan_report", "train"]
+__all__ = ["plan_report", "shared_model", "train"]

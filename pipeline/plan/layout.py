@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -41,20 +41,6 @@ def layout(cfg: TrainConfig, rank: int, world_size: int) -> Layout:
     return Layout(rank, cfg.data_parallel, world_size // cfg.data_parallel)
 
 
-def check_replicas(cfg: TrainConfig, world_size: int) -> int:
-    """Raise ConfigError unless ``world_size`` processes form ``data_parallel`` whole pipelines
-    whose micro-batches split the global batch evenly; return the pipeline size P."""
-    D = cfg.data_parallel
-    if D < 1 or world_size % D:
-        raise ConfigError(f"data_parallel ({D}) must be >= 1 and divide the number of processes ({world_size}); "
-                          f"e.g. launch {max(D, 1) * max(world_size // max(D, 1), 1)} processes, or data_parallel 1")
-    if cfg.num_chunks % D:
-        raise ConfigError(f"num_chunks ({cfg.num_chunks}) must be divisible by data_parallel ({D}): each replica "
-                          f"runs num_chunks / data_parallel of the global batch's micro-batches; "
-                          f"e.g. num_chunks={D * max(cfg.num_chunks // D, 1)}")
-    return world_size // D
-
-
 def replica_config(cfg: TrainConfig) -> TrainConfig:
     """What one replica runs, as the config of a single pipeline: ``batch_size / D`` rows in
     ``num_chunks / D`` micro-batches of the same size. Schedules, placement and the memory plan
@@ -72,4 +58,4 @@ def replica_share(items: list, lay: Layout) -> list:
     return items[lay.replica * n:(lay.replica + 1) * n]
 
 
-__all__ = ["Layout", "check_replicas", "layout", "replica_config", "replica_share"]
+__all__ = ["Layout", "layout", "replica_config", "replica_share"]

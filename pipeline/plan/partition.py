@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 import schedule as sched
-from pipeline.config import ConfigError, TrainConfig, partition_counts
+from pipeline.config import TrainConfig, partition_counts
 from pipeline.plan.programs import program_spec
 from pipeline.plan.settings import fuses_last_stage
 from pipeline.plan.shapes import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
@@ -47,10 +47,11 @@ def stage_costs(hf_config, counts: list[int], seq_len: int, recompute: bool,
 
 def given_counts(cfg: TrainConfig, num_layers: int) -> list[int] | None:
     """The decoder layers per stage ``cfg.partition`` gives explicitly (None for cost or layers);
-    ConfigError when they are not this run's stages and ``num_layers``."""
+    ValueError when they are not this run's stages and ``num_layers`` (``model_rules`` refuses
+    such a run before launch)."""
     given = partition_counts(cfg.partition)
     if given is not None and (len(given) != cfg.num_stages or sum(given) != num_layers):
-        raise ConfigError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; "
+        raise ValueError(f"partition {cfg.partition!r} gives {len(given)} stages {sum(given)} decoder layers; "
                           f"this run has {cfg.num_stages} stages and {num_layers} layers")
     return given
 

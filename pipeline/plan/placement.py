@@ -75,12 +75,10 @@ def rank_topology(topo: Topology | None, env: DistEnv) -> tuple[list[int] | None
 
 
 def load_topology(cfg: TrainConfig, discover_ok: bool) -> Topology | None:
-    """The ``topology`` file when one is given, else this machine's (when ``discover_ok``)."""
+    """The ``topology`` file when one is given (``preflight.check_config`` read it before
+    launch), else this machine's (when ``discover_ok``)."""
     if cfg.topology:
-        try:
-            return load_topology_file(cfg.topology)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"topology: {e}") from None
+        return load_topology_file(cfg.topology)
     return discover() if discover_ok else None
 
 

@@ -1,8 +1,10 @@
-"""What a run settles before any process group exists: settings that need no file
-(``check_config``), the files it reads (``check_files``: model, tokenizer, data), that its
-save_dir is its own, and that its data gives training examples. ``main.py`` runs them on every
-rank, and ``--check_only`` (``train.sh``) before any worker starts, so a bad setting or path is
-one line.
+"""What a run settles before any process group exists, and the home of the rules on files and on
+the machine: ``check_config`` (the settings, by ``pipeline.config.check_settings``; a GPU asked
+for is there; the small files settings name: topology, lora_adapter) and ``check_files`` (the
+model's files, then the model read once and checked against the settings by ``resolve_model``
+with ``pipeline.plan.model_rules``; tokenizer, data, that save_dir is its own, and that the data
+gives training examples). ``main.py`` runs them on every rank, and ``--check_only``
+(``train.sh``) before any worker starts, so a bad setting or path is one line.
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
@@ -26,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import ConfigError, TrainConfig, partition_counts, report_targets
-from pipeline.plan.layout import check_replicas
-from pipeline.plan.lora import check_lora, lora_settings
-from pipeline.plan.source import build_generated_model, generated_model_dir, needs_generated, resolve_model
+from models import supported_types
+from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
+from pipeline.plan.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
+from pipeline.plan.settings import eval_source, lacks_validation_split
+from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, generated_model_dir, model_dir,
+                                  needs_generated, resolve_model, tokenizer_dir)
 
 LOCK_FILE = ".lock"
 # What a run leaves in save_dir; any of them means save_dir holds an earlier run.
@@ -203,81 +207,44 @@ def _trains(records, tokenizer, seq_length: int) -> bool:
         return False
 
 
-# --- settings and files ------------------------------------------------------------------------
+# --- settings, the machine, the files settings name -------------------------------------------
 def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -> None:
-    """Checks that need no files: they run on every rank before anything is loaded.
-    ``need_devices=False`` (``--plan``) allows planning a GPU run on a machine without one."""
-    P = check_replicas(cfg, world_size)  # data_parallel: the ranks of one pipeline
-    if cfg.num_stages != -1 and (cfg.num_stages < 1 or cfg.num_stages % P):
-        per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
-        raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
-                          f"processes{per} ({P}), or -1 (auto); e.g. num_stages={P * 2}")
-    if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
-        raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
-                          f"number, not -1 (auto)")
-    if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
-        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
-    if cfg.seq_length < 2:
-        raise ConfigError(f"seq_length ({cfg.seq_length}) must be at least 2")
-    if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
-        raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
-                          f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
-    if cfg.receive_ahead < 0:
-        raise ConfigError(f"receive_ahead ({cfg.receive_ahead}) must be >= 0 computes (0: each receive right before the "
-                          f"compute that takes it)")
-    if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
-        # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
-        raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
-                          "(eager with tiles) or false")
-    if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
-        # The carried keys/values pass through a Python cache object the compiled layer cannot
-        # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
-        raise ConfigError("compile_layers true does not work with seq_chunks > 1 yet; use compile_layers auto "
-                          "(eager with segments) or false")
-    if cfg.seq_chunks > 1 and cfg.fuse_last_stage == "true":
-        # segment j's backward needs the gradients of its keys/values from the backwards of the
-        # later segments, which have not run when its forward ends
-        raise ConfigError("fuse_last_stage true does not work with seq_chunks > 1 (a segment's backward needs the "
-                          "later segments'); use fuse_last_stage auto or false")
-    if cfg.num_iterations < 1:
-        raise ConfigError(f"num_iterations ({cfg.num_iterations}) must be at least 1")
+    """What a run checks before it reads the model or the data, on every rank and under --plan:
+    the settings (``check_settings``), the machine (``need_devices=False``, --plan, plans a GPU
+    run on a machine without one), and the small files the settings name (topology, lora_adapter)."""
+    check_settings(cfg, world_size)
     if need_devices and cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda was asked for but no CUDA GPU is visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device: auto or cpu")
-    per_rank = cfg.num_stages // P if cfg.num_stages > 0 else 0
-    if cfg.delayed_update:
-        # Each of these would see or save the weights between the two that the delay keeps apart.
-        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
-                                       (f"resident_stages {cfg.resident_stages}", cfg.resident_stages > 0),
-                                       (f"eval_every {cfg.eval_every}", cfg.eval_every > 0),
-                                       (f"checkpoint_every {cfg.checkpoint_every}", cfg.checkpoint_every > 0),
-                                       (f"resume {cfg.resume!r}", bool(cfg.resume))) if on]
-        if clash:
-            raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
-                              f"checkpoints or resume; got {', '.join(clash)}")
-    if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
-        raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
-                          f"(the stages per process)")
-    if cfg.keep_layers < -1:
-        raise ConfigError(f"keep_layers ({cfg.keep_layers}) must be -1 (auto) or >= 0 (layers per stage)")
-    if cfg.activation_offload and cfg.keep_layers > 0:
-        # the backward recomputes each stage whole: there is no layer whose activations could be kept
-        raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
-                          f"({cfg.keep_layers}) must be 0 or -1 with it")
-    negative = [f"{k} ({getattr(cfg, k)})" for k in ("lr", "weight_decay", "grad_clip", "gpu_memory_gb",
-                                                      "host_memory_gb") if getattr(cfg, k) < 0]
-    if negative:
-        raise ConfigError(f"{' and '.join(negative)} must be >= 0")
-    if cfg.eval_every < 0 or cfg.eval_batches < 0 or cfg.max_skipped_steps < -1:
-        raise ConfigError(f"eval_every ({cfg.eval_every}) and eval_batches ({cfg.eval_batches}) must be >= 0, "
-                          f"max_skipped_steps ({cfg.max_skipped_steps}) >= -1")
-    if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
-        raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
-                          f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
-    if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1:
-        raise ConfigError(f"checkpoint_every ({cfg.checkpoint_every}) must be >= 0 and keep_checkpoints "
-                          f"({cfg.keep_checkpoints}) >= 1")
-    check_lora(cfg)
+    if cfg.topology:
+        from pipeline.plan.topology import load_topology_file
+
+        try:
+            load_topology_file(cfg.topology)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"topology: {e}") from None
+    check_adapter(cfg)
+
+
+def check_adapter(cfg: TrainConfig) -> None:
+    """``lora_adapter`` is a saved peft LoRA adapter of this run's rank and alpha."""
+    if not cfg.lora_rank or not cfg.lora_adapter:
+        return
+    d = Path(cfg.lora_adapter)
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (d / f).is_file()]
+    if missing:
+        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} is not a peft adapter directory: {', '.join(missing)} "
+                          "missing")
+    adapter = adapter_config(d)
+    if adapter.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} is a {adapter.get('peft_type')} adapter; only LORA "
+                          "trains here")
+    mine = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha}
+    theirs = {"r": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha")}
+    if any(float(theirs[k] or 0) != float(v) for k, v in mine.items()):
+        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} has r {theirs['r']}, lora_alpha "
+                          f"{theirs['lora_alpha']}; this run lora_rank {cfg.lora_rank}, lora_alpha "
+                          f"{cfg.lora_alpha}: set them to the adapter's")
 
 
 # report_to's names -> the package each needs, and how to get it.
@@ -299,45 +266,130 @@ def check_report_to(cfg: TrainConfig) -> None:
                               f"or drop it from report_to ({cfg.report_to!r}; none = metrics.jsonl only)")
 
 
-def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
+# --- the model --------------------------------------------------------------------------------
+def check_model_files(cfg: TrainConfig) -> None:
+    """The model's directory holds a config.json this transformers reads, and a tokenizer
+    directory given holds a tokenizer; before ``resolve_model`` reads them."""
+    path = model_dir(cfg)
+    if path is not None and not (cfg.model == "generated" and not (path / "config.json").is_file()):
+        _check_model_config(cfg.model, path)
+    if cfg.tokenizer and tokenizer_dir(cfg) is None:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json or tokenizer_config.json in "
+                          f"{Path(cfg.tokenizer)}")
+
+
+def _check_model_config(name: str, path: Path) -> None:
+    if not path.exists():
+        raise ConfigError(f"model {name!r}: {path} does not exist (give a Hugging Face model directory "
+                          f"or a preset: {', '.join(PRESETS)}, generated)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model {name!r}: no config.json in {path} (give a Hugging Face model "
+                          f"directory or a preset: {', '.join(PRESETS)}, generated)")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:  # an unknown model_type, or a broken config.json
+        model_type = _json_field(path / "config.json", "model_type")
+        if model_type is not None:
+            raise ConfigError(f"model {name!r} has model_type {model_type!r}, which this transformers cannot "
+                              f"read; supported: {', '.join(supported_types())}") from None
+        raise ConfigError(f"model {name!r}: cannot read {path / 'config.json'}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+
+
+def _json_field(path: Path, key: str):
+    try:
+        value = json.loads(path.read_text())
+        return value.get(key) if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def read_model(cfg: TrainConfig, world_size: int | None = None) -> ModelSource:
+    """The model's files checked, then the model read and checked against the settings
+    (``resolve_model``): what --plan and ``check_files`` read, once a process."""
+    check_model_files(cfg)
+    return resolve_model(cfg, world_size)
+
+
+def build_model(cfg: TrainConfig) -> None:
+    """Build the generated model on first use; a failure is one line."""
+    try:
+        build_generated_model(cfg)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"could not build the generated model in {generated_model_dir(cfg)}: {e}") from None
+
+
+def check_model_weights(cfg: TrainConfig, source: ModelSource) -> None:
+    """Every weight file the model's index names is there and whole."""
+    if source.weights_dir is None:
+        return
+    from pipeline.plan.weight_files import check_weight_files
+
+    try:
+        check_weight_files(source.weights_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model {cfg.model!r}: {e}") from None
+
+
+# --- data and tokenizer -----------------------------------------------------------------------
+def check_eval_data(cfg: TrainConfig) -> None:
+    """Validation taken from the training data needs a validation split there."""
+    if cfg.eval_every and lacks_validation_split(cfg):
+        raise ConfigError(f"eval_every={cfg.eval_every} but dataset {cfg.dataset!r} has no validation split "
+                          f"(it is a file or a single saved Dataset); set eval_dataset to the validation data")
+
+
+def load_tokenizer(cfg: TrainConfig, source: ModelSource):
+    """The run's tokenizer, whose tokens all have a row in the model's embedding."""
+    if source.tokenizer_dir is None:
+        raise ConfigError(f"model {cfg.model!r} has no tokenizer (no tokenizer.json or tokenizer_config.json "
+                          f"in {cfg.tokenizer or cfg.model}); set tokenizer: <directory>")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
+        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: "
+                          f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+    if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                          f"{source.config.vocab_size}")
+    return tokenizer
+
+
+def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = None) -> ModelSource | None:
     """Checks that read files (model, tokenizer, data, save_dir): run before any process group
     exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
+    Returns the model read (``resolve_model``), for the run to use, not read again.
 
     ``rank0``: this process also tests save_dir's lock (the other ranks would find their own
     run's), builds the generated model on first use (after every check its shape allows, so a
     refused run builds nothing) and checks the first records' examples with its tokenizer; the
-    other ranks skip what needs the model until rank 0 has built it."""
+    other ranks skip what needs the model until rank 0 has built it, and return None (``train``
+    reads it once it is there). ``world_size``: the processes, for the model's rules on stages
+    per process."""
     from data import SAMPLE_TRAIN, check_first_records, load_records
 
     check_report_to(cfg)
-    source = resolve_model(cfg)  # a generated model not built yet: the shape it will have
+    pending = needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file()
+    source = read_model(cfg, world_size)  # a generated model not built yet: the shape it will have
     records = None
     if cfg.dataset != "synthetic":
         records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
         check_first_records(records, cfg.dataset)
+    check_eval_data(cfg)
     check_save_dir(cfg, test_lock=rank0)
-    if needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file():
+    if pending:
         if not rank0:
-            return
-        build_generated_model(cfg)
-        source = resolve_model(cfg)
-    lora_settings(cfg, source.config)  # the target modules against the model's layers, the saved adapter's
-    if source.weights_dir is not None:
-        from pipeline.plan.weight_files import check_weight_files
-
-        try:
-            check_weight_files(source.weights_dir)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"model {cfg.model!r}: {e}") from None
-    if records is not None:
-        if source.tokenizer_dir is None:
-            raise ConfigError(f"model {cfg.model!r} has no tokenizer (no tokenizer.json or tokenizer_config.json "
-                              f"in {cfg.tokenizer or cfg.model}); set tokenizer: <directory>")
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
-        except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
-            raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: "
-                              f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
-        check_examples(records, tokenizer, cfg.seq_length, cfg.dataset)
+            return None
+        build_model(cfg)
+        source = read_model(cfg, world_size)
+    check_model_weights(cfg, source)
+    evaluated = cfg.eval_every and eval_source(cfg)[0] != "synthetic"
+    if records is not None or evaluated:
+        tokenizer = load_tokenizer(cfg, source)
+        if records is not None:
+            check_examples(records, tokenizer, cfg.seq_length, cfg.dataset)
+    return source

@@ -7,8 +7,9 @@ plan of one replica's pipeline), keeps a resumed checkpoint's
 layers per stage, and says so in log lines (and that a family not registered runs on the
 self-checked generic path).
 Training runs it on rank 0 (auto reads that rank's GPU) and broadcasts the result; ``--plan``
-and a ``Trainer`` built directly (tests) run it themselves. Everything after it reads the
-``Resolved`` and decides nothing again.
+and a ``Trainer`` built directly (tests) run it themselves, all three through ``resolve_run``.
+Everything after it reads the ``Resolved`` and decides nothing again. The model's rules on what
+it decided (``model_rules.check_choices``) run on its answer.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from pipeline.config import TrainConfig, partition_counts
 from pipeline.plan.fit import resolve_kept, resolve_resident
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import resolve_long_rows
+from pipeline.plan.model_rules import check_choices
 from pipeline.plan.partition import stage_layers
+from pipeline.plan.saved import saved_partition
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,16 @@ def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int]
     cfg, partition = resume_partition(cfg, hf_config, size, saved_parts)
     one, resident = resolve_resident(replica_config(cfg), hf_config, size)
     kept, recompute = resolve_kept(one, hf_config, size)
-    return Resolved(dataclasses.replace(cfg, resident_stages=one.resident_stages), kept, size,
-                    tuple(line for line in (generic_path_line(hf_config), long_rows, partition, resident, recompute)
-                          if line))
+    cfg = dataclasses.replace(cfg, resident_stages=one.resident_stages)
+    check_choices(cfg, hf_config, size)
+    return Resolved(cfg, kept, size, tuple(line for line in (generic_path_line(hf_config), long_rows, partition,
+                                                             resident, recompute) if line))
+
+
+def resolve_run(cfg: TrainConfig, world_size: int, hf_config) -> Resolved:
+    """``resolve`` for a run as launched: with the decoder layers per stage of the checkpoint it
+    resumes from (``cfg.resume`` in ``cfg.save_dir``), where there is one."""
+    return resolve(cfg, world_size, hf_config, saved_partition(cfg.resume, cfg.save_dir))
 
 
 def resume_partition(cfg: TrainConfig, hf_config, size: int, saved: list[int] | None) -> tuple[TrainConfig, str]:
@@ -78,4 +88,4 @@ def resume_partition(cfg: TrainConfig, hf_config, size: int, saved: list[int] | 
             f"partition {cfg.partition} gives {now} here)")
 
 
-__all__ = ["Resolved", "resolve", "resume_partition"]
+__all__ = ["Resolved", "resolve", "resolve_run", "resume_partition"]

@@ -1,7 +1,9 @@
 """Settings a run derives from its configuration and its device, the same for the plan and the run:
-the compute dtype, whether the program needs the gradient norm, and what ``auto`` means for
-``compile_layers`` and ``fuse_last_stage``."""
+the compute dtype, whether the program needs the gradient norm, what ``auto`` means for
+``compile_layers`` and ``fuse_last_stage``, and where the validation data comes from."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -39,4 +41,29 @@ def fuses_last_stage(cfg: TrainConfig) -> bool:
     return cfg.seq_chunks == 1 and not (cfg.activation_offload and cfg.schedule == "gpipe")
 
 
-__all__ = ["compiles_layers", "compute_dtype", "fuses_last_stage", "needs_norm"]
+VALIDATION_SPLIT = "validation"
+
+
+def eval_source(cfg: TrainConfig) -> tuple[str, str]:
+    """``(source, split)`` of the validation data; ``eval_dataset`` wins, else the training
+    source's validation split. ``'synthetic'`` means fresh random rows (another seed)."""
+    from data import SAMPLE_VALIDATION
+
+    source = cfg.eval_dataset or cfg.dataset
+    if source == "sample":
+        return str(SAMPLE_VALIDATION), VALIDATION_SPLIT
+    return source, VALIDATION_SPLIT
+
+
+def lacks_validation_split(cfg: TrainConfig) -> bool:
+    """The validation data would be the training data's validation split, and that data has no
+    splits: a data file or a single saved Dataset (a DatasetDict directory or a cached dataset
+    name has them); loading it as "validation" would evaluate on the training rows."""
+    if cfg.eval_dataset or cfg.dataset in ("sample", "synthetic"):
+        return False
+    path = Path(cfg.dataset).expanduser()
+    return path.exists() and not (path / "dataset_dict.json").is_file()
+
+
+__all__ = ["VALIDATION_SPLIT", "compiles_layers", "compute_dtype", "eval_source", "fuses_last_stage",
+           "lacks_validation_split", "needs_norm"]

@@ -1,18 +1,17 @@
 """Where a run's model comes from: a Hugging Face directory, a preset, or the small generated
 model (``data/tiny_model.py``, made once on rank 0); its config read, truncated to ``num_layers``
-and checked against the run's settings (``resolve_model``), before anything is loaded."""
+and checked against the run's settings (``resolve_model``: the rules are
+``pipeline.plan.model_rules``'s, the files were checked by ``pipeline.plan.preflight``), before
+anything is loaded."""
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import UnsupportedModel, supported_types, supports_sdpa, tied
-from models.selfcheck import family_spec
-from pipeline.config import ConfigError, TrainConfig
-from pipeline.dist import DistEnv, broadcast_object
-from pipeline.plan.partition import given_counts
-from pipeline.plan.weight_files import check_tied_checkpoint
+from models import supports_sdpa
+from pipeline.config import TrainConfig
+from pipeline.plan.model_rules import ModelView, check_model
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
@@ -76,7 +75,8 @@ def needs_generated(cfg: TrainConfig) -> bool:
 
 
 def build_generated_model(cfg: TrainConfig) -> None:
-    """Build the small local model on first use (no progress bars: the run's log shows nothing of it)."""
+    """Build the small local model on first use (no progress bars: the run's log shows nothing of
+    it). ``preflight.build_model`` makes a failure one line."""
     from transformers.utils import logging as hf_logging
 
     from data import SAMPLE_TRAIN, ensure_tiny_model
@@ -85,156 +85,65 @@ def build_generated_model(cfg: TrainConfig) -> None:
     hf_logging.disable_progress_bar()
     try:
         ensure_tiny_model(generated_model_dir(cfg), data_files=[SAMPLE_TRAIN])
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"could not build the generated model in {generated_model_dir(cfg)}: {e}") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
 
 
-def ensure_generated_model(cfg: TrainConfig, env: DistEnv) -> None:
-    """Rank 0 builds the small local model on first use (``check_files`` has, as a rule); the
-    others wait for it."""
-    if not needs_generated(cfg):
-        return
-    error = None
-    if env.rank == 0:
-        try:
-            build_generated_model(cfg)
-        except ConfigError as e:
-            error = str(e)
-    error = broadcast_object(error)
-    if error:
-        raise ConfigError(error)
-
-
-def resolve_model(cfg: TrainConfig) -> ModelSource:
-    """The model's config, where its weights and tokenizer are; checks the config's claims."""
+def model_dir(cfg: TrainConfig) -> Path | None:
+    """The directory the model's config and weights are read from; None for a preset (random weights)."""
     if cfg.model in PRESETS:
-        hf_config = preset_config(cfg.model)
-        weights_dir = None
-        tok = Path(cfg.tokenizer) if cfg.tokenizer else generated_model_dir(cfg)
-    else:
-        path = generated_model_dir(cfg) if cfg.model == "generated" else Path(cfg.model)
-        hf_config = _read_model_config(cfg.model, path)
-        weights_dir = path
-        tok = Path(cfg.tokenizer) if cfg.tokenizer else path
-    hf_config = copy.deepcopy(hf_config)
-    try:
-        spec = family_spec(hf_config)
-    except UnsupportedModel as e:
-        raise ConfigError(f"model {cfg.model!r}: {e}") from None
-    for key, attr in (("embedding_dim", "hidden_size"), ("ff_dim", "intermediate_size"),
-                      ("num_heads", "num_attention_heads")):
-        given, actual = getattr(cfg, key), getattr(hf_config, attr)
-        if given and given != actual:
-            raise ConfigError(f"{key}={given} contradicts the model's {attr}={actual}; "
-                              f"remove {key} or set it to {actual}")
-    total = hf_config.num_hidden_layers
-    if cfg.num_layers:
-        if cfg.num_layers > total:
-            raise ConfigError(f"num_layers ({cfg.num_layers}) exceeds the model's {total} decoder layers")
-        hf_config.num_hidden_layers = cfg.num_layers
-    if cfg.num_stages > hf_config.num_hidden_layers + 2:
-        raise ConfigError(f"num_stages ({cfg.num_stages}) exceeds the model's decoder layers + 2 "
-                          f"({hf_config.num_hidden_layers} + 2); use fewer stages")
-    given_counts(cfg, hf_config.num_hidden_layers)
-    types = getattr(hf_config, "layer_types", None)
-    if isinstance(types, list) and len(types) > hf_config.num_hidden_layers:
-        hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
-    try:
-        spec.layer_kinds(hf_config)
-        if tied(hf_config) and weights_dir is not None:
-            check_tied_checkpoint(weights_dir)
-    except ValueError as e:
-        raise ConfigError(f"model {cfg.model!r}: {e}") from None
-    if spec.moe is not None and cfg.tiled_mlp == "true":
-        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts, whose routing "
-                          "replay is recorded per pass, not per MLP tile; use tiled_mlp auto or false")
-    if spec.moe is not None and cfg.seq_chunks > 1:
-        # the router loss and the routing replay are per micro-batch; segments are not carried yet
-        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts; seq_chunks > 1 "
-                          "does not work with mixture-of-experts models yet (use seq_chunks 1)")
-    if spec.moe is not None and cfg.compile_layers == "true":
-        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) routes tokens to experts, whose routing "
-                          "is recorded and replayed outside the compiled graph; use compile_layers auto or false")
-    dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
-    if cfg.activation_offload and dropout > 0:
-        # the backward's recompute would draw other dropout masks than the forward did
-        raise ConfigError(f"activation_offload recomputes each stage's forward in its backward, which is exact only "
-                          f"without dropout; model {cfg.model!r} has attention_dropout {dropout} (set it to 0 in "
-                          f"config.json, or turn activation_offload off)")
-    max_pos = getattr(hf_config, "max_position_embeddings", None)
-    if max_pos and cfg.seq_length > max_pos and not cfg.allow_long_sequences:
-        raise ConfigError(f"seq_length ({cfg.seq_length}) exceeds the model's max_position_embeddings ({max_pos}); "
-                          f"use seq_length <= {max_pos}, or --allow_long_sequences to train past it anyway")
-    hf_config._attn_implementation = attention_kernel(cfg, hf_config)
-    if cfg.packing and cfg.seq_length > _rope_switch(hf_config):
-        # the frequencies of a packed row's records would follow the longest record of each call
-        raise ConfigError(f"model {cfg.model!r} picks its RoPE frequencies from the longest position it sees "
-                          f"(LongRoPE or dynamic scaling, above {_rope_switch(hf_config)} tokens); "
-                          f"packing restarts positions per record, so use seq_length <= {_rope_switch(hf_config)} "
-                          "or turn packing off")
-    tok_dir = tok if (tok / "tokenizer_config.json").is_file() or (tok / "tokenizer.json").is_file() else None
-    if cfg.tokenizer and tok_dir is None:
-        raise ConfigError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json or tokenizer_config.json in {tok}")
-    return ModelSource(hf_config, weights_dir, tok_dir)
+        return None
+    return generated_model_dir(cfg) if cfg.model == "generated" else Path(cfg.model)
+
+
+def tokenizer_dir(cfg: TrainConfig) -> Path | None:
+    """The tokenizer's directory: ``tokenizer``, else the model's (a preset's: the generated
+    model's); None where it holds no tokenizer."""
+    tok = Path(cfg.tokenizer) if cfg.tokenizer else model_dir(cfg) or generated_model_dir(cfg)
+    return tok if (tok / "tokenizer_config.json").is_file() or (tok / "tokenizer.json").is_file() else None
+
+
+def kept_layers(hf_config, num_layers: int):
+    """A copy of ``hf_config`` with its first ``num_layers`` decoder layers (0: all)."""
+    kept = copy.deepcopy(hf_config)
+    if num_layers:
+        kept.num_hidden_layers = num_layers
+    types = getattr(kept, "layer_types", None)
+    if isinstance(types, list) and len(types) > kept.num_hidden_layers:
+        kept.layer_types = types[: kept.num_hidden_layers]  # the kept layers' types
+    return kept
+
+
+def resolve_model(cfg: TrainConfig, world_size: int | None = None) -> ModelSource:
+    """The model's config as the run trains it, where its weights and tokenizer are: read once
+    per process start and passed on. The model's rules (``model_rules.check_model``) run on it
+    here, before anything is loaded; with ``world_size`` (the processes) those on the stages
+    per process too. ``preflight.check_model_files`` checked its files first."""
+    path = model_dir(cfg)
+    whole = preset_config(cfg.model) if path is None else _read_config(cfg, path)
+    kept = kept_layers(whole, cfg.num_layers)
+    size = world_size // cfg.data_parallel if world_size and cfg.data_parallel >= 1 else None
+    check_model(ModelView(cfg, whole, kept, path, size))
+    kept._attn_implementation = attention_kernel(cfg, kept)
+    return ModelSource(kept, path, tokenizer_dir(cfg))
 
 
 def attention_kernel(cfg: TrainConfig, hf_config) -> str:
     """The attention implementation a run uses: ``auto`` is sdpa where it computes the family's
-    attention, else eager; sdpa where it does not is refused."""
+    attention, else eager (``model_rules.attention_computable`` refuses sdpa where it does not)."""
     if cfg.attn_implementation == "auto":
         return "sdpa" if supports_sdpa(hf_config) else "eager"
-    if cfg.attn_implementation == "sdpa" and not supports_sdpa(hf_config):
-        raise ConfigError(f"model {cfg.model!r} ({hf_config.model_type}) soft-caps its attention scores or adds "
-                          "attention sinks, which sdpa cannot compute; use attn_implementation eager (or auto)")
     return cfg.attn_implementation
 
 
-def _rope_switch(hf_config) -> float:
-    """The position above which the model's RoPE frequencies change with the longest position
-    of a call (LongRoPE, dynamic NTK), infinity for every other rotary embedding."""
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # Gemma 3: one per layer type
-    switching = [r for r in ropes if r.get("rope_type", r.get("type")) in ("longrope", "dynamic")]
-    if not switching:
-        return float("inf")
-    return switching[0].get("original_max_position_embeddings") or \
-        getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
-
-
-def _read_model_config(name: str, path: Path):
-    """The transformers config of the model directory ``path``, or a ConfigError saying what is wrong."""
-    if name == "generated" and not (path / "config.json").is_file():
+def _read_config(cfg: TrainConfig, path: Path):
+    """The transformers config in ``path`` (the generated model's planned shape before it is built)."""
+    if cfg.model == "generated" and not (path / "config.json").is_file():
         return generated_config()  # not built yet: the shape it will have
-    if not path.exists():
-        raise ConfigError(f"model {name!r}: {path} does not exist (give a Hugging Face model directory "
-                          f"or a preset: {', '.join(PRESETS)}, generated)")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model {name!r}: no config.json in {path} (give a Hugging Face model "
-                          f"directory or a preset: {', '.join(PRESETS)}, generated)")
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as e:  # an unknown model_type, or a broken config.json
-        model_type = _json_field(path / "config.json", "model_type")
-        if model_type is not None:
-            raise ConfigError(f"model {name!r} has model_type {model_type!r}, which this transformers cannot "
-                              f"read; supported: {', '.join(supported_types())}") from None
-        raise ConfigError(f"model {name!r}: cannot read {path / 'config.json'}: "
-                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
-
-
-def _json_field(path: Path, key: str):
-    import json
-
-    try:
-        value = json.loads(path.read_text())
-        return value.get(key) if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
+    return AutoConfig.from_pretrained(path)
 
 
 def generated_config():
@@ -255,5 +164,6 @@ def generated_config():
                        max_position_embeddings=d["max_position_embeddings"], tie_word_embeddings=False)
 
 
-__all__ = ["GENERATED_MODEL", "PRESETS", "preset_config", "ModelSource", "attention_kernel", "build_generated_model", "ensure_generated_model",
-           "generated_config", "generated_model_dir", "needs_generated", "resolve_model"]
+__all__ = ["GENERATED_MODEL", "PRESETS", "ModelSource", "attention_kernel", "build_generated_model", "generated_config",
+           "generated_model_dir", "kept_layers", "model_dir", "needs_generated", "preset_config", "resolve_model",
+           "tokenizer_dir"]

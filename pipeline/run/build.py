@@ -24,8 +24,7 @@ from pipeline.plan.lora import LoraSettings, lora_settings
 from pipeline.plan.partition import stage_layers
 from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
 from pipeline.plan.programs import build_programs, program_spec
-from pipeline.plan.resolve import Resolved, resolve
-from pipeline.plan.saved import saved_partition
+from pipeline.plan.resolve import Resolved, resolve_run
 from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
 from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost
 from pipeline.plan.source import ModelSource, resolve_model
@@ -52,17 +51,14 @@ def build_stream(cfg: TrainConfig, source: ModelSource):
         examples = synthetic_examples(max(cfg.batch_size * 4, 64), cfg.seq_length, source.config.vocab_size, cfg.seed)
         return BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed,
                            packing=cfg.packing), ""
-    if source.tokenizer_dir is None:
-        raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
+    # preflight.load_tokenizer checked before launch that it exists and fits the vocabulary
+    assert source.tokenizer_dir is not None, "preflight.check_files refuses data without a tokenizer"
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
     stats: dict[str, int] = {}
     examples, skipped = tokenize_records(records, tokenizer, cfg.seq_length, stats=stats)
-    if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-                          f"{source.config.vocab_size}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     no_target = skipped - stats["unusable"]
     summary = (f"data: {len(examples)} records, {stats['truncated']} truncated to seq_length={cfg.seq_length}"
@@ -90,20 +86,6 @@ def token_line(stream, packing: bool) -> str:
         line += (f"; {left} records left out of this epoch: too few for a last full batch of {stream.batch_size} rows "
                  "(the next epoch's shuffle leaves out others)")
     return line
-
-
-def check_tied_steps(cfg: TrainConfig, schedule: sched.Schedule, mapping: list[int]) -> None:
-    """Raise ConfigError unless both copies of a tied matrix (first and last stage) step the same
-    way in ``schedule``: both on the GPU (resident, or no offload) or both on the CPU optimizer
-    thread. The two AdamW kernels would round differently and the copies drift apart."""
-    first, last = sched.tied_stages(len(mapping))
-    offloaded = sched.offloaded_stages(schedule)  # the program is where resident_stages became stages
-    if (first in offloaded) != (last in offloaded):
-        on_gpu, on_cpu = (last, first) if first in offloaded else (first, last)
-        per_rank = len(mapping) // (max(mapping) + 1)
-        raise ConfigError(f"tied embeddings: resident_stages {cfg.resident_stages} keeps stage {on_gpu} on the GPU "
-                          f"but offloads stage {on_cpu}, so the two copies of the tied matrix would step with "
-                          f"different AdamW kernels; use resident_stages 0 or {per_rank} (all)")
 
 
 def rank_cpus(cfg: TrainConfig, env: DistEnv, device: torch.device) -> list[int]:
@@ -175,16 +157,17 @@ class Rank:
 
 def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device,
                       dtype: torch.dtype) -> Placement:
-    """Rank 0 decides the mapping, every rank gets the same ``Placement`` (collective)."""
-    result: Placement | str | None = None
+    """Rank 0 decides the mapping, every rank gets the same ``Placement`` or rank 0's refusal
+    (collective)."""
+    result: Placement | ConfigError | None = None
     if env.rank == 0:
         try:
             result = decide_placement(cfg, env, hf_config, device, dtype)
         except ConfigError as e:
-            result = str(e)
+            result = e
     result = broadcast_object(result)
-    if isinstance(result, str):
-        raise ConfigError(result)
+    if isinstance(result, ConfigError):
+        raise result
     return result
 
 
@@ -298,13 +281,13 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
             rank makes them.
     """
     device, dtype = build_device(cfg, env)
-    source = source or resolve_model(cfg)
+    source = source or resolve_model(cfg, env.world_size)
     hf = source.config
     # data_parallel: this process is pipeline rank ``position`` of replica ``lay.replica``;
     # schedules, placement and plans are of one replica's pipeline (pipeline.run.replicas)
     lay = layout(cfg, env.rank, env.world_size)
     position, size = lay.position, lay.pipeline_size
-    resolved = resolved or resolve(cfg, env.world_size, hf, saved_partition(cfg.resume, cfg.save_dir))
+    resolved = resolved or resolve_run(cfg, env.world_size, hf)
     cfg, one = resolved.cfg, resolved.replica
     S = cfg.num_stages
     # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
@@ -334,8 +317,6 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     spec = program_spec(one, hf)
     schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
                                                      show=cfg.debug_schedule and env.rank == 0)
-    if spec.tied:  # two copies of the tied matrix, their gradients summed by a TIE action
-        check_tied_steps(cfg, schedule, mapping)
     parts = stage_layers(one, hf, size)
     checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
     stage_ids = sched.stages_of(position, mapping)
@@ -364,4 +345,4 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
 
 
 __all__ = ["Rank", "adamw_cpus", "build_data", "build_device", "build_rank", "build_router_loss", "build_stages",
-           "build_stream", "check_tied_steps", "rank_cpus", "token_line"]
+           "build_stream", "rank_cpus", "token_line"]

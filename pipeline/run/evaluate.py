@@ -4,31 +4,10 @@ mean loss over every validation token."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Callable
 
-from pipeline.config import ConfigError, TrainConfig
-
-VALIDATION_SPLIT = "validation"
-
-
-def eval_source(cfg: TrainConfig) -> tuple[str, str]:
-    """``(source, split)`` of the validation data; ``eval_dataset`` wins, else the training
-    source's validation split. ``'synthetic'`` means fresh random rows (another seed)."""
-    from data import SAMPLE_VALIDATION
-
-    source = cfg.eval_dataset or cfg.dataset
-    if source == "sample":
-        return str(SAMPLE_VALIDATION), VALIDATION_SPLIT
-    if source == "synthetic" or cfg.eval_dataset:
-        return source, VALIDATION_SPLIT
-    path = Path(source).expanduser()
-    # A DatasetDict directory or a cached dataset name has splits; a data file or a single saved
-    # Dataset does not (loading it as "validation" would silently evaluate on the training rows).
-    if path.exists() and not (path / "dataset_dict.json").is_file():
-        raise ConfigError(f"eval_every={cfg.eval_every} but dataset {cfg.dataset!r} has no validation split "
-                          f"(it is a file or a single saved Dataset); set eval_dataset to the validation data")
-    return source, VALIDATION_SPLIT
+from pipeline.config import TrainConfig
+from pipeline.plan.settings import eval_source
 
 
 def build_eval_batches(cfg: TrainConfig, source) -> list:
@@ -50,8 +29,7 @@ def build_eval_batches(cfg: TrainConfig, source) -> list:
                                       cfg.seed + 1)
         pad = 0
     else:
-        if source.tokenizer_dir is None:
-            raise ConfigError(f"model {cfg.model!r} has no tokenizer; set tokenizer: <directory>")
+        assert source.tokenizer_dir is not None, "preflight.check_files refuses validation data without a tokenizer"
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, make_config
-from pipeline.plan.layout import Layout, check_replicas, replica_config, replica_share
+from pipeline.plan.layout import Layout, layout, replica_config, replica_share
 from pipeline.plan.preflight import check_config
 from tests.helpers.paths import ROOT, env_without_dist
 from tests.helpers.reference import assert_same_training
@@ -59,7 +59,7 @@ def test_check_config_refuses(world, kw, match):
 
 def test_check_config_accepts_replicas():
     check_config(make_config({"device": "cpu", "data_parallel": 2, "num_stages": 4, "num_chunks": 4}), 4)
-    assert check_replicas(make_config({"data_parallel": 2}), 4) == 2
+    assert layout(make_config({"data_parallel": 2}), 0, 4).pipeline_size == 2
 
 
 @pytest.mark.slow  # a main.py subprocess: the fast layer keeps one torchrun check

@@ -61,12 +61,14 @@ def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
 
 
 def test_eval_needs_a_validation_split(tiny_model_dir, tmp_path):
+    """Refused before launch (check_files, on every rank before any process group)."""
     from data import SAMPLE_TRAIN
     from pipeline.config import ConfigError
+    from pipeline.plan.preflight import check_files
 
     cfg = tiny_cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
     with pytest.raises(ConfigError, match="has no validation split .* set eval_dataset"):
-        in_process_trainer(cfg)
+        check_files(cfg)
 
 
 # --- non-finite steps ---------------------------------------------------------------------------
