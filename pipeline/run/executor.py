@@ -119,7 +119,9 @@ class StepClock:
       the load could be issued).
 
     On CUDA, spans are timing-event pairs on the compute stream, resolved by ``seconds()``
-    after the iteration's synchronize (no host sync inside the step); elsewhere wall clock."""
+    after the iteration's synchronize (no host sync inside the step); elsewhere wall clock.
+    The timeline draws a compute from these spans too (``spans_since``), so its bars leave
+    out the waits for inputs and weights, as these totals do."""
 
     KEYS = ("compute", "load_wait", "offload_wait", "optimizer_wait")
 
@@ -132,18 +134,23 @@ class StepClock:
         return time_point(torch.cuda.current_stream() if self.cuda else None)
 
     def span(self, key: str, start, end) -> None:
-        if self.cuda:
-            self._spans.append((key, start, end))
-        else:
-            self._seconds[key] += end - start
+        self._spans.append((key, start, end))
 
     def add(self, key: str, seconds: float) -> None:
         self._seconds[key] += seconds
 
+    def count(self) -> int:
+        """How many spans were recorded so far: a position for ``spans_since``."""
+        return len(self._spans)
+
+    def spans_since(self, position: int, key: str) -> list[tuple[object, object]]:
+        """The (start, end) of the ``key`` spans recorded after ``position``, in order."""
+        return [(start, end) for k, start, end in self._spans[position:] if k == key]
+
     def seconds(self) -> dict[str, float]:
         """``{key}_seconds`` totals; on CUDA call after the device finished the iteration."""
         for key, start, end in self._spans:
-            self._seconds[key] += start.elapsed_time(end) / 1e3
+            self._seconds[key] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
         self._spans.clear()
         return {f"{k}_seconds": v for k, v in self._seconds.items()}
 
@@ -213,10 +220,12 @@ class Executor:
         with torch.set_grad_enabled(train):
             for action in actions:
                 # A LOAD's copy and a STEP may run later on another thread: their handlers
-                # record the spans of the work itself.
+                # record the spans of the work itself; a compute is drawn from its clock spans.
                 timed = self.timeline is not None and action.op not in (Op.LOAD, Op.STEP)
-                if timed:
+                computes = timed and action.op in (Op.FORWARD, Op.BACKWARD)
+                if timed and not computes:
                     self.timeline.begin(action)
+                position = it.clock.count()
                 try:
                     self._handlers[action.op](action)
                 except torch.OutOfMemoryError as e:  # before RuntimeError: it is one
@@ -224,7 +233,9 @@ class Executor:
                 except RuntimeError as e:  # a gloo/NCCL timeout or a dead peer surfaces in some wait
                     raise ActionError(f"rank {self.rank}: action {action} ({describe(action, self.mapping)}) "
                                       f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-                if timed:
+                if computes:
+                    self._draw_compute(action, it.clock.spans_since(position, "compute"))
+                elif timed:
                     self.timeline.end(action)
         for work, _ in it.sends:  # keep each sent tensor alive until its send completed
             work.wait()
@@ -233,6 +244,16 @@ class Executor:
             it.losses += router.losses
         loss = float(torch.stack(it.losses).sum()) if it.losses else None  # host sync: end of iteration
         return IterationResult(loss, it.grad_norm, it.skip_step, it.clock)
+
+    def _draw_compute(self, action: Action, spans: list[tuple[object, object]]) -> None:
+        """A FORWARD or BACKWARD on the timeline from its first compute span's start to its last's
+        end: not from the action's start, which would draw the wait for a received input (the
+        peer still computing it) or for the stage's load as compute. An action that computed
+        nothing (the fused last stage's BACKWARD: its forward ran it) is drawn as an instant."""
+        if not spans:
+            now = self.it.clock.mark()
+            spans = [(now, now)]
+        self.timeline.span(action, spans[0][0], spans[-1][1])
 
     # --- compute: the stage's runner computes, the executor routes -----------------------
     def _act_shape(self, m: int, seg: int | None) -> tuple[int, int, int]:

@@ -91,6 +91,14 @@ class Timeline:
         else:
             self._events.append(self._event(action, start, stop))
 
+    def span(self, action: Action, start, end) -> None:
+        """An action timed elsewhere: ``start`` and ``end`` are this recorder's kind of time points
+        (timing events on the action's stream on CUDA, ``time.perf_counter`` values otherwise)."""
+        if self.cuda:
+            self._pending.append((action, start, end))
+        else:
+            self._events.append(self._event(action, start, end))
+
     def add(self, action: Action, span) -> None:
         """An action whose work another thread runs or issues (a STEP on the optimizer thread,
         a LOAD that waits for its stage's step): ``span`` is a future of ``(start, end, ...)``,

@@ -86,3 +86,28 @@ def test_gc_clock_sums_collections():
     time.sleep(0.02)
     clock("stop", {})
     assert 0.02 <= clock.take() < 1.0 and clock.take() == 0.0
+
+
+@pytest.mark.slow
+def test_timeline_draws_compute_without_the_waits_before_it(tiny_model_dir, tmp_path):
+    """A forward that waits for its stage's optimizer step is drawn from when it computes: the
+    timeline's forward and backward bars add up to the iteration's compute time, not to compute
+    plus that wait (the same holds for a wait for a received input)."""
+    from pipeline.run.timeline import read_chrome_trace
+
+    cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, use_prefetch=True, timeline=True,
+                   save_dir=str(tmp_path))
+    trainer = in_process_trainer(cfg)
+    slow = trainer.stores[3]
+    real_step = slow.adamw.step_chunks
+
+    def slow_step(*args, **kw):
+        time.sleep(SLOW_S)
+        return real_step(*args, **kw)
+
+    slow.adamw.step_chunks = slow_step
+    history = trainer.train()
+    last = history[-1]
+    assert last["optimizer_wait_seconds"] > SLOW_S / 3  # the recorded iteration did wait
+    bars = [e["end"] - e["start"] for e in read_chrome_trace(tmp_path / "timeline.json") if e["op"] in ("F", "B")]
+    assert sum(bars) == pytest.approx(last["compute_seconds"], rel=0.05, abs=0.01), (sum(bars), last)
