@@ -78,7 +78,6 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULE_NAMES)}")
     mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping, num_segments)
-    K = num_segments
     # A rank's place in the pipeline is the order of its first stage (rank r under round-robin).
     firsts = sorted(range(num_ranks), key=lambda r: stages_of(r, mapping)[0])
     position = {r: i for i, r in enumerate(firsts)}
@@ -88,15 +87,16 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
         stages = stages_of(r, mapping)
         num_chunks = len(stages)
         group = num_ranks if name == "interleaved" else num_microbatches
-        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group, K)
+        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group, num_segments)
         total = len(f_orders[r])
         if name == "gpipe":
             warmups[r] = total
         elif num_chunks == 1:
-            warmups[r] = min(total, num_ranks - position[r] - 1 + K - 1)
+            warmups[r] = min(total, num_ranks - position[r] - 1 + num_segments - 1)
         else:
-            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group * K + K - 1)
-    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe", num_segments=K)
+            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group * num_segments
+                             + num_segments - 1)
+    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe", num_segments=num_segments)
 
 
 def _grouped_orders(stages: list[int], num_microbatches: int, group: int,

@@ -383,16 +383,16 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
         raise ValueError(f"timeline has no F or B events for stages {missing}: cannot calibrate the cost model")
     compute = {s: (_median(durations[("F", s)]), _median(durations[("B", s)])) for s in range(num_stages)}
     share = None
-    K = num_segments_of(schedule)
-    if K > 1:
+    num_segments = num_segments_of(schedule)
+    if num_segments > 1:
         by_seg: dict[tuple[str, int, int], list[float]] = {}
         for e in events:
             if e["op"] in ("F", "B") and e.get("seg") is not None:
                 by_seg.setdefault((e["op"], e["stage"], e["seg"]), []).append(max(0.0, e["end"] - e["start"]))
-        med = {k: _median(v) for k, v in by_seg.items()}
-        compute = {s: tuple(sum(med.get((op, s, j), 0.0) for j in range(K)) for op in ("F", "B"))
+        median_s = {k: _median(v) for k, v in by_seg.items()}
+        compute = {s: tuple(sum(median_s.get((op, s, j), 0.0) for j in range(num_segments)) for op in ("F", "B"))
                    for s in range(num_stages)}
-        forward = [sum(med.get(("F", s, j), 0.0) for s in range(num_stages)) for j in range(K)]
+        forward = [sum(median_s.get(("F", s, j), 0.0) for s in range(num_stages)) for j in range(num_segments)]
         share = [f / sum(forward) for f in forward] if sum(forward) > 0 else None
     links = []
     for r in ranks:
@@ -400,7 +400,7 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
                  if e["rank"] == r and e["op"] == "L" and e["end"] > e["start"]]
         links.append(max(rates, default=25.0))
     groups = list(rank_groups) if rank_groups is not None else list(ranks)
-    roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
+    roots = {g: max(link for link, group in zip(links, groups) if group == g) for g in set(groups)}
     offloaded = cpu_stepped_stages(schedule)
     steps = [d for (op, s), ds in durations.items() if op == "S" and s in offloaded for d in ds]
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]

@@ -1,4 +1,4 @@
-"""Long rows on a GPU (``pytest -m gpu``; skipped without CUDA), issue 28.
+"""Long rows on a GPU (``pytest -m gpu``; skipped without CUDA).
 
 * The segment attention really takes a kernel without a score matrix: the kernel counter says
   which ran, and the peak memory of one attention call (forward and backward, Llama-3B's and

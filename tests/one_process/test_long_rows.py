@@ -1,4 +1,4 @@
-"""Long rows (issue 28), one process, float32: every new path trains exactly like the unsplit model.
+"""Long rows, one process, float32: every path that splits a row trains exactly like the unsplit model.
 
 * Segment attention through the kernels' dispatch (``pipeline.stage.attention``): on the CPU the
   bottom-right-aligned causal kernel runs as torch's materialised form of it, which checks the
