@@ -23,7 +23,7 @@ from tests.helpers.paths import scratch_save_dir
 from tests.helpers.segments import AttentionModule
 from tests.helpers.tolerance import rel_err as rel
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 GiB = 2**30
 
 
