@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny Llama model (GQA, 6 layers) and tokenizer built locally once per session,
-the same with a wide vocabulary (the cost partition's tests)."""
+the same with a wide vocabulary (the cost partition's tests); and the skip of the ``gpu`` mark."""
 from __future__ import annotations
 
 from pathlib import Path
