@@ -285,7 +285,9 @@ class BatchStream:
             "batch_size": self.batch_size,
             "num_examples": len(self.examples),
         }
-        if self.packing:  # only then, so an unpacked run's checkpoints are as they were
+        # Only when packing: load_state_dict reads a missing key as unpacked, so an unpacked run's
+        # state carries only the keys that every checkpoint of the stream has.
+        if self.packing:
             state["packing"] = 1
         return state
 

@@ -65,7 +65,9 @@ def ensure_tiny_model(
         "max_position_embeddings": max_position_embeddings,
         "seed": seed,
     }
-    if family != "llama":  # markers of Llama models built before families existed stay valid
+    # Llama, the default, leaves the key out: _is_complete compares the marker whole, and a Llama
+    # model on disk whose marker has no family key then still matches.
+    if family != "llama":
         settings["family"] = family
     if _is_complete(path, settings):
         return path

@@ -58,6 +58,17 @@ class Tokenizer(Protocol):
     # tokenize=False, add_generation_prompt=...)`` and ``return_offsets_mapping=True`` in __call__.
 
 
+class _Encoder(Protocol):
+    """One format's encoder (``_ENCODERS``): ``prepare`` picks what a row needs (None: skip it),
+    ``encode`` turns a chunk of prepared rows into examples (None: no trainable token)."""
+
+    truncated: int
+
+    def prepare(self, row: Any) -> Any | None: ...
+
+    def encode(self, chunk: list[Any]) -> list[Example | None]: ...
+
+
 @dataclass(frozen=True)
 class Example:
     """One tokenized record: ``labels[i]`` is ``input_ids[i]`` or ``IGNORE_INDEX``."""
@@ -147,6 +158,24 @@ def tokenize_records(
         raise ValueError(f"seq_length ({seq_length}) must be >= 2 (one input and one target)")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token; set tokenizer.eos_token")
+    rows, fmt = _rows_and_format(records, fmt)
+    encoder = _ENCODERS[fmt](tokenizer, seq_length)
+    examples, num_skipped, num_unusable = _encode_rows(encoder, rows)
+    if stats is not None:
+        stats.update(truncated=encoder.truncated, summary_cut=getattr(encoder, "summary_cut", 0),
+                     unusable=num_unusable)
+    if not examples:
+        failure = getattr(encoder, "first_failure", None)
+        raise DataError(
+            f"no usable {fmt} records: all {num_skipped} were corrupt or had no trainable token "
+            f"within seq_length={seq_length}" + (f"; {failure}" if failure else "")
+        )
+    return examples, num_skipped
+
+
+def _rows_and_format(records: Iterable[Mapping[str, Any]], fmt: str | None) -> tuple[Iterable[Any], str]:
+    """The records as an iterator, and their format: ``fmt``, or detected from the columns (a
+    ``datasets.Dataset``'s, else the first row's keys, the row put back in front)."""
     rows = iter(records)
     if fmt is None:
         columns = getattr(records, "column_names", None)
@@ -157,15 +186,19 @@ def tokenize_records(
         fmt = detect_format(columns)
     if fmt not in FORMATS:
         raise ValueError(f"fmt ({fmt!r}) must be one of {list(FORMATS)}")
+    return rows, fmt
 
-    make = _ENCODERS[fmt](tokenizer, seq_length)
+
+def _encode_rows(encoder: _Encoder, rows: Iterable[Any]) -> tuple[list[Example], int, int]:
+    """Encode ``rows`` in chunks of ``_CHUNK_SIZE``: ``(examples, num_skipped, num_unusable)``,
+    the unusable rows (missing or empty fields) among the skipped ones."""
     examples: list[Example] = []
     num_skipped = num_unusable = 0
     chunk: list[Any] = []
 
     def flush() -> None:
         nonlocal num_skipped
-        for example in make.encode(chunk):
+        for example in encoder.encode(chunk):
             if example is None:
                 num_skipped += 1
             else:
@@ -173,7 +206,7 @@ def tokenize_records(
         chunk.clear()
 
     for row in rows:
-        item = make.prepare(row)
+        item = encoder.prepare(row)
         if item is None:
             num_skipped += 1
             num_unusable += 1
@@ -183,15 +216,7 @@ def tokenize_records(
             flush()
     if chunk:
         flush()
-    if stats is not None:
-        stats.update(truncated=make.truncated, summary_cut=getattr(make, "summary_cut", 0), unusable=num_unusable)
-    if not examples:
-        failure = getattr(make, "first_failure", None)
-        raise DataError(
-            f"no usable {fmt} records: all {num_skipped} were corrupt or had no trainable token "
-            f"within seq_length={seq_length}" + (f"; {failure}" if failure else "")
-        )
-    return examples, num_skipped
+    return examples, num_skipped, num_unusable
 
 
 def min_document_tokens(seq_length: int) -> int:

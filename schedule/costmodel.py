@@ -137,190 +137,287 @@ def predict(
         segment_share: with sequence segments, the fraction of a micro-batch's compute each
             segment takes (``segment_costs``); default ``1 / K`` each.
     """
-    num_stages = len(mapping)
+    share = _segment_shares(schedule, segment_share)
+    _check_stage_inputs(len(mapping), stage_compute_s, stage_bytes)
+    ranks = sorted(schedule)
+    if start_offset_s is not None and len(start_offset_s) < len(ranks):
+        raise ValueError(f"start_offset_s has {len(start_offset_s)} values ({list(start_offset_s)}) "
+                         f"for ranks {ranks}")
+    ready = {r: 0.0 if start_offset_s is None else float(start_offset_s[r]) for r in ranks}
+    unknown = sorted(s for s in (pending_steps or {}) if not 0 <= s < len(mapping))
+    if unknown:
+        raise ValueError(f"pending_steps names stages {unknown}; the schedule has stages 0..{len(mapping) - 1}")
+    topology = _Topology(gpu_of_rank, groups, link_gbps, root_gbps)
+    costs = _Costs(stage_compute_s, stage_bytes, stage_bytes if offload_bytes is None else offload_bytes, share,
+                   step_s, norm_s, p2p_latency_s)
+    pending = {s: float(t) for s, t in (pending_steps or {}).items() if t > 0}
+    simulation = _Simulation(schedule, mapping, topology, costs, ready, pending)
+    simulation.run()
+    return simulation.prediction()
+
+
+def _segment_shares(schedule: Schedule, segment_share: Sequence[float] | None) -> list[float]:
+    """Each segment's fraction of a micro-batch's compute: ``segment_share``, or equal shares."""
     num_segments = num_segments_of(schedule)
     share = [1.0 / num_segments] * num_segments if segment_share is None else [float(x) for x in segment_share]
     if len(share) != num_segments:
         raise ValueError(f"segment_share has {len(share)} values ({share}) for a schedule of {num_segments} segments")
+    return share
+
+
+def _check_stage_inputs(num_stages: int, stage_compute_s: Mapping[int, tuple[float, float]],
+                        stage_bytes: Sequence[int]) -> None:
     if len(stage_bytes) != num_stages:
         raise ValueError(f"stage_bytes has {len(stage_bytes)} entries for {num_stages} stages")
-    off_bytes = stage_bytes if offload_bytes is None else offload_bytes
     missing = [s for s in range(num_stages) if s not in stage_compute_s]
     if missing:
         raise ValueError(f"stage_compute_s has no (forward, backward) seconds for stages {missing}")
-    ranks = sorted(schedule)
-    pc = {r: 0 for r in ranks}
-    if start_offset_s is not None and len(start_offset_s) < len(ranks):
-        raise ValueError(f"start_offset_s has {len(start_offset_s)} values ({list(start_offset_s)}) "
-                         f"for ranks {ranks}")
-    # when the rank reached (or reaches) its next action
-    ready = {r: 0.0 if start_offset_s is None else float(start_offset_s[r]) for r in ranks}
-    unknown = sorted(s for s in (pending_steps or {}) if not 0 <= s < num_stages)
-    if unknown:
-        raise ValueError(f"pending_steps names stages {unknown}; the schedule has stages 0..{num_stages - 1}")
-    pending = {s: float(t) for s, t in (pending_steps or {}).items() if t > 0}
-    cpu_free = {r: max([t for s, t in pending.items() if mapping[s] == r], default=0.0) for r in ranks}
-    exposed = {r: 0.0 for r in ranks}
-    timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in ranks}
-    done: dict[Action, float] = {}         # compute action -> end
-    load_done: dict[int, float] = {}       # stage -> end of its latest LOAD (inf while moving)
-    offload_done: dict[int, float] = {}
-    step_end: dict[int, float] = dict(pending)
-    step_start: dict[int, float] = {s: 0.0 for s in pending}  # already running at the start
-    steps: dict[int, deque] = {r: deque() for r in ranks}  # (stage, issue time) waiting for the CPU lane
-    offloaded = cpu_stepped_stages(schedule)
-    norm_at: dict[int, float] = {}
-    lanes: dict[tuple[int, str], deque] = {}
-    busy: set[tuple[int, str]] = set()
-    active: list[_Transfer] = []
-    now = 0.0
 
-    def reshare() -> None:
-        """Max-min fair rates per (root, direction): equal shares, capped by each link."""
-        by_key: dict[tuple[int, str], list[_Transfer]] = {}
-        for t in active:
-            by_key.setdefault(t.key, []).append(t)
-        for (root, _), ts in by_key.items():
-            for t in ts:
-                t.rate = 0.0
-            moving = [t for t in ts if t.left > 0]  # a copy done but for its step takes no share
-            left, n = _per(root_gbps, root) * 1e9, len(moving)
-            for t in sorted(moving, key=lambda t: t.cap):
-                t.rate = min(t.cap, left / n)
-                left, n = left - t.rate, n - 1
 
-    def start_lane(r: int, direction: str) -> None:
-        """Start the first queued transfer of the lane that may start now (FIFO otherwise)."""
-        q = lanes.get((r, direction))
-        if (r, direction) in busy or not q:
-            return
-        for t in q:
-            if t.not_before <= now + _EPS:
-                q.remove(t)
-                t.start = now
-                active.append(t)
-                busy.add((r, direction))
+@dataclass(frozen=True)
+class _Topology:
+    """Where each rank's copies go: its GPU, that GPU's link and its root group's shared link."""
+
+    gpu_of_rank: list[int]
+    groups: list[int]
+    link_gbps: float | Sequence[float]
+    root_gbps: float | Mapping[int, float]
+
+    def root_bytes_per_s(self, root: int) -> float:
+        return _per(self.root_gbps, root) * 1e9
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """What each action costs: compute seconds per stage, bytes per copy, fixed seconds."""
+
+    stage_compute_s: Mapping[int, tuple[float, float]]
+    stage_bytes: Sequence[int]
+    offload_bytes: Sequence[int]
+    segment_share: list[float]
+    step_s: float
+    norm_s: float
+    p2p_latency_s: float
+
+    def compute_s(self, a: Action) -> float:
+        seconds = self.stage_compute_s[a.stage][0 if a.op is Op.FORWARD else 1]
+        return seconds * (1.0 if a.seg is None else self.segment_share[a.seg])
+
+
+class _Simulation:
+    """One iteration of ``predict``, event by event.
+
+    Each rank has a compute lane (its list, in order, ``pc`` the index of its next action), a
+    CPU lane (the optimizer steps) and a copy lane per direction; copies in flight share their
+    root group's bandwidth. ``run`` alternates between issuing everything that can start at
+    ``now`` (``settle``) and moving the clock to the next event (``advance``).
+    """
+
+    def __init__(self, schedule: Schedule, mapping: list[int], topology: _Topology, costs: _Costs,
+                 ready: dict[int, float], pending: dict[int, float]) -> None:
+        self.schedule, self.mapping, self.topology, self.costs = schedule, mapping, topology, costs
+        self.num_stages = len(mapping)
+        self.ranks = sorted(schedule)
+        self.pc = {r: 0 for r in self.ranks}
+        self.ready = ready  # when the rank reached (or reaches) its next action
+        self.cpu_free = {r: max([t for s, t in pending.items() if mapping[s] == r], default=0.0) for r in self.ranks}
+        self.exposed = {r: 0.0 for r in self.ranks}
+        self.timeline: dict[int, list[tuple[float, float, Action]]] = {r: [] for r in self.ranks}
+        self.done: dict[Action, float] = {}          # compute action -> end
+        self.load_done: dict[int, float] = {}        # stage -> end of its latest LOAD (inf while moving)
+        self.offload_done: dict[int, float] = {}
+        self.step_end: dict[int, float] = dict(pending)
+        self.step_start: dict[int, float] = {s: 0.0 for s in pending}  # already running at the start
+        self.steps: dict[int, deque] = {r: deque() for r in self.ranks}  # (stage, issue time) waiting for the CPU lane
+        self.cpu_stepped = cpu_stepped_stages(schedule)
+        self.norm_at: dict[int, float] = {}
+        self.lanes: dict[tuple[int, str], deque] = {}
+        self.busy: set[tuple[int, str]] = set()
+        self.active: list[_Transfer] = []
+        self.now = 0.0
+
+    def run(self) -> None:
+        while True:
+            self.settle()
+            if self.finished():
                 return
+            self.reshare()
+            self.advance(self.next_event_time())
 
-    def enqueue(r: int, a: Action, nbytes: float, direction: str, not_before: float = 0.0,
-                not_until: float = 0.0) -> None:
-        gpu = gpu_of_rank[r]
-        t = _Transfer(r, a, (groups[gpu], direction), _per(link_gbps, gpu) * 1e9, float(nbytes),
-                      not_before=not_before, not_until=not_until)
-        if not (t.cap > 0 and _per(root_gbps, t.key[0]) > 0):
-            raise ValueError(f"GPU {gpu}: link_gbps ({_per(link_gbps, gpu)}) and root_gbps of group {t.key[0]} "
-                             f"({_per(root_gbps, t.key[0])}) must be > 0")
-        lanes.setdefault((r, direction), deque()).append(t)
-        start_lane(r, direction)
-
-    def issue(r: int) -> bool:
-        """Try to run rank ``r``'s next action at ``now``; False if it must wait."""
-        a = schedule[r][pc[r]]
-        s = a.stage
-        if a.op in COMPUTE_OPS:
-            dep = producer(a, num_stages)
-            if dep is not None and dep not in done:
-                return False
-            dep_t = 0.0 if dep is None else done[dep] + (p2p_latency_s if remote_producer(a, mapping) else 0.0)
-            load_t = load_done.get(s, 0.0)
-            if math.isinf(load_t):
-                return False
-            start = max(now, dep_t, load_t)
-            exposed[r] += max(0.0, load_t - max(ready[r], dep_t))  # ready[r]: when the rank got here
-            end = start + stage_compute_s[s][0 if a.op is Op.FORWARD else 1] * (1.0 if a.seg is None else share[a.seg])
-            done[a] = end
-            ready[r] = end
-            timeline[r].append((start, end, a))
-        elif a.op is Op.LOAD:
-            if math.isinf(step_end.get(s, 0.0)):  # its step has not started: the host waits until it has
-                return False
-            load_done[s] = math.inf
-            enqueue(r, a, stage_bytes[s], "h2d", not_before=step_start.get(s, 0.0), not_until=step_end.get(s, 0.0))
-        elif a.op is Op.OFFLOAD_GRADS:
-            offload_done[s] = math.inf
-            enqueue(r, a, off_bytes[s], "d2h")
-        elif a.op is Op.STEP and s in offloaded:
-            step_end[s] = math.inf
-            steps[r].append((s, now))
-        elif a.op is Op.NORM:
-            norm_at.setdefault(r, ready[r])
-            return False  # released by release_norm
-        else:  # SEND / RECV / DROP, a GPU STEP: issued, no lane time
-            timeline[r].append((now, now, a))
-        if a.op not in COMPUTE_OPS:
-            ready[r] = max(ready[r], now)
-        pc[r] += 1
-        return True
-
-    def pump_steps() -> bool:
-        moved = False
-        for r in ranks:
-            while steps[r] and math.isfinite(offload_done.get(steps[r][0][0], 0.0)):
-                s, issued = steps[r].popleft()
-                start = max(issued, cpu_free[r], offload_done.get(s, 0.0))
-                step_start[s], step_end[s] = start, start + step_s
-                cpu_free[r] = step_end[s]
-                timeline[r].append((start, step_end[s], Action(s, Op.STEP)))
-                moved = True
-        return moved
-
-    def release_norm() -> bool:
-        if len(norm_at) < len(ranks):
-            return False
-        own = {r: max([t for s, t in offload_done.items() if mapping[s] == r], default=0.0) for r in ranks}
-        if any(math.isinf(t) for t in own.values()):
-            return False
-        t = max(max(norm_at[r], own[r]) for r in ranks)
-        for r in ranks:
-            exposed[r] += max(0.0, own[r] - norm_at[r])
-            timeline[r].append((norm_at[r], t + norm_s, schedule[r][pc[r]]))
-            ready[r] = t + norm_s
-            pc[r] += 1
-        norm_at.clear()
-        return True
-
-    while True:
+    def settle(self) -> None:
+        """Issue, step and release at ``now`` until nothing more can start."""
         progressed = True
         while progressed:
             progressed = False
-            for r in ranks:
-                while pc[r] < len(schedule[r]) and ready[r] <= now + _EPS and issue(r):
+            for r in self.ranks:
+                while self.pc[r] < len(self.schedule[r]) and self.ready[r] <= self.now + _EPS and self.issue(r):
                     progressed = True
-            progressed = pump_steps() or progressed
-            progressed = release_norm() or progressed
-        if all(pc[r] == len(schedule[r]) for r in ranks) and not active and not any(steps.values()):
-            break
-        reshare()
-        candidates = [ready[r] for r in ranks if pc[r] < len(schedule[r]) and ready[r] > now + _EPS]
-        candidates += [now + t.left / t.rate for t in active if t.rate > 0]
-        candidates += [max(now, t.not_until) for t in active if t.left <= 0]  # moved, done with its step
-        candidates += [t.not_before for q in lanes.values() for t in q if t.not_before > now + _EPS]
+            progressed = self.pump_steps() or progressed
+            progressed = self.release_norm() or progressed
+
+    def finished(self) -> bool:
+        return (all(self.pc[r] == len(self.schedule[r]) for r in self.ranks) and not self.active
+                and not any(self.steps.values()))
+
+    def issue(self, r: int) -> bool:
+        """Try to run rank ``r``'s next action at ``now``; False if it must wait."""
+        a = self.schedule[r][self.pc[r]]
+        s = a.stage
+        if a.op in COMPUTE_OPS:
+            if not self.compute(r, a):
+                return False
+        elif a.op is Op.LOAD:
+            if math.isinf(self.step_end.get(s, 0.0)):  # its step has not started: the host waits until it has
+                return False
+            self.load_done[s] = math.inf
+            self.enqueue(r, a, self.costs.stage_bytes[s], "h2d", not_before=self.step_start.get(s, 0.0),
+                         not_until=self.step_end.get(s, 0.0))
+        elif a.op is Op.OFFLOAD_GRADS:
+            self.offload_done[s] = math.inf
+            self.enqueue(r, a, self.costs.offload_bytes[s], "d2h")
+        elif a.op is Op.STEP and s in self.cpu_stepped:
+            self.step_end[s] = math.inf
+            self.steps[r].append((s, self.now))
+        elif a.op is Op.NORM:
+            self.norm_at.setdefault(r, self.ready[r])
+            return False  # released by release_norm
+        else:  # SEND / RECV / DROP, a GPU STEP: issued, no lane time
+            self.timeline[r].append((self.now, self.now, a))
+        if a.op not in COMPUTE_OPS:
+            self.ready[r] = max(self.ready[r], self.now)
+        self.pc[r] += 1
+        return True
+
+    def compute(self, r: int, a: Action) -> bool:
+        """Run F/B ``a`` once its producer and its stage's latest LOAD are done; False if it must wait."""
+        dep = producer(a, self.num_stages)
+        if dep is not None and dep not in self.done:
+            return False
+        if dep is None:
+            dep_t = 0.0
+        else:
+            dep_t = self.done[dep] + (self.costs.p2p_latency_s if remote_producer(a, self.mapping) else 0.0)
+        load_t = self.load_done.get(a.stage, 0.0)
+        if math.isinf(load_t):
+            return False
+        start = max(self.now, dep_t, load_t)
+        self.exposed[r] += max(0.0, load_t - max(self.ready[r], dep_t))  # ready[r]: when the rank got here
+        end = start + self.costs.compute_s(a)
+        self.done[a] = end
+        self.ready[r] = end
+        self.timeline[r].append((start, end, a))
+        return True
+
+    def enqueue(self, r: int, a: Action, nbytes: float, direction: str, not_before: float = 0.0,
+                not_until: float = 0.0) -> None:
+        topology = self.topology
+        gpu = topology.gpu_of_rank[r]
+        t = _Transfer(r, a, (topology.groups[gpu], direction), _per(topology.link_gbps, gpu) * 1e9, float(nbytes),
+                      not_before=not_before, not_until=not_until)
+        if not (t.cap > 0 and _per(topology.root_gbps, t.key[0]) > 0):
+            raise ValueError(f"GPU {gpu}: link_gbps ({_per(topology.link_gbps, gpu)}) and root_gbps of group "
+                             f"{t.key[0]} ({_per(topology.root_gbps, t.key[0])}) must be > 0")
+        self.lanes.setdefault((r, direction), deque()).append(t)
+        self.start_lane(r, direction)
+
+    def start_lane(self, r: int, direction: str) -> None:
+        """Start the first queued transfer of the lane that may start now (FIFO otherwise)."""
+        queue = self.lanes.get((r, direction))
+        if (r, direction) in self.busy or not queue:
+            return
+        for t in queue:
+            if t.not_before <= self.now + _EPS:
+                queue.remove(t)
+                t.start = self.now
+                self.active.append(t)
+                self.busy.add((r, direction))
+                return
+
+    def pump_steps(self) -> bool:
+        """Start the queued optimizer steps whose gradients have reached the host."""
+        moved = False
+        for r in self.ranks:
+            steps = self.steps[r]
+            while steps and math.isfinite(self.offload_done.get(steps[0][0], 0.0)):
+                s, issued = steps.popleft()
+                start = max(issued, self.cpu_free[r], self.offload_done.get(s, 0.0))
+                self.step_start[s], self.step_end[s] = start, start + self.costs.step_s
+                self.cpu_free[r] = self.step_end[s]
+                self.timeline[r].append((start, self.step_end[s], Action(s, Op.STEP)))
+                moved = True
+        return moved
+
+    def release_norm(self) -> bool:
+        """Run NORM on every rank once all reached it and their offloads are done."""
+        if len(self.norm_at) < len(self.ranks):
+            return False
+        own = {r: max([t for s, t in self.offload_done.items() if self.mapping[s] == r], default=0.0)
+               for r in self.ranks}
+        if any(math.isinf(t) for t in own.values()):
+            return False
+        t = max(max(self.norm_at[r], own[r]) for r in self.ranks)
+        for r in self.ranks:
+            self.exposed[r] += max(0.0, own[r] - self.norm_at[r])
+            self.timeline[r].append((self.norm_at[r], t + self.costs.norm_s, self.schedule[r][self.pc[r]]))
+            self.ready[r] = t + self.costs.norm_s
+            self.pc[r] += 1
+        self.norm_at.clear()
+        return True
+
+    def reshare(self) -> None:
+        """Max-min fair rates per (root, direction): equal shares, capped by each link."""
+        by_key: dict[tuple[int, str], list[_Transfer]] = {}
+        for t in self.active:
+            by_key.setdefault(t.key, []).append(t)
+        for (root, _), transfers in by_key.items():
+            for t in transfers:
+                t.rate = 0.0
+            moving = [t for t in transfers if t.left > 0]  # a copy done but for its step takes no share
+            left, num_left = self.topology.root_bytes_per_s(root), len(moving)
+            for t in sorted(moving, key=lambda t: t.cap):
+                t.rate = min(t.cap, left / num_left)
+                left, num_left = left - t.rate, num_left - 1
+
+    def next_event_time(self) -> float:
+        """When the next rank becomes ready, a copy ends or a queued copy may start."""
+        now = self.now
+        candidates = [self.ready[r] for r in self.ranks
+                      if self.pc[r] < len(self.schedule[r]) and self.ready[r] > now + _EPS]
+        candidates += [now + t.left / t.rate for t in self.active if t.rate > 0]
+        candidates += [max(now, t.not_until) for t in self.active if t.left <= 0]  # moved, done with its step
+        candidates += [t.not_before for queue in self.lanes.values() for t in queue if t.not_before > now + _EPS]
         if not candidates:
-            stuck = {r: str(schedule[r][pc[r]]) for r in ranks if pc[r] < len(schedule[r])}
+            stuck = {r: str(self.schedule[r][self.pc[r]]) for r in self.ranks if self.pc[r] < len(self.schedule[r])}
             raise ValueError(f"cost model deadlocked at t={now:.6g}s: next action per waiting rank {stuck}; "
                              f"validate the schedule first (schedule.validate)")
-        t_next = min(candidates)
-        for t in active:
-            t.left -= t.rate * (t_next - now)
-        now = t_next
-        for t in active:
+        return min(candidates)
+
+    def advance(self, t_next: float) -> None:
+        """Move the copies in flight to ``t_next``, retire those done and start what the freed lanes hold."""
+        for t in self.active:
+            t.left -= t.rate * (t_next - self.now)
+        self.now = t_next
+        for t in self.active:
             if t.left <= t.rate * _EPS:
                 t.left = 0.0  # moved; a load behind a step may still wait for the step's end
-        finished = [t for t in active if t.left <= 0 and t.not_until <= now + _EPS]
+        finished = [t for t in self.active if t.left <= 0 and t.not_until <= self.now + _EPS]
         for t in finished:
-            active.remove(t)
-            busy.discard((t.rank, t.key[1]))
-            (load_done if t.action.op is Op.LOAD else offload_done)[t.action.stage] = now
-            timeline[t.rank].append((t.start, now, t.action))
-        for r, direction in list(lanes):  # lanes freed now, and loads whose step just ended
-            start_lane(r, direction)
-    step_time = max((e for rows in timeline.values() for _, e, _ in rows), default=0.0)
-    host_end = max((e for rows in timeline.values() for _, e, a in rows if a.op is not Op.STEP), default=0.0)
-    busy_s = sum(e - s for rows in timeline.values() for s, e, a in rows if a.op in COMPUTE_OPS)
-    bubble = 1.0 - busy_s / (len(ranks) * step_time) if step_time > 0 else 0.0
-    for rows in timeline.values():
-        rows.sort(key=lambda x: (x[0], x[1]))
-    return Prediction(step_time, timeline, bubble, exposed, host_end)
+            self.active.remove(t)
+            self.busy.discard((t.rank, t.key[1]))
+            (self.load_done if t.action.op is Op.LOAD else self.offload_done)[t.action.stage] = self.now
+            self.timeline[t.rank].append((t.start, self.now, t.action))
+        for r, direction in list(self.lanes):  # lanes freed now, and loads whose step just ended
+            self.start_lane(r, direction)
+
+    def prediction(self) -> Prediction:
+        timeline = self.timeline
+        step_time = max((e for rows in timeline.values() for _, e, _ in rows), default=0.0)
+        host_end = max((e for rows in timeline.values() for _, e, a in rows if a.op is not Op.STEP), default=0.0)
+        busy_s = sum(e - s for rows in timeline.values() for s, e, a in rows if a.op in COMPUTE_OPS)
+        bubble = 1.0 - busy_s / (len(self.ranks) * step_time) if step_time > 0 else 0.0
+        for rows in timeline.values():
+            rows.sort(key=lambda x: (x[0], x[1]))
+        return Prediction(step_time, timeline, bubble, self.exposed, host_end)
 
 
 def predict_steady(*args, iterations: int = 4, **kwargs) -> Prediction:

@@ -78,7 +78,6 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULE_NAMES)}")
     mapping, num_ranks = check_mapping(num_stages, num_microbatches, mapping, num_segments)
-    K = num_segments
     # A rank's place in the pipeline is the order of its first stage (rank r under round-robin).
     firsts = sorted(range(num_ranks), key=lambda r: stages_of(r, mapping)[0])
     position = {r: i for i, r in enumerate(firsts)}
@@ -88,15 +87,16 @@ def generate(name: str, num_stages: int, num_microbatches: int, mapping: list[in
         stages = stages_of(r, mapping)
         num_chunks = len(stages)
         group = num_ranks if name == "interleaved" else num_microbatches
-        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group, K)
+        f_orders[r], b_orders[r] = _grouped_orders(stages, num_microbatches, group, num_segments)
         total = len(f_orders[r])
         if name == "gpipe":
             warmups[r] = total
         elif num_chunks == 1:
-            warmups[r] = min(total, num_ranks - position[r] - 1 + K - 1)
+            warmups[r] = min(total, num_ranks - position[r] - 1 + num_segments - 1)
         else:
-            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group * K + K - 1)
-    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe", num_segments=K)
+            warmups[r] = min(total, 2 * (num_ranks - position[r] - 1) + (num_chunks - 1) * group * num_segments
+                             + num_segments - 1)
+    return list_schedule(f_orders, b_orders, warmups, num_stages, backfill=name != "gpipe", num_segments=num_segments)
 
 
 def _grouped_orders(stages: list[int], num_microbatches: int, group: int,
@@ -135,64 +135,82 @@ def list_schedule(
     Raises:
         ValueError: the orders are inconsistent (every rank waits and nothing is ready).
     """
-    done: dict[Action, float] = {}  # compute action -> finish time
-    out: Schedule = {r: [] for r in f_orders}
-    nf = {r: 0 for r in f_orders}
-    nb = {r: 0 for r in f_orders}
-    free = {r: 0.0 for r in f_orders}
-    now = 0.0
-
-    def ready(a: Action | None) -> bool:
-        if a is None:
-            return False
-        d, kv = producer(a, num_stages), kv_predecessor(a, num_segments)
-        return (d is None or done.get(d, math.inf) <= now) and (kv is None or done.get(kv, math.inf) <= now)
-
-    def next_f(r: int) -> Action | None:
-        return f_orders[r][nf[r]] if nf[r] < len(f_orders[r]) else None
-
-    def next_b(r: int) -> Action | None:
-        return b_orders[r][nb[r]] if nb[r] < len(b_orders[r]) else None
-
-    def start(r: int, a: Action) -> None:
-        if a.op is Op.FORWARD:
-            nf[r] += 1
-        else:
-            nb[r] += 1
-        free[r] = now + (FORWARD_COST if a.op is Op.FORWARD else BACKWARD_COST)
-        done[a] = free[r]
-        out[r].append(a)
-
-    def finished(r: int) -> bool:
-        return nf[r] == len(f_orders[r]) and nb[r] == len(b_orders[r])
-
-    while not all(finished(r) for r in out):
-        idle = [r for r in out if free[r] <= now and not finished(r)]
+    merge = _OrderMerge(f_orders, b_orders, num_stages, num_segments)
+    while not all(merge.finished(r) for r in merge.out):
+        idle = [r for r in merge.out if merge.free[r] <= merge.now and not merge.finished(r)]
         started = False
         for r in idle:
-            f, b = next_f(r), next_b(r)
-            want_forward = f is not None and (b is None or nf[r] - nb[r] <= warmups[r])
+            f, b = merge.next_f(r), merge.next_b(r)
+            want_forward = f is not None and (b is None or merge.in_flight(r) <= warmups[r])
             a = f if want_forward else b
-            if backfill and want_forward and not ready(a) and ready(b):
+            if backfill and want_forward and not merge.ready(a) and merge.ready(b):
                 a = b  # idle otherwise; a backward only frees memory
-            if ready(a):
-                start(r, a)
+            if merge.ready(a):
+                merge.start(r, a)
                 started = True
-        if not started and all(free[r] <= now for r in out):
-            # Every rank waits on another: relax the warm-up rule, backwards first (they free memory).
-            relaxed = [r for r in idle if ready(next_b(r))]
-            if not relaxed:
-                relaxed = [r for r in idle if ready(next_f(r))][:1]
-            if not relaxed:
-                waiting = {r: (next_f(r), next_b(r)) for r in idle}
-                raise ValueError(f"schedule engine stalled at time {now}: next (forward, backward) per rank "
-                                 f"{waiting}; the forward/backward orders are inconsistent")
-            for r in relaxed:
-                start(r, next_b(r) if ready(next_b(r)) else next_f(r))
-        busy = [free[r] for r in out if free[r] > now]
+        if not started and all(merge.free[r] <= merge.now for r in merge.out):
+            merge.relax(idle)
+        busy = [merge.free[r] for r in merge.out if merge.free[r] > merge.now]
         if busy:
-            now = min(busy)
-    return out
+            merge.now = min(busy)
+    return merge.out
+
+
+class _OrderMerge:
+    """The state of ``list_schedule``'s simulation: how far each rank is in its forward and
+    backward orders, when it is free, the computes done and the clock."""
+
+    def __init__(self, f_orders: dict[int, list[Action]], b_orders: dict[int, list[Action]], num_stages: int,
+                 num_segments: int) -> None:
+        self.f_orders, self.b_orders = f_orders, b_orders
+        self.num_stages, self.num_segments = num_stages, num_segments
+        self.done: dict[Action, float] = {}  # compute action -> finish time
+        self.out: Schedule = {r: [] for r in f_orders}
+        self.num_forwards = {r: 0 for r in f_orders}
+        self.num_backwards = {r: 0 for r in f_orders}
+        self.free = {r: 0.0 for r in f_orders}
+        self.now = 0.0
+
+    def ready(self, a: Action | None) -> bool:
+        if a is None:
+            return False
+        d, kv = producer(a, self.num_stages), kv_predecessor(a, self.num_segments)
+        return ((d is None or self.done.get(d, math.inf) <= self.now)
+                and (kv is None or self.done.get(kv, math.inf) <= self.now))
+
+    def next_f(self, r: int) -> Action | None:
+        return self.f_orders[r][self.num_forwards[r]] if self.num_forwards[r] < len(self.f_orders[r]) else None
+
+    def next_b(self, r: int) -> Action | None:
+        return self.b_orders[r][self.num_backwards[r]] if self.num_backwards[r] < len(self.b_orders[r]) else None
+
+    def start(self, r: int, a: Action) -> None:
+        if a.op is Op.FORWARD:
+            self.num_forwards[r] += 1
+        else:
+            self.num_backwards[r] += 1
+        self.free[r] = self.now + (FORWARD_COST if a.op is Op.FORWARD else BACKWARD_COST)
+        self.done[a] = self.free[r]
+        self.out[r].append(a)
+
+    def in_flight(self, r: int) -> int:
+        """Forwards rank ``r`` has taken whose backward it has not."""
+        return self.num_forwards[r] - self.num_backwards[r]
+
+    def finished(self, r: int) -> bool:
+        return self.num_forwards[r] == len(self.f_orders[r]) and self.num_backwards[r] == len(self.b_orders[r])
+
+    def relax(self, idle: list[int]) -> None:
+        """Every rank waits on another: relax the warm-up rule, backwards first (they free memory)."""
+        relaxed = [r for r in idle if self.ready(self.next_b(r))]
+        if not relaxed:
+            relaxed = [r for r in idle if self.ready(self.next_f(r))][:1]
+        if not relaxed:
+            waiting = {r: (self.next_f(r), self.next_b(r)) for r in idle}
+            raise ValueError(f"schedule engine stalled at time {self.now}: next (forward, backward) per rank "
+                             f"{waiting}; the forward/backward orders are inconsistent")
+        for r in relaxed:
+            self.start(r, self.next_b(r) if self.ready(self.next_b(r)) else self.next_f(r))
 
 
 def generate_forward(num_stages: int, num_microbatches: int, mapping: list[int] | None = None,

@@ -32,7 +32,7 @@ into K contiguous segments and a micro-batch is a pair (rows, segment), printed 
 Segments of the same rows at one stage depend on each other (``kv_predecessor``): segment j's
 forward attends to the keys and values of segments < j, and segment j's backward needs the
 gradients of its keys and values, which the backwards of segments > j produce. Without
-segments (K = 1) ``seg`` is None and the actions print as before.
+segments (K = 1) ``seg`` is None and an action prints without one (``2F0``).
 """
 from __future__ import annotations
 

@@ -123,20 +123,7 @@ def plan_mapping(
     stage_to_rank = round_robin(num_stages, n)
     actions = program.build(stage_to_rank)
     compute = stage_compute_s or estimate_compute_s(stage_bytes, tokens_per_microbatch, tflops)
-    root_of = (lambda g: float(roots)) if isinstance(roots, (int, float)) else (lambda g: float(roots[g]))
-    cache: dict[tuple, float] = {}
-
-    def cost(perm: tuple[int, ...]) -> float:
-        # The cost model sees only each rank's (root pattern, link, root bandwidth): rename
-        # roots by first use so that equivalent permutations are simulated once.
-        names: dict[int, int] = {}
-        key = tuple((names.setdefault(topology_groups[g], len(names)), links[g], root_of(topology_groups[g]))
-                    for g in perm)
-        if key not in cache:
-            cache[key] = predict(actions, stage_to_rank, list(perm), topology_groups, compute, stage_bytes,
-                                 links, roots, step_s=step_s).step_time
-        return cache[key]
-
+    cost = _PermutationCost(actions, stage_to_rank, topology_groups, compute, stage_bytes, links, roots, step_s)
     identity = tuple(range(n))
     if n <= exhaustive_max:
         candidates = list(itertools.permutations(range(n)))
@@ -157,8 +144,38 @@ def plan_mapping(
         worst_step_time=worst_t,
         worst_gpu_of_rank=[ids[g] for g in worst],
         method=method,
-        evaluated=len(cache),
+        evaluated=cost.evaluated,
     )
+
+
+class _PermutationCost:
+    """The predicted step time of a rank -> GPU permutation, each distinct one simulated once."""
+
+    def __init__(self, actions: Schedule, stage_to_rank: list[int], topology_groups: list[int],
+                 compute: dict[int, tuple[float, float]], stage_bytes: list[int], links: list[float],
+                 roots: float | dict[int, float], step_s: float) -> None:
+        self.actions, self.stage_to_rank, self.topology_groups = actions, stage_to_rank, topology_groups
+        self.compute, self.stage_bytes, self.links, self.roots, self.step_s = compute, stage_bytes, links, roots, step_s
+        self.cache: dict[tuple, float] = {}
+
+    @property
+    def evaluated(self) -> int:
+        """Distinct permutations simulated so far."""
+        return len(self.cache)
+
+    def root_gbps(self, group: int) -> float:
+        return float(self.roots) if isinstance(self.roots, (int, float)) else float(self.roots[group])
+
+    def __call__(self, perm: tuple[int, ...]) -> float:
+        # The cost model sees only each rank's (root pattern, link, root bandwidth): rename
+        # roots by first use so that equivalent permutations are simulated once.
+        groups = self.topology_groups
+        names: dict[int, int] = {}
+        key = tuple((names.setdefault(groups[g], len(names)), self.links[g], self.root_gbps(groups[g])) for g in perm)
+        if key not in self.cache:
+            self.cache[key] = predict(self.actions, self.stage_to_rank, list(perm), groups, self.compute,
+                                      self.stage_bytes, self.links, self.roots, step_s=self.step_s).step_time
+        return self.cache[key]
 
 
 def _greedy_candidates(groups: list[int], cost: Callable[[tuple[int, ...]], float],

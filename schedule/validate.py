@@ -8,6 +8,8 @@ step grid, the faulty cells marked ``>>like this<<``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from schedule.grid import Cell, ScheduleError, fail
 from schedule.ir import (COMM_OPS, COMPUTE_OPS, SEND_OPS, Action, Op, Schedule, channel, crosses, kv_predecessor,
                          offloaded_stages, peer_recv, peer_stage, producer, recv_for, remote_producer, segment_indices,
@@ -47,101 +49,24 @@ def validate(
             segment) needs its computes, in segment order (``kv_predecessor``); with 1, no
             action may name a segment.
     """
-    S, M, K = num_stages, num_microbatches, num_segments
-    if K < 1:
-        raise ScheduleError(f"num_segments ({K}) must be >= 1")
-    if len(mapping) != S:
-        raise ScheduleError(f"mapping has {len(mapping)} entries ({mapping}) but num_stages is {S}")
+    if num_segments < 1:
+        raise ScheduleError(f"num_segments ({num_segments}) must be >= 1")
+    if len(mapping) != num_stages:
+        raise ScheduleError(f"mapping has {len(mapping)} entries ({mapping}) but num_stages is {num_stages}")
     num_ranks = max(mapping) + 1
     if sorted(schedule) != list(range(num_ranks)):
         fail(schedule, f"schedule has ranks {sorted(schedule)}; mapping {mapping} needs ranks 0..{num_ranks - 1}")
+    bounds = _Bounds(num_stages, num_microbatches, num_segments)
 
-    where: dict[Action, Cell] = {}  # every action but LOAD / DROP / NORM is unique in the schedule
-    norms: dict[int, int] = {}
-    for r, acts in sorted(schedule.items()):
-        for i, a in enumerate(acts):
-            if not isinstance(a, Action):
-                fail(schedule, f"rank {r} step {i}: {a!r} is not an Action", [(r, i)])
-            if forward_only and a.op in _GRADIENT_OPS:
-                fail(schedule, f"rank {r} step {i}: {a} in a forward-only schedule (no gradients, no "
-                                f"optimizer: only F, SEND_F, RECV_F, L, D allowed)", [(r, i)])
-            if compute_only and a.op not in COMPUTE_OPS:
-                fail(schedule, f"rank {r} step {i}: {a} in a compute-only schedule (only F and B allowed)", [(r, i)])
-            if a.op is Op.NORM:
-                if r in norms:
-                    fail(schedule, f"rank {r} has two NORM actions (steps {norms[r]} and {i}); "
-                                    f"NORM is one collective per rank", [(r, norms[r]), (r, i)])
-                norms[r] = i
-                continue
-            if not 0 <= a.stage < S:
-                fail(schedule, f"rank {r} step {i}: {a} names stage {a.stage}; stages are 0..{S - 1}", [(r, i)])
-            if a.op in COMPUTE_OPS | COMM_OPS and not (a.mb is not None and 0 <= a.mb < M):
-                fail(schedule, f"rank {r} step {i}: {a} names micro-batch {a.mb}; micro-batches are "
-                                f"0..{M - 1}", [(r, i)])
-            if a.op in COMPUTE_OPS | COMM_OPS and not (a.seg is None if K == 1 else a.seg is not None and 0 <= a.seg < K):
-                want = "no segment (num_segments 1)" if K == 1 else f"a segment 0..{K - 1}"
-                fail(schedule, f"rank {r} step {i}: {a} names segment {a.seg}; expected {want}", [(r, i)])
-            if mapping[a.stage] != r:
-                fail(schedule, f"rank {r} step {i}: {a} is on rank {r} but stage {a.stage} belongs to rank "
-                                f"{mapping[a.stage]} (mapping {mapping})", [(r, i)])
-            if a.op in COMM_OPS and not crosses(mapping, a.stage, peer_stage(a)):
-                fail(schedule, f"rank {r} step {i}: {a} has no peer: the neighbouring stage is on this "
-                                f"rank or does not exist (mapping {mapping})", [(r, i)])
-            if a.op in (Op.LOAD, Op.DROP):
-                continue
-            if a in where:
-                fail(schedule, f"{a} appears twice (rank {where[a][0]} step {where[a][1]} and rank {r} "
-                                f"step {i})", [where[a], (r, i)])
-            where[a] = (r, i)
-
-    # Every (stage, micro-batch) runs F then B (F only when forward-only), each exactly once,
-    # after its local inputs.
-    ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
-    segs = segment_indices(K)
-    missing = [str(Action(s, op, m, j)) for s in range(S) for m in range(M) for j in segs for op in ops
-               if Action(s, op, m, j) not in where]
-    if missing:
-        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        need = "one F" if forward_only else "one F and one B"
-        per = "per micro-batch" if K == 1 else "per micro-batch and segment"
-        count = f"{S} stages x {M} micro-batches" + ("" if K == 1 else f" x {K} segments")
-        fail(schedule, f"missing compute actions: {', '.join(missing[:8])}{more}; every stage needs {need} "
-                        f"{per} ({count})")
+    where, norms = _locate_actions(schedule, mapping, bounds, compute_only, forward_only)
+    _check_computes_present(schedule, where, bounds, forward_only)
     for a, (r, i) in sorted(where.items(), key=lambda x: x[1]):
-        if a.op not in COMPUTE_OPS:
-            continue
-        fwd = Action(a.stage, Op.FORWARD, a.mb, a.seg)
-        if a.op is Op.BACKWARD and where[fwd][1] > i:
-            fail(schedule, f"rank {r} step {i}: {a} runs before its forward {fwd}", [(r, i), where[fwd]])
-        kv = kv_predecessor(a, K)
-        if kv is not None and where[kv][1] > i:
-            why = ("attends to its keys/values" if a.op is Op.FORWARD
-                   else "produces the gradients of its keys/values (backwards run the last segment first)")
-            fail(schedule, f"rank {r} step {i}: {a} runs before {kv} (step {where[kv][1]}), which {why}",
-                  [(r, i), where[kv]])
-        src = producer(a, S)
-        if src is None:
-            pass
-        elif not remote_producer(a, mapping):
-            if where[src][1] > i:
-                fail(schedule, f"rank {r} step {i}: {a} runs before {src}, whose output it needs "
-                                f"(both on rank {r})", [(r, i), where[src]])
-        elif not compute_only:
-            recv = recv_for(a)
-            if recv not in where or where[recv][1] > i:
-                fail(schedule, f"rank {r} step {i}: {a} needs {recv} posted before it (its input comes from "
-                                f"stage {src.stage} on rank {mapping[src.stage]})", [(r, i)])
-            send = send_for(src)
-            if send not in where:
-                fail(schedule, f"{src} (rank {where[src][0]}) has no {send} for {a} on rank {r}",
-                      [where[src], (r, i)])
-            if where[send][1] < where[src][1]:
-                fail(schedule, f"rank {where[send][0]} step {where[send][1]}: {send} is issued before "
-                                f"{src} produced the tensor", [where[send], where[src]])
+        if a.op in COMPUTE_OPS:
+            _check_compute_inputs(schedule, mapping, where, bounds, a, r, i, compute_only)
     for a, cell in where.items():
         if a.op in SEND_OPS and peer_recv(a) not in where:
             fail(schedule, f"rank {cell[0]} step {cell[1]}: {a} has no matching {peer_recv(a)} on rank "
-                            f"{channel(a, mapping)[1]}", [cell])
+                           f"{channel(a, mapping)[1]}", [cell])
 
     if not compute_only:
         _check_residency(schedule, mapping, where, forward_only)
@@ -149,6 +74,121 @@ def validate(
             _check_tie(schedule, mapping, where, norms, tied)
             _check_optimizer(schedule, mapping, where, norms)
     simulate(schedule, mapping)
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What the actions of a schedule may name: stages, micro-batches and segments 0..n-1."""
+
+    num_stages: int
+    num_microbatches: int
+    num_segments: int
+
+
+def _locate_actions(schedule: Schedule, mapping: list[int], bounds: _Bounds, compute_only: bool,
+                    forward_only: bool) -> tuple[dict[Action, Cell], dict[int, int]]:
+    """Check each action on its own and find where each one is: ``(where, norms)``, the cell of
+    every action but LOAD / DROP / NORM (each unique in the schedule) and each rank's NORM step."""
+    where: dict[Action, Cell] = {}
+    norms: dict[int, int] = {}
+    for r, acts in sorted(schedule.items()):
+        for i, a in enumerate(acts):
+            if not isinstance(a, Action):
+                fail(schedule, f"rank {r} step {i}: {a!r} is not an Action", [(r, i)])
+            if forward_only and a.op in _GRADIENT_OPS:
+                fail(schedule, f"rank {r} step {i}: {a} in a forward-only schedule (no gradients, no "
+                               f"optimizer: only F, SEND_F, RECV_F, L, D allowed)", [(r, i)])
+            if compute_only and a.op not in COMPUTE_OPS:
+                fail(schedule, f"rank {r} step {i}: {a} in a compute-only schedule (only F and B allowed)", [(r, i)])
+            if a.op is Op.NORM:
+                if r in norms:
+                    fail(schedule, f"rank {r} has two NORM actions (steps {norms[r]} and {i}); "
+                                   f"NORM is one collective per rank", [(r, norms[r]), (r, i)])
+                norms[r] = i
+                continue
+            _check_fields(schedule, mapping, bounds, a, r, i)
+            if a.op in (Op.LOAD, Op.DROP):
+                continue
+            if a in where:
+                fail(schedule, f"{a} appears twice (rank {where[a][0]} step {where[a][1]} and rank {r} "
+                               f"step {i})", [where[a], (r, i)])
+            where[a] = (r, i)
+    return where, norms
+
+
+def _check_fields(schedule: Schedule, mapping: list[int], bounds: _Bounds, a: Action, r: int, i: int) -> None:
+    """Action ``a`` (rank ``r``, step ``i``) names a stage, micro-batch and segment that exist,
+    sits on its stage's rank, and a SEND/RECV has a peer on another rank."""
+    num_stages, num_microbatches, num_segments = bounds.num_stages, bounds.num_microbatches, bounds.num_segments
+    if not 0 <= a.stage < num_stages:
+        fail(schedule, f"rank {r} step {i}: {a} names stage {a.stage}; stages are 0..{num_stages - 1}", [(r, i)])
+    if a.op in COMPUTE_OPS | COMM_OPS and not (a.mb is not None and 0 <= a.mb < num_microbatches):
+        fail(schedule, f"rank {r} step {i}: {a} names micro-batch {a.mb}; micro-batches are "
+                       f"0..{num_microbatches - 1}", [(r, i)])
+    whole_rows = num_segments == 1
+    if a.op in COMPUTE_OPS | COMM_OPS and not (a.seg is None if whole_rows
+                                               else a.seg is not None and 0 <= a.seg < num_segments):
+        want = "no segment (num_segments 1)" if whole_rows else f"a segment 0..{num_segments - 1}"
+        fail(schedule, f"rank {r} step {i}: {a} names segment {a.seg}; expected {want}", [(r, i)])
+    if mapping[a.stage] != r:
+        fail(schedule, f"rank {r} step {i}: {a} is on rank {r} but stage {a.stage} belongs to rank "
+                       f"{mapping[a.stage]} (mapping {mapping})", [(r, i)])
+    if a.op in COMM_OPS and not crosses(mapping, a.stage, peer_stage(a)):
+        fail(schedule, f"rank {r} step {i}: {a} has no peer: the neighbouring stage is on this "
+                       f"rank or does not exist (mapping {mapping})", [(r, i)])
+
+
+def _check_computes_present(schedule: Schedule, where: dict[Action, Cell], bounds: _Bounds,
+                            forward_only: bool) -> None:
+    """Every (stage, micro-batch, segment) has its F and B (F only when forward-only)."""
+    num_stages, num_microbatches, num_segments = bounds.num_stages, bounds.num_microbatches, bounds.num_segments
+    ops = (Op.FORWARD,) if forward_only else (Op.FORWARD, Op.BACKWARD)
+    segs = segment_indices(num_segments)
+    missing = [str(Action(s, op, m, j)) for s in range(num_stages) for m in range(num_microbatches) for j in segs
+               for op in ops if Action(s, op, m, j) not in where]
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        need = "one F" if forward_only else "one F and one B"
+        per = "per micro-batch" if num_segments == 1 else "per micro-batch and segment"
+        count = (f"{num_stages} stages x {num_microbatches} micro-batches"
+                 + ("" if num_segments == 1 else f" x {num_segments} segments"))
+        fail(schedule, f"missing compute actions: {', '.join(missing[:8])}{more}; every stage needs {need} "
+                       f"{per} ({count})")
+
+
+def _check_compute_inputs(schedule: Schedule, mapping: list[int], where: dict[Action, Cell], bounds: _Bounds,
+                          a: Action, r: int, i: int, compute_only: bool) -> None:
+    """Compute ``a`` (rank ``r``, step ``i``) comes after its forward, its segment predecessor
+    and its producer; an input from another rank is received before it and sent after it is made."""
+    fwd = Action(a.stage, Op.FORWARD, a.mb, a.seg)
+    if a.op is Op.BACKWARD and where[fwd][1] > i:
+        fail(schedule, f"rank {r} step {i}: {a} runs before its forward {fwd}", [(r, i), where[fwd]])
+    kv = kv_predecessor(a, bounds.num_segments)
+    if kv is not None and where[kv][1] > i:
+        why = ("attends to its keys/values" if a.op is Op.FORWARD
+               else "produces the gradients of its keys/values (backwards run the last segment first)")
+        fail(schedule, f"rank {r} step {i}: {a} runs before {kv} (step {where[kv][1]}), which {why}",
+             [(r, i), where[kv]])
+    src = producer(a, bounds.num_stages)
+    if src is None:
+        return
+    if not remote_producer(a, mapping):
+        if where[src][1] > i:
+            fail(schedule, f"rank {r} step {i}: {a} runs before {src}, whose output it needs "
+                           f"(both on rank {r})", [(r, i), where[src]])
+        return
+    if compute_only:
+        return
+    recv = recv_for(a)
+    if recv not in where or where[recv][1] > i:
+        fail(schedule, f"rank {r} step {i}: {a} needs {recv} posted before it (its input comes from "
+                       f"stage {src.stage} on rank {mapping[src.stage]})", [(r, i)])
+    send = send_for(src)
+    if send not in where:
+        fail(schedule, f"{src} (rank {where[src][0]}) has no {send} for {a} on rank {r}", [where[src], (r, i)])
+    if where[send][1] < where[src][1]:
+        fail(schedule, f"rank {where[send][0]} step {where[send][1]}: {send} is issued before "
+                       f"{src} produced the tensor", [where[send], where[src]])
 
 
 def _check_residency(schedule: Schedule, mapping: list[int], where: dict[Action, Cell],

@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny Llama model (GQA, 6 layers) and tokenizer built locally once per session,
-the same with a wide vocabulary (the cost partition's tests)."""
+the same with a wide vocabulary (the cost partition's tests); and the skip of the ``gpu`` mark."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,10 +9,17 @@ import pytest
 from tests.helpers.paths import ROOT, set_scratch_save_dir
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
-    config.addinivalue_line("markers", "slow: multi-process runs, subprocess launches and long in-process trainings "
-                                       "(the fast layer, pytest -m 'not slow', leaves them out)")
+@pytest.hookimpl(tryfirst=True)  # before any fixture is set up: a skipped GPU test builds nothing
+def pytest_runtest_setup(item):
+    """A test marked ``gpu`` (or ``gpu(n)``) is skipped unless this machine has one CUDA GPU (or
+    ``n``): the largest count any of its ``gpu`` marks asks for (pytest.ini registers the marks)."""
+    needed = max((mark.args[0] if mark.args else 1 for mark in item.iter_markers("gpu")), default=0)
+    if needed:
+        import torch
+
+        if torch.cuda.device_count() < needed:
+            pytest.skip(f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, this machine has "
+                        f"{torch.cuda.device_count()}")
 
 
 @pytest.fixture(scope="session")

@@ -314,11 +314,9 @@ def write_plot_png(path: str | Path, rows: Sequence[dict], evals: Sequence[dict]
     # The Agg canvas directly, not pyplot: no global backend or figure state, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     size = plot_size(rows, width)
-    keys = [p for p in _PANELS if p[0] == "tokens_per_s" or _has(rows, p[0])]
+    panels = [p for p in _PANELS if p[0] == "tokens_per_s" or _has(rows, p[0])]
     fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     num_rows = size[1] // _PANEL_H
@@ -326,53 +324,17 @@ def write_plot_png(path: str | Path, rows: Sequence[dict], evals: Sequence[dict]
     steps = [r["step"] for r in rows]
     skipped = [r["step"] for r in rows if r.get("skipped")]
     marker = "o" if len(rows) <= 60 else None  # with few steps the points are the data
-    all_steps = steps + [e["step"] for e in evals]
-    x_lo, x_hi = (min(all_steps), max(all_steps)) if all_steps else (0, 1)
-    pad = max(0.5, 0.02 * (x_hi - x_lo))
-
-    ax = axes[0]
-    loss = _values(rows, "loss")
-    ax.plot(steps, loss, color=_TRAIN, marker=marker, markersize=3, lw=1.5,
-            label="training loss" + _last(loss))
-    if evals:
-        ev = _values(evals, "loss")
-        ax.plot([e["step"] for e in evals], ev, color=_EVAL, marker="s", markersize=6, lw=1, ls="--",
-                label="validation loss" + _last(ev))
-    ax.set_title("Loss (mean cross-entropy per trained token)")
-    ax.set_ylabel("loss (nats / token)")
-    handles, _ = ax.get_legend_handles_labels()
-    if skipped:
-        handles.append(Patch(color=_SKIP, alpha=0.15, label="skipped step (non-finite loss or norm)"))
-    ax.legend(handles=handles, loc="upper right", fontsize=9, title_fontsize=8,
-              title=None if evals else "no validation in this run (eval_every 0)")
-
+    _plot_loss(axes[0], rows, evals, marker, bool(skipped))
     mean_step, mean_tps = steady_means(rows) if rows and all("tokens" in r and "step_time_s" in r
                                                              for r in rows) else (math.nan, math.nan)
-    for ax, (key, title, ylabel, factor) in zip(axes[1:], keys):
-        vals = _values(rows, key, factor)
-        ax.plot(steps, vals, color=_TRAIN, marker=marker, markersize=3, lw=1.5)
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0, top=max([v for v in vals if not math.isnan(v)], default=1.0) * 1.15 or 1.0)
-        mean = {"tokens_per_s": mean_tps, "step_time_s": mean_step}.get(key, math.nan)
-        if math.isfinite(mean) and len(rows) > 1:
-            unit = "tokens/s" if key == "tokens_per_s" else "s"
-            ax.axhline(mean, color=_MEAN, ls="--", lw=1, label=f"mean after step 1: {mean:.4g} {unit}")
-            ax.legend(loc="lower right", fontsize=9)
-        if key == "lr":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    for ax in axes[len(keys) + 1:]:
+    means = {"tokens_per_s": mean_tps, "step_time_s": mean_step}
+    for ax, panel in zip(axes[1:], panels):
+        _plot_panel(ax, rows, panel, marker, means.get(panel[0], math.nan))
+    for ax in axes[len(panels) + 1:]:
         ax.set_visible(False)
-    for ax in axes[:len(keys) + 1]:
-        ax.set_xlim(x_lo - pad, x_hi + pad)
-        if x_hi - x_lo < 4:  # a locator would put ticks between the steps
-            ax.set_xticks(range(x_lo, x_hi + 1))
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        for s in skipped:
-            ax.axvspan(s - 0.5, s + 0.5, color=_SKIP, alpha=0.15, lw=0)
+    all_steps = steps + [e["step"] for e in evals]
+    for ax in axes[:len(panels) + 1]:
+        _step_axis(ax, all_steps, skipped)
     title = f"Training metrics: {len(rows)} step{'s' if len(rows) != 1 else ''}"
     if math.isfinite(mean_tps) and len(rows) > 1:
         title += f", {mean_tps:.4g} tokens/s and {mean_step:.3g} s per step after the first"
@@ -381,6 +343,60 @@ def write_plot_png(path: str | Path, rows: Sequence[dict], evals: Sequence[dict]
     fig.suptitle(title, fontsize=13)
     fig.savefig(path, dpi=100)  # no bbox_inches="tight": the image keeps exactly ``size``
     return size
+
+
+def _plot_loss(ax, rows: Sequence[dict], evals: Sequence[dict], marker: str | None, any_skipped: bool) -> None:
+    """The loss panel: the training line, the validation squares and a legend that names both."""
+    from matplotlib.patches import Patch
+
+    loss = _values(rows, "loss")
+    ax.plot([r["step"] for r in rows], loss, color=_TRAIN, marker=marker, markersize=3, lw=1.5,
+            label="training loss" + _last(loss))
+    if evals:
+        eval_loss = _values(evals, "loss")
+        ax.plot([e["step"] for e in evals], eval_loss, color=_EVAL, marker="s", markersize=6, lw=1, ls="--",
+                label="validation loss" + _last(eval_loss))
+    ax.set_title("Loss (mean cross-entropy per trained token)")
+    ax.set_ylabel("loss (nats / token)")
+    handles, _ = ax.get_legend_handles_labels()
+    if any_skipped:
+        handles.append(Patch(color=_SKIP, alpha=0.15, label="skipped step (non-finite loss or norm)"))
+    ax.legend(handles=handles, loc="upper right", fontsize=9, title_fontsize=8,
+              title=None if evals else "no validation in this run (eval_every 0)")
+
+
+def _plot_panel(ax, rows: Sequence[dict], panel: tuple[str, str, str, float], marker: str | None,
+                mean: float) -> None:
+    """One of ``_PANELS``: the values from zero up, with a dashed line at their ``mean`` if finite."""
+    key, title, ylabel, factor = panel
+    vals = _values(rows, key, factor)
+    ax.plot([r["step"] for r in rows], vals, color=_TRAIN, marker=marker, markersize=3, lw=1.5)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0, top=max([v for v in vals if not math.isnan(v)], default=1.0) * 1.15 or 1.0)
+    if math.isfinite(mean) and len(rows) > 1:
+        unit = "tokens/s" if key == "tokens_per_s" else "s"
+        ax.axhline(mean, color=_MEAN, ls="--", lw=1, label=f"mean after step 1: {mean:.4g} {unit}")
+        ax.legend(loc="lower right", fontsize=9)
+    if key == "lr":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+
+
+def _step_axis(ax, all_steps: list[int], skipped: list[int]) -> None:
+    """The shared x axis of every panel: whole steps, padded, skipped steps shaded."""
+    from matplotlib.ticker import MaxNLocator
+
+    x_lo, x_hi = (min(all_steps), max(all_steps)) if all_steps else (0, 1)
+    pad = max(0.5, 0.02 * (x_hi - x_lo))
+    ax.set_xlim(x_lo - pad, x_hi + pad)
+    if x_hi - x_lo < 4:  # a locator would put ticks between the steps
+        ax.set_xticks(range(x_lo, x_hi + 1))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    for s in skipped:
+        ax.axvspan(s - 0.5, s + 0.5, color=_SKIP, alpha=0.15, lw=0)
 
 
 def _last(values: list[float]) -> str:

@@ -31,22 +31,22 @@ class GradSync:
     group, in position order, and keeps its own. With NCCL a second, gloo group per position
     carries host tensors (the fp32 gradients of offloaded stages live in host memory)."""
 
-    def __init__(self, lay: Layout, timeout_s: float | None = None):
-        self.layout = lay
+    def __init__(self, layout: Layout, timeout_s: float | None = None):
+        self.layout = layout
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         host_too = dist.get_backend() != "gloo"
         self.group = self.host_group = self.pipeline_group = self.shard_group = None
-        for p in range(lay.pipeline_size):
-            ranks = lay.peers(p)
+        for p in range(layout.pipeline_size):
+            ranks = layout.peers(p)
             group = dist.new_group(ranks, timeout=timeout)  # collective: every rank calls
             host = dist.new_group(ranks, timeout=timeout, backend="gloo") if host_too else group
             # the sharded step's exchange, on the optimizer thread: a group no other thread uses
             shard = dist.new_group(ranks, timeout=timeout, backend="gloo")
-            if p == lay.position:
+            if p == layout.position:
                 self.group, self.host_group, self.shard_group = group, host, shard
-        for r in range(lay.data_parallel):  # the NORM all-reduce stays within a replica
-            group = dist.new_group([lay.global_rank(p, r) for p in range(lay.pipeline_size)], timeout=timeout)
-            if r == lay.replica:
+        for r in range(layout.data_parallel):  # the NORM all-reduce stays within a replica
+            group = dist.new_group([layout.global_rank(p, r) for p in range(layout.pipeline_size)], timeout=timeout)
+            if r == layout.replica:
                 self.pipeline_group = group
 
     def sum_(self, tensor: torch.Tensor) -> None:
@@ -71,13 +71,13 @@ class ShardPeers:
 
     ALIGN = 64
 
-    def __init__(self, lay: Layout, group):
-        self.index, self.peers, self.group = lay.replica, lay.peers(), group
+    def __init__(self, layout: Layout, group):
+        self.index, self.peers, self.group = layout.replica, layout.peers(), group
 
     def bounds(self, numel: int) -> list[tuple[int, int]]:
-        D = len(self.peers)
-        per = -(-numel // (D * self.ALIGN)) * self.ALIGN
-        return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(D)]
+        num_peers = len(self.peers)
+        per = -(-numel // (num_peers * self.ALIGN)) * self.ALIGN
+        return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(num_peers)]
 
     def exchange(self, flat: torch.Tensor) -> None:
         for src, (lo, hi) in zip(self.peers, self.bounds(flat.numel())):

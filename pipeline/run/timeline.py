@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -234,8 +235,6 @@ def write_timeline_png(path: str | Path, measured: Iterable[dict] | Mapping[int,
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     panels = [("Measured (one recorded iteration)", _flatten(measured))]
     if predicted is not None:
@@ -243,37 +242,16 @@ def write_timeline_png(path: str | Path, measured: Iterable[dict] | Mapping[int,
     ranks = sorted(set(ranks or ()) | {e["rank"] for _, events in panels for e in events})
     rows = _shown_rows([events for _, events in panels])
     size = timeline_size(len(ranks), len(rows), len(panels), width)
-    block = len(rows) + _GAP_PX / _ROW_PX  # y units of one rank's block; one unit is one row
     fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     x_max = max([(e["end"] - min(x["start"] for x in events)) * 1e3 for _, events in panels for e in events],
                 default=1.0)
-    ms_per_px = x_max / (0.86 * width)  # about: the axes take most of the width
+    grid = _GanttGrid(ranks, rows, x_max, ms_per_px=x_max / (0.86 * width))  # about: the axes take most of the width
     spans = [measured_step_time(events) for _, events in panels]
     for ax, (title, events), span in zip(axes, panels, spans):
-        t0 = min((e["start"] for e in events), default=0.0)
-        for e in events:
-            row = _row_of(e)
-            if row is None:
-                continue
-            colour, _ = STYLE[e["op"]]
-            x, w = (e["start"] - t0) * 1e3, max(e["end"] - e["start"], 0.0) * 1e3
-            y = ranks.index(e["rank"]) * block + rows.index(row)
-            # At least a pixel wide: an instant action stays visible. A white edge parts neighbours,
-            # but would wash out a box a few pixels wide.
-            ax.broken_barh([(x, max(w, ms_per_px))], (y + 0.1, 0.8), facecolors=colour, edgecolor="white",
-                           linewidth=0.4 if w > 4 * ms_per_px else 0)
-            if w / ms_per_px > 6.2 * len(e["name"]) + 4:
-                ax.text(x + w / 2, y + 0.5, e["name"], ha="center", va="center", fontsize=7,
-                        color="black" if e["op"] in ("S", "NORM", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-                        else "white", clip_on=True)
-        for i, r in enumerate(ranks):
-            if not any(e["rank"] == r and _row_of(e) for e in events):
-                ax.text(x_max / 2, i * block + len(rows) / 2, f"rank {r}: no actions", ha="center", va="center",
-                        fontsize=9, color="0.45", style="italic")
-            if i:
-                ax.axhline(i * block - _GAP_PX / _ROW_PX / 2, color="0.75", lw=0.8)
+        grid.draw_boxes(ax, events)
+        grid.draw_blocks(ax, events)
         if events:
             ax.axvline(span * 1e3, color="black", ls="--", lw=1.2)
         if panels[0][0] != title and spans[0] > 0:
@@ -281,6 +259,63 @@ def write_timeline_png(path: str | Path, measured: Iterable[dict] | Mapping[int,
         elif events:
             title += f": {span * 1e3:.1f} ms"
         ax.set_title(title, loc="left", fontsize=11)
+        grid.label_axes(ax)
+    axes[-1].set_xlabel("time since the iteration's first action (ms)")
+    for ax in axes[:-1]:
+        ax.tick_params(axis="x", labelbottom=True)  # each panel keeps its time labels
+    _timeline_legend(fig, {e["op"] for _, events in panels for e in events if _row_of(e)})
+    fig.suptitle(f"One training iteration, {len(ranks)} rank{'s' if len(ranks) != 1 else ''}: what each rank "
+                 f"ran and when", fontsize=13)
+    fig.savefig(path, dpi=100)  # no bbox_inches="tight": the image keeps exactly ``size``
+    return size
+
+
+@dataclass(frozen=True)
+class _GanttGrid:
+    """Where a panel of ``write_timeline_png`` puts things: a block of ``rows`` per rank, one y
+    unit per row, time in ms on x up to ``x_max``."""
+
+    ranks: list[int]
+    rows: list[str]
+    x_max: float
+    ms_per_px: float
+
+    @property
+    def block(self) -> float:
+        """y units of one rank's block: its rows and the gap below them."""
+        return len(self.rows) + _GAP_PX / _ROW_PX
+
+    def draw_boxes(self, ax, events: list[dict]) -> None:
+        """One box per drawn event, labelled with its action where the box is wide enough."""
+        t0 = min((e["start"] for e in events), default=0.0)
+        for e in events:
+            row = _row_of(e)
+            if row is None:
+                continue
+            colour, _ = STYLE[e["op"]]
+            x, w = (e["start"] - t0) * 1e3, max(e["end"] - e["start"], 0.0) * 1e3
+            y = self.ranks.index(e["rank"]) * self.block + self.rows.index(row)
+            # At least a pixel wide: an instant action stays visible. A white edge parts neighbours,
+            # but would wash out a box a few pixels wide.
+            ax.broken_barh([(x, max(w, self.ms_per_px))], (y + 0.1, 0.8), facecolors=colour, edgecolor="white",
+                           linewidth=0.4 if w > 4 * self.ms_per_px else 0)
+            if w / self.ms_per_px > 6.2 * len(e["name"]) + 4:
+                ax.text(x + w / 2, y + 0.5, e["name"], ha="center", va="center", fontsize=7,
+                        color="black" if e["op"] in ("S", "NORM", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+                        else "white", clip_on=True)
+
+    def draw_blocks(self, ax, events: list[dict]) -> None:
+        """A line between two ranks' blocks, and a note in the block of a rank with nothing drawn."""
+        for i, r in enumerate(self.ranks):
+            if not any(e["rank"] == r and _row_of(e) for e in events):
+                ax.text(self.x_max / 2, i * self.block + len(self.rows) / 2, f"rank {r}: no actions", ha="center",
+                        va="center", fontsize=9, color="0.45", style="italic")
+            if i:
+                ax.axhline(i * self.block - _GAP_PX / _ROW_PX / 2, color="0.75", lw=0.8)
+
+    def label_axes(self, ax) -> None:
+        """Rank names on the left, row names on the right, rank 0 on top, time on x."""
+        ranks, rows, block = self.ranks, self.rows, self.block
         ax.set_ylim(len(ranks) * block - _GAP_PX / _ROW_PX, 0)  # rank 0 on top
         ax.set_yticks([i * block + len(rows) / 2 for i in range(len(ranks))], [f"rank {r}" for r in ranks],
                       fontsize=10, fontweight="bold")
@@ -291,11 +326,14 @@ def write_timeline_png(path: str | Path, measured: Iterable[dict] | Mapping[int,
                          [dict(ROWS)[row] for _ in ranks for row in rows], fontsize=8, color="0.3")
         lanes.tick_params(axis="y", length=0)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_xlim(0, x_max * 1.01)
-    axes[-1].set_xlabel("time since the iteration's first action (ms)")
-    for ax in axes[:-1]:
-        ax.tick_params(axis="x", labelbottom=True)  # each panel keeps its time labels
-    drawn = {e["op"] for _, events in panels for e in events if _row_of(e)}
+        ax.set_xlim(0, self.x_max * 1.01)
+
+
+def _timeline_legend(fig, drawn: set[str]) -> None:
+    """The legend of ``write_timeline_png``: one entry per colour of the ops drawn, and the end line."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     labels = {}  # one entry per label: the four send / recv ops share one
     for op, (colour, label) in STYLE.items():
         if op in drawn:
@@ -306,10 +344,6 @@ def write_timeline_png(path: str | Path, measured: Iterable[dict] | Mapping[int,
                               label="iteration end (optimizer steps may run on)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(4, len(handles)), fontsize=9,
                title="box text: stage, action, micro-batch (2F0 = stage 2, forward, micro-batch 0)", title_fontsize=8)
-    fig.suptitle(f"One training iteration, {len(ranks)} rank{'s' if len(ranks) != 1 else ''}: what each rank "
-                 f"ran and when", fontsize=13)
-    fig.savefig(path, dpi=100)  # no bbox_inches="tight": the image keeps exactly ``size``
-    return size
 
 
 # --- one recorded iteration: measured vs predicted -------------------------------------------------
@@ -357,16 +391,16 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
         raise ValueError(f"timeline has no F or B events for stages {missing}: cannot calibrate the cost model")
     compute = {s: (_median(durations[("F", s)]), _median(durations[("B", s)])) for s in range(num_stages)}
     share = None
-    K = num_segments_of(schedule)
-    if K > 1:
+    num_segments = num_segments_of(schedule)
+    if num_segments > 1:
         by_seg: dict[tuple[str, int, int], list[float]] = {}
         for e in events:
             if e["op"] in ("F", "B") and e.get("seg") is not None:
                 by_seg.setdefault((e["op"], e["stage"], e["seg"]), []).append(max(0.0, e["end"] - e["start"]))
-        med = {k: _median(v) for k, v in by_seg.items()}
-        compute = {s: tuple(sum(med.get((op, s, j), 0.0) for j in range(K)) for op in ("F", "B"))
+        median_s = {k: _median(v) for k, v in by_seg.items()}
+        compute = {s: tuple(sum(median_s.get((op, s, j), 0.0) for j in range(num_segments)) for op in ("F", "B"))
                    for s in range(num_stages)}
-        forward = [sum(med.get(("F", s, j), 0.0) for s in range(num_stages)) for j in range(K)]
+        forward = [sum(median_s.get(("F", s, j), 0.0) for s in range(num_stages)) for j in range(num_segments)]
         share = [f / sum(forward) for f in forward] if sum(forward) > 0 else None
     links = []
     for r in ranks:
@@ -374,7 +408,7 @@ def calibrated_prediction(events: Iterable[dict], schedule: Mapping[int, list[Ac
                  if e["rank"] == r and e["op"] == "L" and e["end"] > e["start"]]
         links.append(max(rates, default=25.0))
     groups = list(rank_groups) if rank_groups is not None else list(ranks)
-    roots = {g: max(link for link, gg in zip(links, groups) if gg == g) for g in set(groups)}
+    roots = {g: max(link for link, group in zip(links, groups) if group == g) for g in set(groups)}
     offloaded = cpu_stepped_stages(schedule)
     steps = [d for (op, s), ds in durations.items() if op == "S" and s in offloaded for d in ds]
     norms = [d for (op, _), ds in durations.items() if op == "NORM" for d in ds]

@@ -104,13 +104,13 @@ class Trainer:
     def microbatches(self, batch) -> list[MicroBatch]:
         from data.batching import to_device
 
-        device, K = self.rank.device, self.cfg.seq_chunks
+        device = self.rank.device
         mbs = [MicroBatch(*(to_device(t, device) for t in (mb.input_ids, mb.targets, mb.position_ids,
                                                              mb.segment_ids)))
                for mb in replica_share(batch.microbatches(self.cfg.num_chunks), self.rank.layout)]
         # A batch is as wide as its longest row: one narrower than seq_chunks gets padding
         # columns, one a segment (after every token, predicting nothing, so nothing changes).
-        return [mb.widened(K) for mb in mbs]
+        return [mb.widened(self.cfg.seq_chunks) for mb in mbs]
 
     def sum_loss(self, loss: float | None) -> float | None:
         """The global batch's loss from this replica's share (the executor's loss is this

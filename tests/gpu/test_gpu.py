@@ -4,7 +4,6 @@ within the memory the planner computes from the stage sizes, and the step makes 
 synchronisation outside the documented places."""
 from __future__ import annotations
 
-import json
 import threading
 import traceback
 import warnings
@@ -13,10 +12,9 @@ import pytest
 import torch
 
 from tests.helpers.paths import ROOT
-from tests.helpers.runs import flags, run_torchrun
+from tests.helpers.runs import flags, run_losses, run_outcome, run_results, run_torchrun
 
-pytestmark = pytest.mark.gpu
-needs_gpus = lambda n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs")  # noqa: E731
+pytestmark = pytest.mark.gpu  # one GPU at least; gpu(n) on a test asks for more
 
 
 def _settings(nproc: int, mode: str) -> dict:
@@ -32,9 +30,9 @@ def _run(tmp_path, nproc: int, mode: str) -> dict:
     proc = run_torchrun(nproc, ["--no_save_model", "--save_params", "--save_dir", str(out), "--save_results",
                                 str(out / "r.json"), *flags(_settings(nproc, mode))])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((out / "r.json").read_text())
-    return {"losses": [r["loss"] for r in res["iterations"]], "peaks": res["iterations"][-1]["peak_mem_bytes"],
-            "params": torch.load(out / "params.pt", weights_only=True)}
+    losses, params = run_outcome(out, out / "r.json")
+    return {"losses": losses, "peaks": run_results(out / "r.json")["iterations"][-1]["peak_mem_bytes"],
+            "params": params}
 
 
 def _estimated_peaks(nproc: int, mode: str) -> list[int]:
@@ -48,7 +46,7 @@ def _estimated_peaks(nproc: int, mode: str) -> list[int]:
     return [r.device_peak for r in ranks]
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(2, marks=needs_gpus(2)), pytest.param(4, marks=needs_gpus(4))])
+@pytest.mark.parametrize("nproc", [pytest.param(n, marks=pytest.mark.gpu(n)) for n in (2, 4)])
 def test_offload_prefetch_matches_resident(tmp_path, nproc):
     """bf16 tolerance: both runs compute in bf16 from the same fp32 masters and differ only in
     where AdamW runs (fused CPU vs fused CUDA kernel). Last-bit differences in the masters flip
@@ -75,7 +73,6 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
         assert all(p <= b for p, b in zip(run["peaks"], bound)), (mode, run["peaks"], bound)
 
 
-@needs_gpus(1)
 @pytest.mark.parametrize("mode", ["prefetch", "hybrid", "resident", "actoff"])
 def test_step_has_no_host_sync(tmp_path, mode):
     """No clipping; every stage offloaded (with prefetch), one kept resident, or none offloaded:
@@ -145,7 +142,6 @@ def _one_rank_trainer(tmp_path, mode: str, num_chunks: int):
     return trainer, run
 
 
-@needs_gpus(1)
 def test_activation_offload_memory_does_not_grow_with_microbatches(tmp_path):
     """GPipe on one GPU (every forward before any backward): without activation_offload the peak
     grows by every added micro-batch's activations of every stage; with it, by the hand-offs
@@ -172,7 +168,6 @@ def test_activation_offload_memory_does_not_grow_with_microbatches(tmp_path):
     assert growth["actoff"] <= 2 * 12 * io + 4 * 2**20, growth  # outputs and input gradients between local stages
 
 
-@needs_gpus(1)
 def test_activation_offload_copies_on_their_own_stream(tmp_path):
     """The stage inputs go to host memory and come back on a stream of their own, which runs no
     kernel: the copies overlap compute instead of queueing behind it. Seen by the profiler: the
@@ -211,7 +206,7 @@ def _schedule_flags(schedule: str, offload: bool, out) -> list[str]:
             "--no_save_model", "--save_dir", str(out), "--save_results", str(out / "r.json")]
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(2, marks=needs_gpus(2)), pytest.param(4, marks=needs_gpus(4))])
+@pytest.mark.parametrize("nproc", [pytest.param(n, marks=pytest.mark.gpu(n)) for n in (2, 4)])
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
 def test_every_schedule_runs_under_nccl(tmp_path, nproc, offload):
     """gpipe, 1f1b and interleaved each finish two iterations under NCCL (a hang fails at the
@@ -223,13 +218,12 @@ def test_every_schedule_runs_under_nccl(tmp_path, nproc, offload):
         out = tmp_path / schedule
         proc = run_torchrun(nproc, _schedule_flags(schedule, offload, out), timeout=400)
         assert proc.returncode == 0, (schedule, proc.stderr[-3000:])
-        losses[schedule] = [r["loss"] for r in json.loads((out / "r.json").read_text())["iterations"]]
+        losses[schedule] = run_losses(out / "r.json")
     for schedule, got in losses.items():
         for a, b in zip(got, losses["gpipe"]):
             assert abs(a - b) <= 2e-3 * abs(b), (schedule, got, losses["gpipe"])
 
 
-@needs_gpus(1)
 def test_a_new_pool_buffer_is_written_after_the_kernels_that_used_its_memory():
     """The pool's new buffer is made on the compute stream, where the caching allocator may hand
     out memory that queued kernels still read. A LOAD writes it on the load stream: waiting for
@@ -255,7 +249,6 @@ def test_a_new_pool_buffer_is_written_after_the_kernels_that_used_its_memory():
     assert torch.all(b == 2), b.unique()
 
 
-@needs_gpus(1)
 def test_host_empty_pins_exactly():
     """A stage's pinned host buffers take their size, not the caching allocator's next power of two,
     and copies through them are asynchronous and intact."""
@@ -272,7 +265,6 @@ def test_host_empty_pins_exactly():
     assert torch.equal(back, t)
 
 
-@needs_gpus(1)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2_sliding"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_compiled_layers_match_eager(arch, packed):
@@ -316,7 +308,6 @@ def test_compiled_layers_match_eager(arch, packed):
         assert attention.KERNEL_CALLS["flex"] > 0 and not attention.KERNEL_CALLS["reference"], attention.KERNEL_CALLS
 
 
-@needs_gpus(1)
 def test_fused_last_stage_matches_forward_then_backward_on_gpu():
     """The fused last stage on CUDA kernels, float32: loss, input gradient and weight gradients
     equal the checkpointed forward and backward's up to the chunks' summation order."""

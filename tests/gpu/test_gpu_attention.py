@@ -17,7 +17,7 @@ import torch
 from tests.helpers.segments import AttentionModule
 from tests.helpers.tolerance import rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 32, 100), (32, 8, 128), (4, 4, 64)])

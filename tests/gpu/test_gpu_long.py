@@ -1,4 +1,4 @@
-"""Long rows on a GPU (``pytest -m gpu``; skipped without CUDA), issue 28.
+"""Long rows on a GPU (``pytest -m gpu``; skipped without CUDA).
 
 * The segment attention really takes a kernel without a score matrix: the kernel counter says
   which ran, and the peak memory of one attention call (forward and backward, Llama-3B's and
@@ -23,7 +23,7 @@ from tests.helpers.paths import scratch_save_dir
 from tests.helpers.segments import AttentionModule
 from tests.helpers.tolerance import rel_err as rel
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 GiB = 2**30
 
 

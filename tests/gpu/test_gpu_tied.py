@@ -3,30 +3,23 @@ all-reduce neither hangs nor loses a copy's gradient (on the CPU: tests/one_proc
 tests/multi_process/test_gloo_tied.py)."""
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from tests.helpers.architectures import make_model, tiny_cfg
 from tests.helpers.reference import assert_same_training, reference_train
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.gpu(2)
 @pytest.mark.parametrize("schedule,offload,resident", [("interleaved", True, 0), ("1f1b", True, 2),
                                                        ("gpipe", False, 0)])
 def test_nccl_tied_matches_hf(models_root, tmp_path, schedule, offload, resident):
     """2 GPUs, float32: TIE's all-reduce over NCCL (no hang, both copies summed). GPU kernels
     against the CPU reference: 1e-3, not the CPU tests' 1e-5 (adam_eps 1e-6 as in test_equivalence)."""
-    from tests.helpers.runs import cli_flags, run_torchrun
+    from tests.helpers.runs import torchrun_training
 
     cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=4, use_offload=offload,
                use_prefetch=offload, resident_stages=resident, adam_eps=1e-6, device="cuda",
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
+    losses, params, _ = torchrun_training(2, cfg, timeout=300)
     ref_cfg = tiny_cfg(cfg.model, schedule=schedule, num_stages=4, adam_eps=1e-6)
     assert_same_training(losses, params, *reference_train(ref_cfg, cfg.model), rtol=1e-3)

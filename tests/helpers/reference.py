@@ -1,8 +1,11 @@
 """Ordinary single-process training of the plain Hugging Face model: the ground truth the
-pipeline must reproduce (same batches, same AdamW groups, clipping and LR schedule)."""
+pipeline must reproduce (same batches, same AdamW groups, clipping and LR schedule), and the
+pipeline's trainer run in this one process to compare with it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,6 +145,34 @@ def in_process_trainer(cfg: TrainConfig):
     from pipeline.run.trainer import Trainer
 
     return Trainer(cfg, DistEnv(0, 1, 0, 1))
+
+
+@dataclass(frozen=True)
+class InProcessRun:
+    """A finished in-process training: the trainer, its history rows, the loss of each step and
+    the fp32 master weights right after the last step (``trainer_masters``)."""
+
+    trainer: Any
+    history: list[dict]
+    losses: list[float]
+    masters: dict[str, torch.Tensor]
+
+    @property
+    def outcome(self) -> tuple[list[float], dict[str, torch.Tensor]]:
+        """``(losses, masters)``, the shape of ``reference_train``'s result and of
+        ``assert_same_training``'s first two arguments."""
+        return self.losses, self.masters
+
+
+def trained(trainer) -> InProcessRun:
+    """Run ``trainer``'s training (one built with ``in_process_trainer``, inspected before it trains)."""
+    history = trainer.train()
+    return InProcessRun(trainer, history, [h["loss"] for h in history], trainer_masters(trainer))
+
+
+def train_in_process(cfg: TrainConfig) -> InProcessRun:
+    """Train ``cfg`` with every stage in this one process."""
+    return trained(in_process_trainer(cfg))
 
 
 def trainer_masters(trainer) -> dict[str, torch.Tensor]:

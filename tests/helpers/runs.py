@@ -58,14 +58,31 @@ def cli_flags(cfg) -> list[str]:
     return flags({k: v for k, v in cfg.to_dict().items() if k not in ("nproc", "master_port", "cuda_visible_devices")})
 
 
-def torchrun_training(nproc: int, cfg) -> tuple[list[float], dict[str, torch.Tensor], subprocess.CompletedProcess]:
+def run_results(path) -> dict:
+    """A finished run's ``results.json`` (``save_results``)."""
+    return json.loads(Path(path).read_text())
+
+
+def run_losses(path) -> list[float]:
+    """The loss of each iteration in a run's ``results.json``."""
+    return [row["loss"] for row in run_results(path)["iterations"]]
+
+
+def run_outcome(save_dir, results=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``(losses, final weights)`` of a finished run (``save_params`` set), the shape of
+    ``reference_train``'s result: ``save_dir`` holds its ``params.pt``, ``results`` is its
+    ``results.json`` (default: the one in ``save_dir``)."""
+    losses = run_losses(Path(save_dir) / "results.json" if results is None else results)
+    return losses, torch.load(Path(save_dir) / "params.pt", weights_only=True)
+
+
+def torchrun_training(nproc: int, cfg, timeout: float = 240
+                      ) -> tuple[list[float], dict[str, torch.Tensor], subprocess.CompletedProcess]:
     """Train ``cfg`` (``save_params`` and ``save_results`` set) on ``nproc`` processes: its
     losses, final weights and the finished process (for its log)."""
-    proc = run_torchrun(nproc, cli_flags(cfg))
+    proc = run_torchrun(nproc, cli_flags(cfg), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(Path(cfg.save_results).read_text())
-    params = torch.load(Path(cfg.save_dir) / "params.pt", weights_only=True)
-    return [row["loss"] for row in results["iterations"]], params, proc
+    return (*run_outcome(cfg.save_dir, cfg.save_results), proc)
 
 
 def text_records(path, lo: int, hi: int, n: int = 48) -> str:

@@ -1,4 +1,4 @@
-"""How the tests compare float32 results that two code paths computed (STYLE habit 16).
+"""How the tests compare float32 results that two code paths computed.
 
 float32 sums round differently with the order of their terms, and the order differs between
 CPUs (Intel and AMD run other SIMD widths and BLAS kernels), thread counts and code paths (a

@@ -13,14 +13,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.layout import Layout, layout, replica_config, replica_share
 from pipeline.plan.preflight import check_config
 from tests.helpers.paths import ROOT, env_without_dist
 from tests.helpers.reference import assert_same_training
-from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
+from tests.helpers.runs import cli_flags, run_outcome, run_results, run_torchrun, tiny_cfg
 
 RTOL = 1e-6  # only the order of two float32 sums differs (micro-batch gradients, replica losses)
 
@@ -90,11 +89,6 @@ def _dp_cfg(model_dir, save_dir, **kw):
                               "save_results": str(save_dir / "results.json"), **kw})
 
 
-def _outcome(save_dir):
-    results = json.loads((save_dir / "results.json").read_text())
-    return [row["loss"] for row in results["iterations"]], torch.load(save_dir / "params.pt", weights_only=True)
-
-
 @functools.lru_cache(maxsize=None)
 def _one_pipeline(model_dir: str, save_dir: str, offload: bool):
     """2 processes x 2 stages each, the global batch in one pipeline."""
@@ -103,7 +97,7 @@ def _one_pipeline(model_dir: str, save_dir: str, offload: bool):
     out = Path(save_dir)
     proc = run_torchrun(2, cli_flags(_dp_cfg(model_dir, out, use_offload=offload)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _outcome(out)
+    return run_outcome(out)
 
 
 def _assert_same(got, want):
@@ -120,8 +114,8 @@ def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offlo
     assert "4 processes (2 replicas of 2)" in proc.stdout, proc.stdout[-2000:]
     assert ("CPU AdamW steps of stages [1, 3] are sharded over 2 replicas" in proc.stdout) == offload, \
         proc.stdout[-2000:]
-    assert json.loads((out / "results.json").read_text())["data_parallel"] == 2
-    _assert_same(_outcome(out), ref)
+    assert run_results(out / "results.json")["data_parallel"] == 2
+    _assert_same(run_outcome(out), ref)
 
 
 def _free_port() -> int:
@@ -152,7 +146,7 @@ def test_two_nodes_on_one_machine(tiny_model_dir, tmp_path_factory):
                 p.kill()
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
-    _assert_same(_outcome(out), ref)
+    _assert_same(run_outcome(out), ref)
 
 
 @pytest.mark.slow
@@ -165,7 +159,7 @@ def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, t
     ref_dir = tmp_path_factory.mktemp("ref")
     proc = run_torchrun(2, cli_flags(_dp_cfg(tiny_model_dir, ref_dir, **common)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ref_losses, ref_params = _outcome(ref_dir)
+    ref_losses, ref_params = run_outcome(ref_dir)
     first = tmp_path_factory.mktemp("first")
     proc = run_torchrun(4, cli_flags(_dp_cfg(tiny_model_dir, first, data_parallel=2, num_iterations=2,
                                           checkpoint_every=2, **common)))
@@ -179,7 +173,7 @@ def test_checkpoint_of_replicas_resumes_with_any_data_parallel(tiny_model_dir, t
         proc = run_torchrun(nproc, cli_flags(_dp_cfg(tiny_model_dir, out, data_parallel=dp, resume=str(ckpt), **common)))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "resumed from" in proc.stdout, proc.stdout[-2000:]
-        losses, params = _outcome(out)
+        losses, params = run_outcome(out)
         _assert_same((losses, params), (ref_losses[2:], ref_params))
 
 
@@ -210,7 +204,7 @@ def test_replicas_with_resident_stages_evaluation_tied_embeddings_no_norm(tiny_m
         proc = run_torchrun(nproc, cli_flags(_dp_cfg(model_dir, out, data_parallel=dp, **kw)), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[dp] = out
-    _assert_same(_outcome(runs[2]), _outcome(runs[1]))
+    _assert_same(run_outcome(runs[2]), run_outcome(runs[1]))
     if kw.get("eval_every"):
         ref = _eval_losses(runs[1])
         got = _eval_losses(runs[2])

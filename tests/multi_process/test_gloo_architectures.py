@@ -3,10 +3,7 @@ train as plain Hugging Face training, the windowed layers on both ranks (in one 
 tests/one_process/test_architectures.py)."""
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from tests.helpers.architectures import make_model, tiny_cfg
 from tests.helpers.reference import assert_same_training, reference_train
@@ -16,12 +13,9 @@ from tests.helpers.reference import assert_same_training, reference_train
 @pytest.mark.parametrize("arch,impl", [("mistral", "eager"), ("qwen2_sliding", "sdpa")])
 def test_torchrun_sliding_window_matches_hf(models_root, tmp_path, arch, impl):
     """2 processes x 2 stages: the windowed layers sit on both ranks."""
-    from tests.helpers.runs import cli_flags, run_torchrun
+    from tests.helpers.runs import torchrun_training
 
     cfg = tiny_cfg(make_model(arch, models_root), attn_implementation=impl, schedule="interleaved", num_stages=4,
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(2, cli_flags(cfg))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
+    losses, params, _ = torchrun_training(2, cfg)
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))

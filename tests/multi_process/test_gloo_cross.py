@@ -29,18 +29,13 @@ def cross_run(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_torchrun_permuted_mapping_matches_reference(tiny_model_dir, cross_run):
-    import torch
-
     from tests.helpers.reference import assert_same_training
-    from tests.helpers.runs import reference_result
+    from tests.helpers.runs import reference_result, run_outcome
 
     cfg, out, proc = cross_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mapping planned: stage -> rank [1, 0, 1, 0]" in proc.stdout
-    results = json.loads((out / "results.json").read_text())
-    losses = [row["loss"] for row in results["iterations"]]
-    params = torch.load(out / "params.pt", weights_only=True)
-    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+    assert_same_training(*run_outcome(out), *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch
 from tests.helpers.families import FAMILY_TYPES, MODES, family_cfg, family_model
 from tests.helpers.paths import ROOT, env_without_dist
 from tests.helpers.reference import assert_same_training, reference_train
+from tests.helpers.runs import run_losses
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules="all-linear", adam_eps=1e-4)  # eps: test_lora.py
 
@@ -45,7 +46,7 @@ def test_every_family_trains_peft_adapters(root, tmp_path, mode):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for family, (cfg, path) in cfgs.items():
         out = Path(cfg.save_dir)
-        losses = [row["loss"] for row in json.loads((out / "results.json").read_text())["iterations"]]
+        losses = run_losses(cfg.save_results)
         adapters = load_file(str(out / "adapter" / "adapter_model.safetensors"))
         assert (out / "adapter" / "adapter_config.json").is_file()
         assert any(".self_attn." in k for k in adapters), family
@@ -69,6 +70,6 @@ def test_data_parallel_trains_peft_adapters(tiny_model_dir, tmp_path):
                    **LORA)
     proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
+    losses = run_losses(cfg.save_results)
     adapters = load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"))
     assert_same_training(losses, adapters, *reference_train(tiny_cfg(tiny_model_dir, **LORA), tiny_model_dir))

@@ -3,10 +3,7 @@ TIE's all-reduce on their own group keeps two and four processes training as pla
 training (in one process: tests/one_process/test_tied.py)."""
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from tests.helpers.architectures import make_model, tiny_cfg
 from tests.helpers.reference import assert_same_training, reference_train
@@ -17,13 +14,10 @@ from tests.helpers.reference import assert_same_training, reference_train
                                                                (4, 4, "gpipe", True)])
 def test_torchrun_tied_matches_hf(models_root, tmp_path, nproc, num_stages, schedule, offload):
     """The embedding's and the head's ranks differ: TIE is an all-reduce on their own group."""
-    from tests.helpers.runs import cli_flags, run_torchrun
+    from tests.helpers.runs import torchrun_training
 
     cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=num_stages, use_offload=offload,
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
-    proc = run_torchrun(nproc, cli_flags(cfg), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [row["loss"] for row in json.loads((tmp_path / "results.json").read_text())["iterations"]]
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=True)
+    losses, params, _ = torchrun_training(nproc, cfg, timeout=300)
     assert "lm_head.weight" not in params
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))

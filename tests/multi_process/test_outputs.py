@@ -2,12 +2,10 @@
 model, the whole state dict, and the per-iteration results of every rank."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.helpers.runs import tiny_cfg, cli_flags, reference_result, run_torchrun
+from tests.helpers.runs import cli_flags, reference_result, run_results, run_torchrun, tiny_cfg
 from tests.helpers.tolerance import assert_close
 
 
@@ -36,7 +34,7 @@ def test_saved_model_reloads_and_reproduces_logits(tiny_model_dir, tmp_path):
 
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert sorted(params) == sorted(saved.state_dict())
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = run_results(cfg.save_results)
     assert results["world_size"] == 2 and len(results["iterations"]) == cfg.num_iterations
     for row in results["iterations"]:
         assert row["step_time_s"] > 0 and row["tokens_per_s"] > 0 and row["loss"] > 0

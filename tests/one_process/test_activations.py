@@ -50,7 +50,6 @@ def test_segments_of_a_microbatch_are_keys_of_their_own():
         stash.save((1, 0, 2), torch.zeros(1))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 def test_cuda_round_trip_through_pinned_memory():
     """On CUDA the input crosses to pinned host memory and back on the stash's stream; the

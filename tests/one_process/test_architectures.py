@@ -18,7 +18,7 @@ from pipeline.plan.shapes import stage_num_params
 from pipeline.stage.model import build_stage
 from tests.helpers.architectures import WINDOW, SEQ, ARCHS, make_model, tiny_cfg
 from tests.helpers.reference import (assert_same_training, hf_model, in_process_trainer, reference_train, stages_forward,
-                                    trainer_masters)
+                                    train_in_process, trained, trainer_masters)
 from tests.helpers.tolerance import assert_close, rel_err
 
 
@@ -63,12 +63,6 @@ def test_stage_param_counts(models_root):
 
 
 # --- training equals plain Hugging Face training ---------------------------------------------
-def _train(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    return [h["loss"] for h in history], trainer_masters(trainer)
-
-
 @pytest.mark.parametrize("arch,impl,kw", [
     ("mistral", "eager", dict(schedule="interleaved")),
     ("mistral", "sdpa", dict(schedule="1f1b", seq_length=160, use_offload=True)),
@@ -81,8 +75,7 @@ def _train(cfg):
 ])
 def test_training_matches_hf(models_root, arch, impl, kw):
     cfg = tiny_cfg(make_model(arch, models_root), attn_implementation=impl, **kw)
-    losses, params = _train(cfg)
-    assert_same_training(losses, params, *reference_train(cfg, cfg.model))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_train(cfg, cfg.model))
 
 
 # --- tied embeddings --------------------------------------------------------------------------
@@ -107,10 +100,9 @@ def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
     trainer = in_process_trainer(cfg)
     stage = trainer.stages[0]
     assert stage.lm_head.weight is stage.model.embed_tokens.weight
-    history = trainer.train()
-    trainer.save(history)
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer),
-                         *reference_train(cfg, make_model("qwen2_tied", models_root)))
+    run = trained(trainer)
+    trainer.save(run.history)
+    assert_same_training(*run.outcome, *reference_train(cfg, make_model("qwen2_tied", models_root)))
     out = tmp_path / "out" / "model"
     saved = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved  # one saved tensor

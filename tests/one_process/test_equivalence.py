@@ -11,21 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import (assert_same_training, in_process_trainer, reference_train, train_in_process,
+                                    trained)
 from tests.helpers.runs import ITERS, reference_result, tiny_cfg
-
-def _run_in_process(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    return [h["loss"] for h in history], trainer_masters(trainer)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("offload,prefetch", [(False, False), (True, False), (True, True)])
 def test_in_process_matches_reference(tiny_model_dir, schedule, offload, prefetch):
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, use_prefetch=prefetch)
-    losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("schedule,resident", [("gpipe", 1), ("interleaved", 3), ("1f1b", 2)])
@@ -36,10 +31,10 @@ def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, gra
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=True, resident_stages=resident, grad_clip=grad_clip)
     trainer = in_process_trainer(cfg)
     assert sorted(s for s, st in trainer.stores.items() if not st.offload) == list(range(resident))
-    history = trainer.train()
+    run = trained(trainer)
     ref = reference_train(tiny_cfg(tiny_model_dir, grad_clip=grad_clip), str(tiny_model_dir)) if grad_clip == 0.0 \
         else reference_result(str(tiny_model_dir))
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *ref)
+    assert_same_training(*run.outcome, *ref)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
@@ -48,8 +43,7 @@ def test_checkpointing_matches_reference(tiny_model_dir, schedule):
     """Activation checkpointing recomputes every layer, and the last stage's head and loss, in
     the backward: the training is the same."""
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=True, activation_checkpointing=True)
-    losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -64,9 +58,9 @@ def test_compiled_layers_match_reference(tiny_model_dir):
     cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, use_offload=True, activation_checkpointing=True,
                    keep_layers=1, compile_layers="true")
     trainer = in_process_trainer(cfg)
-    history = trainer.train()
+    run = trained(trainer)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*run.outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("schedule,keep", [("1f1b", 1), pytest.param("gpipe", 2, marks=pytest.mark.slow)])
@@ -79,8 +73,8 @@ def test_kept_layers_match_reference(tiny_model_dir, schedule, keep):
     last = cfg.num_stages - 1  # fused: it recomputes none
     assert all(stage.recomputed == (0 if s == last else len(stage.model.layers) - keep)
                for s, stage in trainer.stages.items())
-    history = trainer.train()
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    run = trained(trainer)
+    assert_same_training(*run.outcome, *reference_result(str(tiny_model_dir)))
 
 
 def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
@@ -96,9 +90,9 @@ def test_chunked_loss_matches_reference(tiny_model_dir, monkeypatch):
     cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", num_stages=2, activation_checkpointing=True,
                    fuse_last_stage="false")
     trainer = in_process_trainer(cfg)
-    history = trainer.train()
+    run = trained(trainer)
     assert calls.count("_loss") == ITERS * cfg.num_chunks * -(-cfg.batch_size // cfg.num_chunks * cfg.seq_length // 7)
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*run.outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("schedule,offload,checkpointing", [
@@ -122,14 +116,14 @@ def test_fused_last_stage_matches_reference(tiny_model_dir, monkeypatch, schedul
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_checkpointing=checkpointing,
                    fuse_last_stage="true")
     trainer = in_process_trainer(cfg)
-    history = trainer.train()
+    run = trained(trainer)
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
     assert losses_made == ITERS * cfg.num_chunks * ([7] * (tokens // 7) + [tokens % 7])
     last = trainer.stages[cfg.num_stages - 1]
     assert not any(fn in list(last.model.layers.values()) or getattr(fn, "__name__", "") == "_loss"
                    for fn in checkpointed)
     assert bool(checkpointed) == checkpointing  # the other stages still recompute theirs
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*run.outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("schedule,offload", [
@@ -142,9 +136,9 @@ def test_activation_offload_matches_reference(tiny_model_dir, schedule, offload)
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_offload=True)
     trainer = in_process_trainer(cfg)
     assert all(stage.recomputed == 0 for stage in trainer.stages.values())
-    history = trainer.train()
+    run = trained(trainer)
     assert len(trainer.executor.runners.stash) == 0  # every input went back to its backward
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*run.outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -153,21 +147,20 @@ def test_activation_offload_with_checkpointed_loss_matches_reference(tiny_model_
     inside the recompute; the layers are recomputed once."""
     cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", use_offload=True, activation_offload=True,
                    activation_checkpointing=True)
-    losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
 def test_truncated_model_matches_reference(tiny_model_dir):
     cfg = tiny_cfg(tiny_model_dir, num_layers=3, num_stages=5, schedule="1f1b")
-    losses, params = _run_in_process(cfg)
-    assert_same_training(losses, params, *reference_result(str(tiny_model_dir), 3))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir), 3))
 
 
 # --- the comparison must be able to fail -------------------------------------------------------
 def _expect_mismatch(tiny_model_dir, monkeypatch, patch, **cfg) -> None:
     patch(monkeypatch)
-    losses, params = _run_in_process(tiny_cfg(tiny_model_dir, **{"schedule": "interleaved", "use_offload": True, **cfg}))
+    losses, params = train_in_process(tiny_cfg(tiny_model_dir, **{"schedule": "interleaved", "use_offload": True,
+                                                                   **cfg})).outcome
     with pytest.raises(AssertionError):
         assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 

@@ -20,8 +20,7 @@ import torch
 
 from models import supports_sdpa, tiny_config
 from tests.helpers.families import FAMILY_TYPES, MODES, SEQ, family_cfg, family_model, family_reference
-from tests.helpers.reference import (assert_same_training, hf_model, in_process_trainer, reference_train, stages_forward,
-                                    trainer_masters)
+from tests.helpers.reference import assert_same_training, hf_model, reference_train, stages_forward, train_in_process
 from tests.helpers.runs import tiny_cfg
 from tests.helpers.tolerance import rel_err as _rel
 
@@ -81,12 +80,6 @@ def test_a_dropped_embedding_scale_is_seen(root, family):
 
 
 # --- training ----------------------------------------------------------------------------------------
-def _train(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    return [h["loss"] for h in history], trainer_masters(trainer), trainer
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
@@ -94,8 +87,8 @@ def _train(cfg):
 def test_training_matches_hf(root, family, schedule, mode):
     """4 stages in one process; a tied head over 4 stages where the family ties."""
     path = family_model(family, root)
-    losses, params, _ = _train(family_cfg(path, schedule=schedule, **MODES[mode]))
-    assert_same_training(losses, params, *family_reference(str(path)))
+    assert_same_training(*train_in_process(family_cfg(path, schedule=schedule, **MODES[mode])).outcome,
+                         *family_reference(str(path)))
 
 
 @pytest.mark.slow
@@ -107,12 +100,12 @@ def test_saved_model_loads_and_generates(root, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     path = family_model(family, root)
-    _, params, trainer = _train(family_cfg(path, save_dir=str(tmp_path), save_model=True, num_iterations=2))
-    trainer.save([])
+    run = train_in_process(family_cfg(path, save_dir=str(tmp_path), save_model=True, num_iterations=2))
+    run.trainer.save([])
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eager",
                                                  dtype=torch.float32).eval()
     trained = hf_model(path, "eager")
-    trained.load_state_dict(params, strict=False)  # a tied head is the embedding
+    trained.load_state_dict(run.masters, strict=False)  # a tied head is the embedding
     x = torch.randint(3, saved.config.vocab_size, (2, 24))
     with torch.no_grad():
         assert _rel(saved(x).logits, trained(x).logits) <= 1e-6
@@ -125,9 +118,10 @@ def test_saved_model_loads_and_generates(root, tmp_path, family):
 def test_resume_is_bit_exact(root, tmp_path, family):
     path = family_model(family, root)
     kw = dict(schedule="1f1b", use_offload=True, num_iterations=4)
-    whole, whole_params, _ = _train(family_cfg(path, save_dir=str(tmp_path / "whole"), **kw))
-    _train(family_cfg(path, save_dir=str(tmp_path / "cut"), checkpoint_every=2, **{**kw, "num_iterations": 2}))
-    resumed, params, _ = _train(family_cfg(path, save_dir=str(tmp_path / "cut"), resume="latest", **kw))
+    whole, whole_params = train_in_process(family_cfg(path, save_dir=str(tmp_path / "whole"), **kw)).outcome
+    train_in_process(family_cfg(path, save_dir=str(tmp_path / "cut"), checkpoint_every=2,
+                                **{**kw, "num_iterations": 2}))
+    resumed, params = train_in_process(family_cfg(path, save_dir=str(tmp_path / "cut"), resume="latest", **kw)).outcome
     assert resumed == whole[2:]
     assert params.keys() == whole_params.keys()
     for k, v in params.items():
@@ -142,7 +136,7 @@ def test_a_lost_router_loss_is_seen(root, monkeypatch):
 
     path = family_model("qwen3_moe", root)
     monkeypatch.setattr(RouterLoss, "roots", lambda self, *a, **kw: ([], []))
-    losses, params, _ = _train(family_cfg(path))
+    losses, params = train_in_process(family_cfg(path)).outcome
     with pytest.raises(AssertionError):
         assert_same_training(losses, params, *family_reference(str(path)))
 
@@ -164,7 +158,7 @@ def test_a_token_routed_elsewhere_in_a_recompute_is_seen(root, monkeypatch, fami
 
     monkeypatch.setattr(Routing, "replay", misroute)
     path = family_model(family, root)
-    losses, params, _ = _train(family_cfg(path, **MODES["offload"], fuse_last_stage="false"))
+    losses, params = train_in_process(family_cfg(path, **MODES["offload"], fuse_last_stage="false")).outcome
     assert calls  # recomputes replayed
     with pytest.raises(AssertionError):
         assert_same_training(losses, params, *family_reference(str(path)))
@@ -178,7 +172,7 @@ def test_router_loss_is_part_of_the_loss(root):
 
     path = family_model("qwen3_moe", root)
     cfg = family_cfg(path, num_chunks=1, num_iterations=1)
-    losses, _, _ = _train(cfg)
+    losses = train_in_process(cfg).losses
     batch = build_stream(cfg, resolve_model(cfg))[0].next_batch()
     with torch.no_grad():
         out = hf_model(path, "sdpa")(input_ids=batch.input_ids, labels=batch.labels)
@@ -263,7 +257,7 @@ def bf16_agreement(root: str, family: str, device: str) -> tuple[float, float, l
 
     path = family_model(family, root)
     cfg = family_cfg(path, device=device, dtype="bfloat16", schedule="1f1b", num_iterations=4, **MODES["offload"])
-    _, params, _ = _train(cfg)
+    params = train_in_process(cfg).masters
     _, ref = reference_train(cfg, path, device=device, compute_dtype=torch.bfloat16)
     _, f32 = reference_train(cfg, path, device=device)
     _, whole = reference_train(dataclasses.replace(cfg, num_chunks=1), path, device=device,
@@ -276,7 +270,6 @@ def bf16_agreement(root: str, family: str, device: str) -> tuple[float, float, l
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", FAMILY_TYPES)
 def test_bf16_training_matches_hf_within_its_noise(root, family):
     """bf16 on a GPU: the pipeline is as far from Hugging Face's mixed-precision training as

@@ -8,7 +8,7 @@ import torch
 from pipeline.config import make_config
 from pipeline.run.metrics import TrainingError
 from pipeline.run.optim import LossScaler
-from tests.helpers.reference import in_process_trainer, trainer_masters
+from tests.helpers.reference import in_process_trainer, train_in_process, trained, trainer_masters
 
 
 def test_loss_scaler_policy():
@@ -38,23 +38,17 @@ def tiny_cfg(model_dir, tmp_path, **kw):
     return make_config(base)
 
 
-def _train(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    return trainer, history, trainer_masters(trainer)
-
-
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.slow
 def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
-    _, ref, ref_params = _train(tiny_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
-    trainer, half, params = _train(tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
-    assert trainer.scaler is not None and not any(h["skipped"] for h in half)
-    for a, b in zip(half, ref):
+    full = train_in_process(tiny_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
+    half = train_in_process(tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
+    assert half.trainer.scaler is not None and not any(h["skipped"] for h in half.history)
+    for a, b in zip(half.history, full.history):
         assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
-    for k, v in ref_params.items():
-        assert (params[k] - v).norm() <= 1e-2 * v.norm(), k
+    for k, v in full.masters.items():
+        assert (half.masters[k] - v).norm() <= 1e-2 * v.norm(), k
 
 
 def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
@@ -62,10 +56,9 @@ def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
                num_iterations=1)
     trainer = in_process_trainer(cfg)
     before = trainer_masters(trainer)
-    history = trainer.train()
-    assert history[0]["skipped"] and trainer.scaler.scale == 2.0 ** 39
-    after = trainer_masters(trainer)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    run = trained(trainer)
+    assert run.history[0]["skipped"] and trainer.scaler.scale == 2.0 ** 39
+    assert all(torch.equal(before[k], run.masters[k]) for k in before)
 
 
 @pytest.mark.slow
@@ -73,4 +66,4 @@ def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir, tmp_p
     cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
                num_iterations=4, max_skipped_steps=2)
     with pytest.raises(TrainingError, match="3 steps in a row"):
-        _train(cfg)
+        train_in_process(cfg)

@@ -1,4 +1,4 @@
-"""Long rows (issue 28), one process, float32: every new path trains exactly like the unsplit model.
+"""Long rows, one process, float32: every path that splits a row trains exactly like the unsplit model.
 
 * Segment attention through the kernels' dispatch (``pipeline.stage.attention``): on the CPU the
   bottom-right-aligned causal kernel runs as torch's materialised form of it, which checks the
@@ -33,7 +33,7 @@ from offload.kv import CarriedKV
 from pipeline.plan.shapes import segment_bounds
 from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import assert_same_training, reference_train, train_in_process
 from tests.helpers.runs import tiny_cfg
 from tests.helpers.segments import (LENGTHS, LONG, TOL, make_batch, make_config, make_stages, mismatch, noise_floor,
                                     reference, rel, run_segments)
@@ -284,12 +284,6 @@ def _sdpa_reference(model_dir: str):
     return reference_train(tiny_cfg(model_dir, attn_implementation="sdpa"), model_dir)
 
 
-def _train(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    return trainer, [h["loss"] for h in history], trainer_masters(trainer)
-
-
 @pytest.mark.parametrize("schedule,offload,kw", [
     ("interleaved", True, LONG),
     pytest.param("1f1b", True, dict(tiled_mlp="true", activation_checkpointing=True),  # whole rows, tiled, checkpointed
@@ -306,10 +300,10 @@ def test_long_rows_train_like_the_reference(tiny_model_dir, monkeypatch, schedul
     counts: dict = {}
     with small_tiles(monkeypatch, counts):
         cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, attn_implementation="sdpa", **kw)
-        trainer, losses, params = _train(cfg)
+        run = train_in_process(cfg)
     assert counts.get("tiles", 0) > 0 and (counts.get("kv", 0) > 0) == (kw.get("seq_chunks", 1) > 1), counts
-    assert all(stage.mlp_tile_tokens == 10 for stage in trainer.stages.values())
-    assert_same_training(losses, params, *_sdpa_reference(str(tiny_model_dir)))
+    assert all(stage.mlp_tile_tokens == 10 for stage in run.trainer.stages.values())
+    assert_same_training(*run.outcome, *_sdpa_reference(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -324,7 +318,7 @@ def test_sliding_windows_train_like_the_reference(tmp_path_factory, monkeypatch,
     with small_tiles(monkeypatch, counts):
         # adam_eps 1e-6 as runs.tiny_cfg: a near-zero gradient's step is summation noise at 1e-8
         cfg = arch_cfg(path, attn_implementation="sdpa", schedule="1f1b", use_offload=True, adam_eps=1e-6, **LONG)
-        _, losses, params = _train(cfg)
+        losses, params = train_in_process(cfg).outcome
     assert counts.get("tiles") and counts.get("kv"), counts
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
 
@@ -338,7 +332,7 @@ def test_packed_rows_train_like_the_reference(tiny_model_dir, tmp_path, monkeypa
         cfg = tiny_cfg(tiny_model_dir, dataset=text_records(tmp_path / "var.jsonl", 2, 30), packing=True,
                        batch_size=4, num_chunks=2, num_stages=2, schedule="1f1b", use_offload=True,
                        attn_implementation="sdpa", **{**LONG, "seq_chunks": 4})
-        _, losses, params = _train(cfg)
+        losses, params = train_in_process(cfg).outcome
     assert counts.get("tiles") and counts.get("kv"), counts
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
 

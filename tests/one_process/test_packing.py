@@ -16,7 +16,7 @@ from pipeline.config import make_config
 from pipeline.plan.shapes import partition_layers
 from pipeline.stage.model import build_stage
 from tests.helpers.architectures import make_model
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trained
 from tests.helpers.tolerance import assert_close
 
 SEQ = 96
@@ -193,6 +193,6 @@ def test_pipeline_with_packing_matches_hf(tiny_model_dir, tmp_path, capsys, impl
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("tokens: "))
     counts = trainer.stream.token_counts()
     assert f"{counts['examples']} records in {counts['rows']} rows (packed)" in line and counts["rows"] < counts["examples"]
-    history = trainer.train()
+    run = trained(trainer)
     ref = reference_train(cfg, cfg.model)
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *ref)
+    assert_same_training(*run.outcome, *ref)

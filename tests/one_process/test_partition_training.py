@@ -6,12 +6,11 @@ from __future__ import annotations
 
 
 def test_in_process_uneven_partition_matches_reference(wide_vocab_model_dir):
-    from tests.helpers.reference import assert_same_training, in_process_trainer, trainer_masters
+    from tests.helpers.reference import assert_same_training, in_process_trainer, trained
     from tests.helpers.runs import reference_result, tiny_cfg
 
     cfg = tiny_cfg(wide_vocab_model_dir, num_stages=2, schedule="1f1b", use_offload=True, partition="5,1")
     trainer = in_process_trainer(cfg)
     assert [len(p) for p in trainer.rank.parts] == [5, 1]  # the head's stage holds one layer, not three
-    history = trainer.train()
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer),
-                         *reference_result(str(wide_vocab_model_dir)))
+    run = trained(trainer)
+    assert_same_training(*run.outcome, *reference_result(str(wide_vocab_model_dir)))

@@ -19,14 +19,9 @@ import pipeline.plan.shapes as shapes
 import pipeline.stage.segments as segments
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.preflight import check_config
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import (assert_same_training, in_process_trainer, reference_train, train_in_process,
+                                    trained)
 from tests.helpers.runs import ITERS, reference_result, text_records, tiny_cfg
-
-
-def _train(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    return [h["loss"] for h in history], trainer_masters(trainer)
 
 
 @pytest.mark.parametrize("schedule,offload", [
@@ -39,8 +34,7 @@ def test_segments_match_reference(tiny_model_dir, schedule, offload):
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, seq_chunks=3)
     trainer = in_process_trainer(cfg)
     assert {a.seg for a in trainer.actions if a.op.value in ("F", "B")} == {0, 1, 2}
-    history = trainer.train()
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*trained(trainer).outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.parametrize("packing", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -52,8 +46,7 @@ def test_rows_of_different_lengths(tiny_model_dir, tmp_path, packing):
     trainer = in_process_trainer(cfg)
     widths = {trainer.stream.next_batch().input_ids.shape[1] for _ in range(cfg.num_iterations)}
     assert len(widths) > 1 or packing, widths
-    losses, params = _train(cfg)
-    assert_same_training(losses, params, *reference_train(cfg, cfg.model))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_train(cfg, cfg.model))
 
 
 @pytest.mark.slow
@@ -64,8 +57,7 @@ def test_batch_narrower_than_the_segments(tiny_model_dir, tmp_path):
     trainer = in_process_trainer(cfg)
     mbs = trainer.microbatches(trainer.stream.next_batch())
     assert mbs[0].input_ids.shape[1] == 12, mbs[0].input_ids.shape
-    losses, params = _train(cfg)
-    assert_same_training(losses, params, *reference_train(cfg, cfg.model))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_train(cfg, cfg.model))
 
 
 @pytest.mark.slow
@@ -81,7 +73,7 @@ def test_checkpointing_with_segments(tiny_model_dir, monkeypatch):
                         lambda fn, *a, **kw: calls.append(getattr(fn, "__name__", "")) or real(fn, *a, **kw))
     cfg = tiny_cfg(tiny_model_dir, schedule="interleaved", use_offload=True, activation_checkpointing=True,
                    keep_layers=1, seq_chunks=3)
-    assert_same_training(*_train(cfg), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir)))
     rows = cfg.batch_size // cfg.num_chunks
     lengths = shapes.segment_lengths(cfg.seq_length, 3, shapes.model_key_cost(_tiny_config(tiny_model_dir)))
     assert calls.count("_loss") == ITERS * cfg.num_chunks * sum(-(-rows * n // 7) for n in lengths)
@@ -112,7 +104,7 @@ def test_evaluation_with_segments(tiny_model_dir, capsys):
 def test_segments_equal_whole_rows(tiny_model_dir, kw, rtol):
     """What the Hugging Face reference does not model (float16 with loss scaling, the delayed
     update): 3 segments train as whole rows do (float16: within its rounding)."""
-    whole, split = (_train(tiny_cfg(tiny_model_dir, seq_chunks=k, **kw)) for k in (1, 3))
+    whole, split = (train_in_process(tiny_cfg(tiny_model_dir, seq_chunks=k, **kw)).outcome for k in (1, 3))
     assert_same_training(*split, *whole, rtol=rtol)
 
 
@@ -128,9 +120,9 @@ def test_activation_offload_with_segments(tiny_model_dir, schedule, offload):
     cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, activation_offload=True, seq_chunks=3)
     trainer = in_process_trainer(cfg)
     assert all(stage.recomputed == 0 for stage in trainer.stages.values())
-    history = trainer.train()
+    run = trained(trainer)
     assert len(trainer.executor.runners.stash) == 0  # every segment's input went back to its backward
-    assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*run.outcome, *reference_result(str(tiny_model_dir)))
 
 
 @pytest.mark.slow
@@ -139,7 +131,7 @@ def test_activation_offload_rows_of_different_lengths(tiny_model_dir, tmp_path, 
     cfg = tiny_cfg(tiny_model_dir, dataset=text_records(tmp_path / "var.jsonl", 2, 30), packing=packing,
                    seq_chunks=4, batch_size=4, num_chunks=2, num_stages=2, schedule="1f1b", use_offload=True,
                    activation_offload=True, activation_checkpointing=True)
-    assert_same_training(*_train(cfg), *reference_train(cfg, cfg.model))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_train(cfg, cfg.model))
 
 
 def _equal_segments(monkeypatch) -> None:
@@ -154,7 +146,7 @@ def _expect_offload_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
     _equal_segments(monkeypatch)
     patch(monkeypatch)
     cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
-    losses, params = _train(cfg)
+    losses, params = train_in_process(cfg).outcome
     with pytest.raises(AssertionError):
         assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 
@@ -164,7 +156,7 @@ def test_equal_segments_still_match(tiny_model_dir, monkeypatch):
     """The control of the mutations below: the same run unpatched equals the reference."""
     _equal_segments(monkeypatch)
     cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
-    assert_same_training(*_train(cfg), *reference_result(str(tiny_model_dir)))
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir)))
 
 
 def test_activation_offload_detects_another_segment_input(tiny_model_dir, monkeypatch):
@@ -204,7 +196,8 @@ def test_activation_offload_detects_dropped_key_value_gradients(tiny_model_dir, 
 # --- the comparison must be able to fail -------------------------------------------------------
 def _expect_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
     patch(monkeypatch)
-    losses, params = _train(tiny_cfg(tiny_model_dir, schedule="interleaved", use_offload=True, seq_chunks=3))
+    losses, params = train_in_process(tiny_cfg(tiny_model_dir, schedule="interleaved", use_offload=True,
+                                               seq_chunks=3)).outcome
     with pytest.raises(AssertionError):
         assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
 

@@ -20,7 +20,7 @@ from pipeline.config import ConfigError
 from schedule import ScheduleError, simulate, validate
 from schedule.ir import Action, Op
 from tests.helpers.architectures import make_model, tiny_cfg
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trainer_masters
+from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +137,14 @@ def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
 
 
 # --- L1: one process holds every stage -------------------------------------------------------------
-def _train(cfg):
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    S = cfg.num_stages
-    first, last = trainer.stores[0], trainer.stores[S - 1]
+def _train_tied(cfg):
+    """Train ``cfg`` in one process; the two copies of the tied matrix must end bitwise equal."""
+    run = train_in_process(cfg)
+    first, last = run.trainer.stores[0], run.trainer.stores[cfg.num_stages - 1]
     copies = first.master[:first.tied_numel], last.master[:last.tied_numel]
     assert first.tied_numel == last.tied_numel > 0
     assert torch.equal(*copies), "the two copies of the tied matrix drifted apart"
-    return [h["loss"] for h in history], trainer_masters(trainer)
+    return run.outcome
 
 
 @pytest.mark.parametrize("arch,num_stages", [("llama3_tied", 2), ("qwen2_tied", 4)])
@@ -155,7 +154,7 @@ def test_tied_training_matches_hf(models_root, arch, num_stages, schedule, offlo
     cfg = tiny_cfg(make_model(arch, models_root), num_stages=num_stages, schedule=schedule, use_offload=offload,
                use_prefetch=offload)
     assert cfg.grad_clip > 0
-    losses, params = _train(cfg)
+    losses, params = _train_tied(cfg)
     assert "lm_head.weight" not in params  # saved once, as the embedding
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
 
@@ -166,7 +165,7 @@ def test_tied_unclipped_and_resident_match_hf(models_root, resident):
     every stage resident (both copies step on the device)."""
     cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="1f1b", use_offload=True,
                resident_stages=resident, grad_clip=0.0 if resident == 0 else 1.0)
-    losses, params = _train(cfg)
+    losses, params = _train_tied(cfg)
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
 
 
@@ -175,10 +174,9 @@ def test_without_the_exchange_the_comparison_fails(models_root, monkeypatch):
 
     monkeypatch.setattr(Executor, "_tie", lambda self, a: None)
     cfg = tiny_cfg(make_model("llama3_tied", models_root), num_stages=4, schedule="interleaved", use_offload=True)
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
+    run = train_in_process(cfg)
     with pytest.raises(AssertionError):
-        assert_same_training([h["loss"] for h in history], trainer_masters(trainer), *reference_train(cfg, cfg.model))
+        assert_same_training(*run.outcome, *reference_train(cfg, cfg.model))
 
 
 def test_copies_stepping_apart_are_refused(models_root):

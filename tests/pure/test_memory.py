@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import schedule as sched
-from models import FAMILIES, supports_sdpa, tiny_config
+from models import supports_sdpa, tiny_config
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.memory import MemoryInputs, ModelShape, StagePlan, layer_saved_bytes_per_token
 from pipeline.plan.source import preset_config
 from pipeline.stage.model import build_stage
+from tests.helpers.families import FAMILY_TYPES
 
 
 def _saved_bytes(module, x, loss_fn=None) -> int:
@@ -31,9 +32,6 @@ def _saved_bytes(module, x, loss_fn=None) -> int:
         if loss_fn is not None:
             loss_fn(out)
     return sum(seen.values())
-
-
-FAMILY_TYPES = [spec.model_types[0] for spec in FAMILIES]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
