@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from models import tied
 from pipeline.config import ConfigError, TrainConfig, partition_counts, report_targets
 from pipeline.plan.layout import check_replicas
 from pipeline.plan.lora import check_lora, lora_settings
@@ -323,10 +324,12 @@ def check_files(cfg: TrainConfig, rank0: bool = True) -> None:
         source = resolve_model(cfg)
     lora_settings(cfg, source.config)  # the target modules against the model's layers, the saved adapter's
     if source.weights_dir is not None:
-        from pipeline.plan.weight_files import check_weight_files
+        from pipeline.plan.weight_files import check_tied_checkpoint, check_weight_files
 
         try:
             check_weight_files(source.weights_dir)
+            if tied(source.config):  # the two tensors the checks read; the rest of the plan reads none
+                check_tied_checkpoint(source.weights_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model {cfg.model!r}: {e}") from None
     if records is not None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from models.selfcheck import generic_path_line
 from pipeline.config import TrainConfig, partition_counts
 from pipeline.plan.fit import resolve_kept, resolve_resident
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import resolve_long_rows
 from pipeline.plan.partition import stage_layers
+from pipeline.stage.selfcheck import generic_path_line
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,11 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import UnsupportedModel, supported_types, supports_sdpa, tied
-from models.selfcheck import family_spec
+from models import UnsupportedModel, supported_types, supports_sdpa
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.plan.partition import given_counts
-from pipeline.plan.weight_files import check_tied_checkpoint
+from pipeline.stage.selfcheck import family_spec
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
@@ -144,8 +143,6 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
         hf_config.layer_types = types[: hf_config.num_hidden_layers]  # the kept layers' types
     try:
         spec.layer_kinds(hf_config)
-        if tied(hf_config) and weights_dir is not None:
-            check_tied_checkpoint(weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
     if spec.moe is not None and cfg.tiled_mlp == "true":

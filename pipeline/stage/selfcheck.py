@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from models.registry import _CHECKED, REGISTRY, UnsupportedModel, accept, generic_spec, supported_types
+from models.registry import REGISTRY, UnsupportedModel, accept, forget, generic_spec, known_spec, supported_types
 from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, submodule, tied
 
 RTOL = 1e-5
@@ -27,7 +27,7 @@ def family_spec(config) -> ArchSpec:
     Raises:
         UnsupportedModel: one line naming the model_type, the supported list and what differed.
     """
-    spec = REGISTRY.get(config.model_type) or _CHECKED.get(config.model_type)
+    spec = known_spec(config.model_type)
     if spec is not None:
         return spec
     spec = generic_spec(config)
@@ -89,6 +89,8 @@ LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
 
 
 def _check(config, spec: ArchSpec) -> str:
+    # imported here: a stage brings the attention kernels (a quarter of a second of imports),
+    # which a registered family's start never needs
     from pipeline.stage.model import Stage
 
     try:
@@ -118,7 +120,7 @@ def _check(config, spec: ArchSpec) -> str:
         return f"the generic stage path fails on it ({_first_line(e)})"
     finally:
         for t in spec.model_types:
-            _CHECKED.pop(t, None)
+            forget(t)
     if abs(float(loss) - float(ref_loss)) > RTOL * abs(float(ref_loss)):
         return f"loss {float(loss):.6g} against Hugging Face's {float(ref_loss):.6g}"
     for name, g in ref.items():
