@@ -7,7 +7,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import UnsupportedModel, supported_types, supports_sdpa
+from models import UnsupportedModel, set_attn_implementation, supported_types, supports_sdpa
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
 from pipeline.plan.partition import given_counts
@@ -165,7 +165,7 @@ def resolve_model(cfg: TrainConfig) -> ModelSource:
     if max_pos and cfg.seq_length > max_pos and not cfg.allow_long_sequences:
         raise ConfigError(f"seq_length ({cfg.seq_length}) exceeds the model's max_position_embeddings ({max_pos}); "
                           f"use seq_length <= {max_pos}, or --allow_long_sequences to train past it anyway")
-    hf_config._attn_implementation = attention_kernel(cfg, hf_config)
+    set_attn_implementation(hf_config, attention_kernel(cfg, hf_config))
     if cfg.packing and cfg.seq_length > _rope_switch(hf_config):
         # the frequencies of a packed row's records would follow the longest record of each call
         raise ConfigError(f"model {cfg.model!r} picks its RoPE frequencies from the longest position it sees "

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from models.registry import REGISTRY, UnsupportedModel, accept, forget, generic_spec, known_spec, supported_types
-from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, submodule, tied
+from models.spec import (ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, set_attn_implementation,
+                         submodule, tied)
 
 RTOL = 1e-5
 BATCH, SEQ, WINDOW, VOCAB, LAYERS = 2, 24, 8, 128, 2  # the shrunk model and its batch
@@ -74,7 +75,7 @@ def shrunk(config):
         if isinstance(value, int) and value >= VOCAB:
             small[key] = VOCAB - 1
     out = type(config)(**{**config.to_dict(), **small})
-    out._attn_implementation = "eager"
+    set_attn_implementation(out, "eager")
     return out
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from tests.helpers.paths import ROOT
+from tests.helpers.sources import package_sources
 
 # The layers, first to last. A name covers its module and every module under it; a module's layer
 # is the one of the longest name that covers it. docs/design.md ("Layers") gives the reasons.
@@ -27,21 +27,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline.run",),
     ("pipeline.train", "pipeline.launch", "main", "generate"),
 )
-
-PACKAGES = ("schedule", "models", "data", "offload", "pipeline")
-ENTRY_POINTS = ("main.py", "generate.py")
-
-
-def package_sources(root: Path = ROOT) -> dict[str, str]:
-    """Module name -> source of every module of the package."""
-    files = [p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))] + [root / f for f in ENTRY_POINTS]
-    out = {}
-    for path in files:
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path.read_text()
-    return out
 
 
 def is_package(name: str, sources: dict[str, str]) -> bool:
