@@ -326,6 +326,6 @@ def import_class(name: str):
 
 
 __all__ = ["ArchSpec", "Counts", "ExpertLayout", "FULL", "LayerKind", "LayerShape", "MoeSpec", "SLIDING",
-           "attn_implementation", "causal_lm_class", "counts", "head_dim", "import_class", "kv_heads", "llama_layer_shape",
-           "logit_softcap", "materialize_", "quiet_transformers", "set_attn_implementation", "skeleton", "submodule",
-           "supports_sdpa", "tied"]
+           "attn_implementation", "causal_lm_class", "counts", "head_dim", "import_class", "kv_heads",
+           "llama_layer_shape", "logit_softcap", "materialize_", "quiet_transformers", "set_attn_implementation",
+           "skeleton", "submodule", "supports_sdpa", "tied"]

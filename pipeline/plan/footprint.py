@@ -42,11 +42,11 @@ class ModelShape:
 
     @staticmethod
     def of(config) -> "ModelShape":
-        L = spec_for(config).shape(config)
-        return ModelShape(L.hidden, L.intermediate, L.heads, L.kv_dim, config.vocab_size, L.q_dim, L.kv_heads,
-                          L.pre_norms, L.post_norms, L.norm_fp32_out, L.qk_norm, L.experts_per_token, L.num_experts,
-                          L.expert_intermediate, L.expert_saved, L.attn_softcap, L.fused_qkv,
-                          counts(config).largest)
+        layer = spec_for(config).shape(config)
+        return ModelShape(layer.hidden, layer.intermediate, layer.heads, layer.kv_dim, config.vocab_size,
+                          layer.q_dim, layer.kv_heads, layer.pre_norms, layer.post_norms, layer.norm_fp32_out,
+                          layer.qk_norm, layer.experts_per_token, layer.num_experts, layer.expert_intermediate,
+                          layer.expert_saved, layer.attn_softcap, layer.fused_qkv, counts(config).largest)
 
     @property
     def q(self) -> int:

@@ -2,9 +2,10 @@
 ``_`` attribute (``x._f = ...``, ``x._f += ...``, ``x._f[k] = ...``, ``del x._f``,
 ``setattr(x, "_f", ...)``), calls another object's ``_`` method (``x._m(...)``, a module's
 ``module._f(...)`` too), reads one (``x._f``, ``getattr(x, "_f")``, a bound ``x._m`` handed on) or
-imports another module's ``_`` name; ``self``, ``cls`` and ``super()`` are the object's own. What the outside libraries offer only under a ``_`` name is listed in
-``OUTSIDE``, each with its reason and the one file allowed to use it. The checker is fed planted
-violations too, so a test that reports nothing is known to be able to report something."""
+imports another module's ``_`` name; ``self``, ``cls`` and ``super()`` are the object's own. What
+the outside libraries offer only under a ``_`` name is listed in ``OUTSIDE``, each with its reason
+and the one file allowed to use it. The checker is fed planted violations too, so a test that
+reports nothing is known to be able to report something."""
 from __future__ import annotations
 
 import ast
