@@ -62,7 +62,7 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
                        compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
                        cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
-                       lora_modules=adapted_per_layer(hf_config, adapters))
+                       lora_modules=adapted_per_layer(hf_config, adapters), delayed=cfg.delayed_update)
     return inp, program
 
 
