@@ -233,8 +233,8 @@ class Offloaded:
         (stepped chunk by chunk), not delayed (no load follows a delayed step), not sharded (the
         masters are whole only after the peers' exchange, which ends the step); else None."""
         chunked = fused and not self.delayed and store.shard is None
-        self._progress = StepProgress(store.workers.loader.poke if store.workers is not None else None) \
-            if chunked else None
+        poke = store.workers.loader.poke if store.workers is not None else None
+        self._progress = StepProgress(poke) if chunked else None
         # Delayed, no load follows the step: the next iteration's loads copy ``work``, refreshed
         # here to the masters as they are before this step (the last step's result), once this
         # iteration's loads have read the weights before that.

@@ -47,11 +47,11 @@ Threads and streams (the table is in docs/design.md, "Who owns what"): every fie
 ``StageStore`` and of its residency is written by the thread that built them (the main thread,
 which interprets the action list) and only buffer contents are written elsewhere; the optimizer
 thread gets what it reads (the gradients' event, the loads it must outwait) as arguments of the
-task, not from the fields. Each stream has one producing thread: compute and offload the main thread, load the
-``Loader`` thread when the rank has ``Workers`` (every LOAD's copy, also one that need not wait,
-so that a chunk behind a step and another stage's copy never race for the stream or its
-staging buffer), the main thread without. ``MMOC_DEBUG_THREADS=1`` (or ``owners.CHECK_THREADS``)
-asserts both rules at every stream use and field write.
+task, not from the fields. Each stream has one producing thread: compute and offload the main
+thread, load the ``Loader`` thread when the rank has ``Workers`` (every LOAD's copy, also one
+that need not wait, so that a chunk behind a step and another stage's copy never race for the
+stream or its staging buffer), the main thread without. ``MMOC_DEBUG_THREADS=1`` (or
+``owners.CHECK_THREADS``) asserts both rules at every stream use and field write.
 """
 from __future__ import annotations
 
