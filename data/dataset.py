@@ -194,7 +194,7 @@ def _load_files(source: str) -> datasets.Dataset:
         where = next((w for w in map(_bad_json_line, files) if w), None)
         raise DataError(
             f"data source {source!r}: {where}" if where else
-            f"data source {source!r}: could not read {len(files)} file(s): {_first_line(e)}"
+            f"data source {source!r}: could not read {len(files)} file(s): {error_line(e)}"
         ) from None
 
 
@@ -271,7 +271,7 @@ def _load_cached(name: str, split: str) -> datasets.Dataset:
         except Exception as e:  # not cached, unknown split, ... : all mean "cannot use it"
             raise DataError(
                 f"data source {name!r}: not a path, and loading it as a dataset name from the "
-                f"local cache (offline) failed: {_first_line(e)}; {_EXPECTED}"
+                f"local cache (offline) failed: {error_line(e)}; {_EXPECTED}"
             ) from e
 
 
@@ -304,6 +304,7 @@ def _offline() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _first_line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -24,9 +24,9 @@ from data.dataset import (
     TEXT,
     XSUM,
     DataError,
-    _first_line,
     chat_messages,
     detect_format,
+    error_line,
     record_fields,
 )
 
@@ -366,7 +366,7 @@ class _ChatEncoder:
             raise
         except Exception as e:  # noqa: BLE001 - a template's raise_exception and Jinja errors alike
             if self.first_failure is None:
-                self.first_failure = f"the chat template failed on record {index}: {_first_line(e)}"
+                self.first_failure = f"the chat template failed on record {index}: {error_line(e)}"
             return None
         return text, spans
 

@@ -1,5 +1,5 @@
 """model_type -> ``ArchSpec``: the registered families, and families a start-up self-check
-proved (``models.selfcheck``)."""
+proved (``pipeline.stage.selfcheck``, which runs a family through the pipeline's stages)."""
 from __future__ import annotations
 
 from models import gemma, gpt_oss, llama, mistral, olmo2, phi3, qwen2, qwen3, qwen3_moe
@@ -20,9 +20,14 @@ def supported_types() -> list[str]:
     return sorted(REGISTRY)
 
 
+def known_spec(model_type: str) -> ArchSpec | None:
+    """The spec of ``model_type`` if it is registered or its self-check passed in this process, else None."""
+    return REGISTRY.get(model_type) or _CHECKED.get(model_type)
+
+
 def spec_for(config) -> ArchSpec:
-    """The spec of ``config.model_type``: registered, or proved by ``models.selfcheck.check``."""
-    spec = REGISTRY.get(config.model_type) or _CHECKED.get(config.model_type)
+    """The spec of ``config.model_type``: registered, or proved by ``pipeline.stage.selfcheck.check``."""
+    spec = known_spec(config.model_type)
     if spec is None:
         raise UnsupportedModel(f"model_type {config.model_type!r} is not supported (supported: "
                                f"{', '.join(supported_types())}; other Llama-shaped families are accepted after "
@@ -65,5 +70,10 @@ def accept(spec: ArchSpec) -> None:
         _CHECKED[t] = spec
 
 
-__all__ = ["FAMILIES", "REGISTRY", "UnsupportedModel", "accept", "generic_spec", "spec_for", "supported_types",
-           "tiny_config"]
+def forget(model_type: str) -> None:
+    """Unregister a self-checked family: the check itself registers it only while its stages run."""
+    _CHECKED.pop(model_type, None)
+
+
+__all__ = ["FAMILIES", "REGISTRY", "UnsupportedModel", "accept", "forget", "generic_spec", "known_spec", "spec_for",
+           "supported_types", "tiny_config"]

@@ -187,9 +187,21 @@ def logit_softcap(config) -> float | None:
 # --- the Hugging Face classes ----------------------------------------------------------------------
 def causal_lm_class(config) -> type:
     """The ``*ForCausalLM`` class transformers builds for ``config``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def attn_implementation(config) -> str | None:
+    """The attention kernel the modules built from ``config`` call (transformers reads it when it
+    builds them and at each forward); None where the config names none. transformers' config has
+    no public accessor for it: its own code uses this attribute."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(config, kernel: str) -> None:
+    """Set ``attn_implementation``: the attribute's setter hands the value on to the sub-configs."""
+    config._attn_implementation = kernel
 
 
 def supports_sdpa(config) -> bool:
@@ -212,7 +224,7 @@ def _parameters_on_meta():
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             if param.ndim == 1 and (bool((param == 1).all()) or bool((param == 0).all())):
                 meta.constant_init = float(param.detach()[0]) if param.numel() else 0.0  # 1, or (1 + w)'s 0
-            module._parameters[name] = meta
+            register(module, name, meta)  # in place of the real one just registered
 
     nn.Module.register_parameter = on_meta
     try:
@@ -225,8 +237,8 @@ def skeleton(config) -> nn.Module:
     """The family's ``*ForCausalLM`` for ``config``, parameters on the meta device: a stage takes
     the modules it holds out of it (``pipeline.stage.model.Stage``), the counts read its shapes."""
     config = copy.deepcopy(config)
-    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
-        config._attn_implementation = "eager"  # building checks the kernel is installed; the stage sets its own
+    if attn_implementation(config) not in ("eager", "sdpa"):
+        set_attn_implementation(config, "eager")  # building checks the kernel is installed; the stage sets its own
     with _parameters_on_meta(), quiet_transformers():
         return causal_lm_class(config)(config)
 
@@ -248,12 +260,12 @@ def materialize_(module: nn.Module, device: torch.device | str = "cpu") -> None:
     seeded init fills it next); buffers stay as they are. A vector its module made constant (a
     norm's ones, a (1 + w) norm's zeros) keeps that value as ``constant_init``."""
     for sub in module.modules():
-        for name, p in list(sub._parameters.items()):
-            if p is not None and p.device.type == "meta":
+        for name, p in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
+            if p.device.type == "meta":
                 new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 if hasattr(p, "constant_init"):
                     new.constant_init = p.constant_init
-                sub._parameters[name] = new
+                sub.register_parameter(name, new)
 
 
 def submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -313,6 +325,7 @@ def import_class(name: str):
     return getattr(importlib.import_module("transformers"), name)
 
 
-__all__ = ["ArchSpec", "Counts", "ExpertLayout", "FULL", "LayerKind", "LayerShape", "MoeSpec", "SLIDING", "causal_lm_class",
-           "counts", "head_dim", "import_class", "kv_heads", "llama_layer_shape", "logit_softcap", "materialize_",
-           "quiet_transformers", "skeleton", "submodule", "supports_sdpa", "tied"]
+__all__ = ["ArchSpec", "Counts", "ExpertLayout", "FULL", "LayerKind", "LayerShape", "MoeSpec", "SLIDING",
+           "attn_implementation", "causal_lm_class", "counts", "head_dim", "import_class", "kv_heads",
+           "llama_layer_shape", "logit_softcap", "materialize_", "quiet_transformers", "set_attn_implementation",
+           "skeleton", "submodule", "supports_sdpa", "tied"]

@@ -18,9 +18,9 @@ class Loader:
 
     One thread for all loads, also those that need not wait (the main thread could issue those
     itself): the staging buffer and the stream order of the chunks then need no lock, and the
-    stream has one producer to reason about (STYLE.md, habit 13). The cost is one thread
-    hand-off per LOAD (tens of microseconds): with prefetch it is hidden behind the compute
-    before the stage's; without, the copy starts that much later."""
+    stream has one producer to reason about. The cost is one thread hand-off per LOAD (tens of
+    microseconds): with prefetch it is hidden behind the compute before the stage's; without, the
+    copy starts that much later."""
 
     def __init__(self, device: torch.device):
         self._cv = threading.Condition()

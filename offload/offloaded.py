@@ -5,30 +5,50 @@ the rank's pool. The host side runs on the rank's ``Workers`` (``offload.store``
 loads streamed behind the optimizer step, the ``work`` refresh, the squared norm)."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Generator
 
 import torch
 
-from offload import loader, slices
+from offload import loader, owners, slices
 from offload.loader import LoadSpan, StepProgress
 from offload.streams import host_empty
 
 if TYPE_CHECKING:
     from offload.store import StageStore
+    from offload.streams import Clock
 
 
 class Offloaded:
-    """The ``Residency`` of an offloaded stage (one per store: its methods take the store, whose
-    fields they read and write on the store's own thread, except where marked)."""
+    """The ``Residency`` of an offloaded stage, one per store: the buffers that come and go
+    (``work``, ``dev``, ``grad``) and the hand-offs of their copies are its fields. Its methods take
+    the store, whose buffers and streams they use, and run on the store's thread, which alone
+    writes these fields, except where marked."""
 
     offload = True
 
     def __init__(self, delayed: bool = False):
+        self._owner = threading.current_thread()
         # delayed update: ``work`` keeps the weights from before the last step, so the next
         # iteration computes with them while that step runs (``before_step``)
         self.delayed = delayed
+        self.work: torch.Tensor | None = None  # from ``place`` on: the copy a later LOAD copies
+        self.dev: torch.Tensor | None = None   # between LOAD and DROP/OFFLOAD_GRADS: the weights
+        self.grad: torch.Tensor | None = None  # from the first backward to OFFLOAD_GRADS
+        self.loaded = False
+        self.grads_event = None  # offload stream: the gradients are in host memory
+        self._load_future: Future | None = None  # -> LoadSpan; its end is what compute waits for
+        self._norm_future: Future | None = None  # optimizer thread: squared norm of the offloaded grads
+        # of a step not yet loaded from: it changed the masters since ``work`` was refreshed
+        self._progress: StepProgress | None = None
+        self._refresh_future: Future | None = None  # optimizer thread: ``work`` from the masters
+        self._work_reads: list = []  # delayed: load-stream ends of this iteration's copies out of ``work``
+
+    def __setattr__(self, name: str, value) -> None:
+        owners.check_field_write(self.__dict__.get("_owner"), "Offloaded", name)
+        object.__setattr__(self, name, value)
 
     def master(self, store: "StageStore") -> torch.Tensor:
         """The fp32 masters, in host memory (pinned on CUDA)."""
@@ -41,42 +61,40 @@ class Offloaded:
     def place(self, store: "StageStore") -> None:
         same_dtype = store.dtype == torch.float32
         own_copy = not same_dtype or self.delayed  # delayed: the masters move on while ``work`` stays
-        store.work = host_empty(store.numel, store.dtype, store.device.type == "cuda") if own_copy else store.master
-        store.dev = store.grad = None
-        store.work.copy_(store.master)
+        self.work = host_empty(store.numel, store.dtype, store.device.type == "cuda") if own_copy else store.master
+        self.work.copy_(store.master)
         # Until its first LOAD the stage holds nothing: the module's own fp32 weights would
         # otherwise stay alive beside the masters (a 7B model's 25 GiB of host memory at start-up).
-        store._bind(None, None)
-        store.loaded = False
+        store.bind(None, None)
 
-    def load(self, store) -> Future:
+    def load(self, store: "StageStore") -> Future:
         """LOAD: host -> device copy of the weights on the load stream, issued by its producer
         (the loader thread with workers). Returns a future of its ``LoadSpan``; the host never
         blocks here (see ``offload.store``'s docstring)."""
         dev, ready = store.pool.take(store.numel, store.dtype)
-        store.dev = dev
-        store._bind(store.dev, store.grad)
-        store.loaded = True
-        progress, store._progress = store._progress, None
+        self.dev = dev
+        store.bind(self.dev, self.grad)
+        self.loaded = True
+        progress, self._progress = self._progress, None
         if progress is not None:  # first load since a step: from the masters, chunk by chunk behind the step
-            src, after = store.master, store._step_future
-            if store.work is not store.master:
-                store._refresh_future = store._run_on_optimizer(self.refresh_work, store)
+            src, after = store.master, store.step_future
+            if self.work is not store.master:
+                self._refresh_future = store.run_on_optimizer(self.refresh_work, store)
         else:
-            src, after = store.work, store._refresh_future
+            src, after = self.work, self._refresh_future
             if store.shard is not None and after is None:
-                after = store._step_future  # sharded: ``work`` is written by the step, after the exchange
+                after = store.step_future  # sharded: ``work`` is written by the step, after the exchange
         behind = after is not None and not after.done()  # the optimizer still writes ``src``
         job = self.copy_in(store, src, dev, ready, after, progress, behind)
         if store.workers is None:
-            store._load_future = loader.done(loader.run_through(job))
+            self._load_future = loader.done(loader.run_through(job))
         else:
             if behind:
                 after.add_done_callback(store.workers.loader.poke)
-            store._load_future = store.workers.loader.submit(job)
-        return store._load_future
+            self._load_future = store.workers.loader.submit(job)
+        return self._load_future
 
-    def copy_in(self, store, src: torch.Tensor, dev: torch.Tensor, ready, after: Future | None,
+    def copy_in(self, store: "StageStore", src: torch.Tensor, dev: torch.Tensor, ready, after: Future | None,
                 progress: StepProgress | None, behind: bool) -> Generator[None, None, LoadSpan]:
         """A job for the load stream's producer (``Loader``): the copy of ``src`` into ``dev``,
         chunk by chunk, each once the optimizer has written it (``after``, the step or refresh
@@ -109,10 +127,11 @@ class Offloaded:
             step_done = time.perf_counter()
         end = store.streams.mark("load")
         if progress is None:
-            store._note_transfer("h2d", start, end, store.numel * src.element_size())
+            store.note_transfer("h2d", start, end, store.numel * src.element_size())
         return LoadSpan(start, end, step_done)
 
-    def copy_chunk(self, store, src: torch.Tensor, dev: torch.Tensor, lo: int, hi: int, timed: bool) -> None:
+    def copy_chunk(self, store: "StageStore", src: torch.Tensor, dev: torch.Tensor, lo: int, hi: int,
+                   timed: bool) -> None:
         """Elements ``[lo, hi)`` of ``src`` into ``dev`` on the load stream (its producer only).
         On CUDA an fp32 source is converted on the device, through the staging buffer, not by
         the host. ``timed``: a transfer of its own in ``transfers``."""
@@ -125,71 +144,104 @@ class Offloaded:
             else:
                 dev[lo:hi].copy_(src[lo:hi], non_blocking=True)
             if c_start is not None:
-                store._note_transfer("h2d", c_start, store.streams.event("load", timing=True),
-                                     (hi - lo) * src.element_size())
+                store.note_transfer("h2d", c_start, store.streams.event("load", timing=True),
+                                    (hi - lo) * src.element_size())
 
-    def drop(self, store) -> None:
+    def before_compute(self, store: "StageStore", backward: bool, clock: "Clock | None") -> None:
+        """Before an F/B of the stage: the host waits for the last LOAD's copy to be issued, the
+        compute stream for the copy itself; the first backward of the iteration takes a zeroed
+        gradient buffer from the pool (``StageStore.before_compute`` says what ``clock`` gets)."""
+        if self._load_future is not None:
+            t0 = time.perf_counter()
+            span = self._load_future.result()  # host wait: only when the copy is not issued yet
+            t1 = time.perf_counter()
+            self._load_future = None
+            if self.delayed:
+                self._work_reads.append(span.end)
+            stepped = min(t1, span.step_done) - t0 if span.step_done is not None else 0.0
+            if clock is not None:
+                clock.add("optimizer_wait", max(0.0, stepped))
+            if store.streams.cuda:
+                before = store.streams.mark()
+                store.streams.wait("compute", span.end)
+                if clock is not None:
+                    clock.span("load_wait", before, store.streams.mark())
+            elif clock is not None:
+                clock.add("load_wait", max(0.0, (t1 - t0) - max(0.0, stepped)))
+        if backward and self.grad is None:
+            grad, ready = store.pool.take(store.numel, store.dtype)
+            store.streams.wait("compute", ready)
+            grad.zero_()
+            self.grad = grad
+            store.bind(self.dev, self.grad)
+
+    def drop(self, store: "StageStore") -> None:
         """DROP: forget the device copy (weights did not change, nothing goes back)."""
-        store.pool.give(store.dev, store.streams.event("compute"))
-        store.dev = None
-        store._bind(None, store.grad)
-        store.loaded = False
+        store.pool.give(self.dev, store.streams.event("compute"))
+        self.dev = None
+        store.bind(None, self.grad)
+        self.loaded = False
 
-    def offload_grads(self, store, norm: bool = False) -> None:
+    def offload_grads(self, store: "StageStore", norm: bool = False) -> None:
         """OFFLOAD_GRADS: fp32 gradients device -> host on the offload stream, then free device memory;
         with ``norm`` the optimizer thread takes their squared norm once they have landed."""
-        if store.delayed and store._step_future is not None:
+        if self.delayed and store.step_future is not None:
             # host wait: the last iteration's step may still read ``master_grad``, which this copy
             # overwrites (without the delay every load of this iteration already waited for it)
-            store._step_future.result()
+            store.step_future.result()
         done = store.streams.event("compute")
         with store.streams.on("offload"):
             store.streams.wait("offload", done)  # the backward that wrote the grads is done
             start = store.streams.event("offload", timing=True)
             self.copy_out(store)
-        store._grads_event = store.streams.event("offload", timing=True)
-        store._note_transfer("d2h", start, store._grads_event, store.numel * 4)
-        store.pool.give(store.dev, done)
-        store.pool.give(store.grad, store._grads_event)
-        store.dev = store.grad = None
-        store._bind(None, None)
-        store.loaded = False
+        self.grads_event = store.streams.event("offload", timing=True)
+        store.note_transfer("d2h", start, self.grads_event, store.numel * 4)
+        store.pool.give(self.dev, done)
+        store.pool.give(self.grad, self.grads_event)
+        self.dev = self.grad = None
+        store.bind(None, None)
+        self.loaded = False
         if norm and store.workers is not None:
-            store._norm_future = store.workers.optimizer.submit(store._squared_norm, store._grads_event)
+            self._norm_future = store.workers.optimizer.submit(store.squared_grad_norm, self.grads_event)
 
-    def copy_out(self, store) -> None:
+    def copy_out(self, store: "StageStore") -> None:
         """Slice by slice: to fp32 on the device (a transient of slices.GRAD_SLICE_NUMEL floats on the
-        offload stream, reused chunk after chunk in stream order), then into master_grad. Nothing else
-        runs on the offload stream: under NCCL a squared norm taken here on the device (cuBLAS's
-        dot or a reduction kernel) deadlocked the first backward of clipped runs, a peer's
-        gradient send never received (cause unknown; docs/design.md, "Known limitations"), so
-        ``_squared_norm`` takes the norm on the host."""
+        offload stream, reused chunk after chunk in stream order), then into master_grad. Only these
+        copies run on the offload stream: a squared norm taken on the device there is known to hang
+        clipped runs under NCCL (docs/design.md, "Known limitations"), so the optimizer thread takes
+        it from the host copy (``StageStore.squared_grad_norm``)."""
         for lo in range(0, store.numel, slices.GRAD_SLICE_NUMEL):
-            chunk = store.grad[lo:lo + slices.GRAD_SLICE_NUMEL].float()  # a view when already fp32
+            chunk = self.grad[lo:lo + slices.GRAD_SLICE_NUMEL].float()  # a view when already fp32
             store.master_grad[lo:lo + slices.GRAD_SLICE_NUMEL].copy_(chunk, non_blocking=True)
 
+    def take_norm(self) -> Future | None:
+        """The squared norm the last OFFLOAD_GRADS queued on the optimizer thread, handed over once
+        (None when none is queued)."""
+        future, self._norm_future = self._norm_future, None
+        return future
+
     def grads_ready(self, store: "StageStore", grads_event=None) -> torch.Tensor:
-        """fp32 gradients in host memory, once ``grads_event`` (the OFFLOAD_GRADS copy's, taken from
-        the field by the caller's thread, the main one) is done."""
+        """fp32 gradients in host memory, once ``grads_event`` (the OFFLOAD_GRADS copy's, read from
+        ``self.grads_event`` by the caller's thread, the main one) is done."""
         if grads_event is not None:
             grads_event.synchronize()  # host sync (optimizer or main thread): the CPU reads the D2H copy
         return store.master_grad
 
-    def progress(self, store: "StageStore", fused: bool) -> StepProgress | None:
-        """How far the step has written, for the next LOAD to stream behind it: with the fused
-        kernel (stepped chunk by chunk), not delayed (no load follows a delayed step), not
-        sharded (the masters are whole only after the peers' exchange, which ends the step)."""
-        if fused and not self.delayed and store.shard is None:
-            return StepProgress(store.workers.loader.poke if store.workers is not None else None)
-        return None
-
-    def before_step(self, store: "StageStore") -> None:
+    def before_step(self, store: "StageStore", fused: bool) -> StepProgress | None:
+        """At STEP, on the store's thread: how far the step will have written, for the next LOAD to
+        stream behind it (returned for the step's task, kept for that LOAD): with the fused kernel
+        (stepped chunk by chunk), not delayed (no load follows a delayed step), not sharded (the
+        masters are whole only after the peers' exchange, which ends the step); else None."""
+        chunked = fused and not self.delayed and store.shard is None
+        poke = store.workers.loader.poke if store.workers is not None else None
+        self._progress = StepProgress(poke) if chunked else None
         # Delayed, no load follows the step: the next iteration's loads copy ``work``, refreshed
         # here to the masters as they are before this step (the last step's result), once this
         # iteration's loads have read the weights before that.
         if self.delayed:
-            reads, store._work_reads = store._work_reads, []
-            store._refresh_future = store._run_on_optimizer(self.refresh_work, store, reads)
+            reads, self._work_reads = self._work_reads, []
+            self._refresh_future = store.run_on_optimizer(self.refresh_work, store, reads)
+        return self._progress
 
     def after_step(self, store: "StageStore", progress: StepProgress | None) -> None:
         """On the optimizer thread, after AdamW: the peers' exchange (sharded; collective, on this
@@ -197,22 +249,27 @@ class Offloaded:
         stepped whole, ``work`` (the next load copies it)."""
         if store.shard is not None:
             store.shard.exchange(store.master)
-        if progress is None and store.work is not store.master and not self.delayed:
-            store.work.copy_(store.master)  # not chunked: the next load copies ``work``
+        if progress is None and self.work is not store.master and not self.delayed:
+            self.work.copy_(store.master)  # not chunked: the next load copies ``work``
 
-    def refresh_work(self, store, reads: tuple = ()) -> None:
+    def refresh_work(self, store: "StageStore", reads: tuple = ()) -> None:
         """``work`` from the masters (fp32 -> compute dtype), for the loads after the first;
         first the copies out of ``work`` that ``reads`` end (load-stream events) must be done."""
         for end in reads:
             if hasattr(end, "synchronize"):
                 end.synchronize()  # host sync (optimizer thread): a load still reads the old ``work``
-        store.work.copy_(store.master)
+        self.work.copy_(store.master)
+
+    def wait_refresh(self) -> None:
+        """Host wait for the queued refresh of ``work``; re-raises its error here."""
+        if self._refresh_future is not None:
+            self._refresh_future.result()
+            self._refresh_future = None
 
     def discard(self, store: "StageStore") -> None:
         # The device buffer went back to the pool at OFFLOAD_GRADS and is zeroed by the next first
         # backward; master_grad is overwritten by the next OFFLOAD_GRADS's copy.
-        store._norm_future = None
-        store._grads_summed = False
+        self._norm_future = None
 
 
 __all__ = ["Offloaded"]

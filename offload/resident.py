@@ -3,23 +3,38 @@ masters and AdamW state stay on the device for the whole run; LOAD, DROP and OFF
 nothing, and its step is the fused CUDA AdamW, on the main thread."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
-from offload import loader
+from offload import loader, owners
 
 if TYPE_CHECKING:
     from offload.loader import StepProgress
     from offload.store import StageStore
+    from offload.streams import Clock
 
 
 class Resident:
-    """The ``Residency`` of a stage that stays on the device."""
+    """The ``Residency`` of a stage that stays on the device. Its fields are written by the thread
+    that made it (the store's), as the store's are."""
 
     offload = False
     delayed = False
+    grads_event = None  # no gradient goes to the host
+
+    def __init__(self):
+        self._owner = threading.current_thread()
+        self.work: torch.Tensor | None = None  # nothing crosses PCIe
+        self.dev: torch.Tensor | None = None   # from ``place`` on: the compute copy (the masters in fp32)
+        self.grad: torch.Tensor | None = None  # from ``place`` on: its gradient (``master_grad`` in fp32)
+        self.loaded = False
+
+    def __setattr__(self, name: str, value) -> None:
+        owners.check_field_write(self.__dict__.get("_owner"), "Resident", name)
+        object.__setattr__(self, name, value)
 
     def master(self, store: "StageStore") -> torch.Tensor:
         return torch.empty(store.numel, dtype=torch.float32, device=store.device)
@@ -30,15 +45,17 @@ class Resident:
     def place(self, store: "StageStore") -> None:
         # device copies live for the whole run; with fp32 compute they are the masters themselves
         same_dtype = store.dtype == torch.float32
-        store.work = None
-        store.dev = store.master if same_dtype else store.master.to(store.dtype)
-        store.grad = store.master_grad if same_dtype else torch.zeros(store.numel, dtype=store.dtype,
-                                                                      device=store.device)
-        store._bind(store.dev, store.grad)
-        store.loaded = True
+        self.dev = store.master if same_dtype else store.master.to(store.dtype)
+        self.grad = store.master_grad if same_dtype else torch.zeros(store.numel, dtype=store.dtype,
+                                                                     device=store.device)
+        store.bind(self.dev, self.grad)
+        self.loaded = True
 
     def load(self, store: "StageStore") -> Future:
         return loader.done(None)
+
+    def before_compute(self, store: "StageStore", backward: bool, clock: "Clock | None") -> None:
+        pass  # the weights and the gradient buffer are always there
 
     def drop(self, store: "StageStore") -> None:
         pass
@@ -46,32 +63,34 @@ class Resident:
     def offload_grads(self, store: "StageStore", norm: bool = False) -> None:
         pass
 
+    def take_norm(self) -> Future | None:
+        return None  # the norm is taken when NORM asks (``StageStore.grad_sq_norm``)
+
     def grads_ready(self, store: "StageStore", grads_event=None) -> torch.Tensor:
         """The fp32 gradient next to the masters: the device gradient copied in (not over the
         replicas' sum ``reduce_grads`` put there; with fp32 compute it is the same buffer)."""
-        if store.grad is not store.master_grad and not store._grads_summed:
-            store.master_grad.copy_(store.grad)
+        if self.grad is not store.master_grad and not store.grads_summed:
+            store.master_grad.copy_(self.grad)
         return store.master_grad
 
-    def progress(self, store: "StageStore", fused: bool) -> "StepProgress | None":
+    def before_step(self, store: "StageStore", fused: bool) -> "StepProgress | None":
         return None  # no load streams behind a device step
-
-    def before_step(self, store: "StageStore") -> None:
-        pass
 
     def after_step(self, store: "StageStore", progress: "StepProgress | None") -> None:
         """The compute copy from the stepped masters, and the gradients zeroed for the next iteration."""
-        if store.dev is not store.master:
-            store.dev.copy_(store.master)
-        store.grad.zero_()
-        if store.master_grad is not store.grad:
+        if self.dev is not store.master:
+            self.dev.copy_(store.master)
+        self.grad.zero_()
+        if store.master_grad is not self.grad:
             store.master_grad.zero_()
 
+    def wait_refresh(self) -> None:
+        pass  # no compute copy is refreshed on another thread
+
     def discard(self, store: "StageStore") -> None:
-        store.grad.zero_()
-        if store.master_grad is not store.grad:
+        self.grad.zero_()
+        if store.master_grad is not self.grad:
             store.master_grad.zero_()
-        store._grads_summed = False
 
 
 __all__ = ["Resident"]

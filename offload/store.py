@@ -43,15 +43,15 @@ With ``Workers`` (offload), the host side runs off the main thread:
   the stage's first compute (``before_compute``), where the weights are needed, so the step
   of one stage overlaps the next iteration's compute of the stages whose steps are done.
 
-Threads and streams (the table is in docs/design.md, "Who owns what"): every ``StageStore``
-field is written by the thread that built the store (the main thread, which interprets the
-action list) and only buffer contents are written elsewhere; the optimizer thread gets what it
-reads (the gradients' event, the loads it must outwait) as arguments of the task, not from the
-fields. Each stream has one producing thread: compute and offload the main thread, load the
-``Loader`` thread when the rank has ``Workers`` (every LOAD's copy, also one that need not wait,
-so that a chunk behind a step and another stage's copy never race for the stream or its
-staging buffer), the main thread without. ``MMOC_DEBUG_THREADS=1`` (or ``owners.CHECK_THREADS``)
-asserts both rules at every stream use and field write.
+Threads and streams (the table is in docs/design.md, "Who owns what"): every field of a
+``StageStore`` and of its residency is written by the thread that built them (the main thread,
+which interprets the action list) and only buffer contents are written elsewhere; the optimizer
+thread gets what it reads (the gradients' event, the loads it must outwait) as arguments of the
+task, not from the fields. Each stream has one producing thread: compute and offload the main
+thread, load the ``Loader`` thread when the rank has ``Workers`` (every LOAD's copy, also one
+that need not wait, so that a chunk behind a step and another stage's copy never race for the
+stream or its staging buffer), the main thread without. ``MMOC_DEBUG_THREADS=1`` (or
+``owners.CHECK_THREADS``) asserts both rules at every stream use and field write.
 """
 from __future__ import annotations
 
@@ -78,11 +78,19 @@ _FROZEN_VIEW = object()  # tag of a packed view of the frozen weights' device bu
 
 class Residency(Protocol):
     """Where a stage's parameters, gradients and AdamW state live, and how LOAD, DROP,
-    OFFLOAD_GRADS and STEP move them: ``Resident`` or ``Offloaded``. Its methods take the store and
-    run on the store's thread, except ``after_step`` and what it queues (the optimizer thread)."""
+    OFFLOAD_GRADS and STEP move them: ``Resident`` or ``Offloaded``, one per store. It owns the
+    buffers whose life depends on that and the hand-offs of their copies (its fields, written by
+    the store's thread only); the store reads the public ones and calls the methods. They take
+    the store, whose flat buffers, streams and pool they use, and run on its thread, except
+    ``grads_ready``, ``after_step`` and what they queue (the optimizer thread)."""
 
     offload: bool   # the state lives in host memory
     delayed: bool   # delayed update: the next iteration computes with the weights before this step
+    work: torch.Tensor | None   # the compute-dtype copy later LOADs copy (pinned host); None resident
+    dev: torch.Tensor | None    # the device copy the modules compute with; None while not loaded
+    grad: torch.Tensor | None   # the device gradient; None between OFFLOAD_GRADS and the first backward
+    loaded: bool
+    grads_event: object | None  # offload stream: the last OFFLOAD_GRADS's copy is done; None resident
 
     def master(self, store: "StageStore") -> torch.Tensor: ...
 
@@ -93,17 +101,25 @@ class Residency(Protocol):
 
     def load(self, store: "StageStore") -> Future: ...
 
+    def before_compute(self, store: "StageStore", backward: bool, clock: Clock | None) -> None:
+        """The waits for the last LOAD; ``backward``: a gradient buffer bound, zeroed, if none is."""
+
     def drop(self, store: "StageStore") -> None: ...
 
     def offload_grads(self, store: "StageStore", norm: bool = False) -> None: ...
 
+    def take_norm(self) -> Future | None:
+        """The squared norm OFFLOAD_GRADS queued, once; None if none was."""
+
     def grads_ready(self, store: "StageStore", grads_event=None) -> torch.Tensor: ...
 
-    def progress(self, store: "StageStore", fused: bool) -> StepProgress | None: ...
-
-    def before_step(self, store: "StageStore") -> None: ...
+    def before_step(self, store: "StageStore", fused: bool) -> StepProgress | None:
+        """At STEP: the progress the step reports chunk by chunk, for a load to stream behind; or None."""
 
     def after_step(self, store: "StageStore", progress: StepProgress | None) -> None: ...
+
+    def wait_refresh(self) -> None:
+        """Host wait for a refresh of ``work`` queued on the optimizer thread."""
 
     def discard(self, store: "StageStore") -> None: ...
 
@@ -187,34 +203,44 @@ class StageStore:
                                optim, shard if residency.offload else None)
         self.optimizer, self.shard, self.shard_range = self.adamw.optimizer, self.adamw.shard, self.adamw.shard_range
         residency.place(self)  # work, dev, grad and the parameters' views
-        self._load_future: Future | None = None   # -> LoadSpan; its end is what compute waits for
-        self._grads_event = None    # offload stream: gradients are in host memory
-        self._norm_future: Future | None = None   # optimizer thread: squared norm of the offloaded grads
-        self._step_future: Future | None = None
-        # of a step not yet loaded from: it changed the masters since ``work`` was refreshed
-        self._progress: StepProgress | None = None
-        self._refresh_future: Future | None = None  # optimizer thread: ``work`` from the masters
-        self._work_reads: list = []  # delayed: load-stream ends of this iteration's copies out of ``work``
+        self.step_future: Future | None = None  # the last STEP's; the residency's loads may wait for it
         # data parallel: ``master_grad`` holds the replicas' sum (``reduce_grads``); a resident
         # stage's step must not copy its own device gradient over it again
-        self._grads_summed = False
+        self.grads_summed = False
         self._gathered: dict | None = None  # sharded: the whole AdamW state, for the next save
         # (h2d|d2h, bytes, start, end) on CUDA: h2d appended by the load stream's producer, d2h
         # by this thread, drained by this thread (a deque: append and popleft are thread-safe)
         self.transfers: deque[tuple[str, int, object, object]] = deque()
 
     def __setattr__(self, name: str, value) -> None:
-        # ``CHECK_THREADS``: only the thread that built the store writes its fields (module docstring)
-        if owners.CHECK_THREADS and "_owner" in self.__dict__:
-            owners.assert_owner(self._owner, f"StageStore.{name}")
+        # only the thread that built the store writes its fields (module docstring)
+        owners.check_field_write(self.__dict__.get("_owner"), "StageStore", name)
         object.__setattr__(self, name, value)
+
+    # the buffers whose life the residency decides (``Residency``)
+    @property
+    def work(self) -> torch.Tensor | None:
+        return self.residency.work
+
+    @property
+    def dev(self) -> torch.Tensor | None:
+        return self.residency.dev
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        return self.residency.grad
+
+    @property
+    def loaded(self) -> bool:
+        return self.residency.loaded
 
     def _label(self) -> str:
         """The stage in messages: its index, else its first parameter (a LoRA stage may train none)."""
         index = getattr(self.module, "index", None)
         return f"stage {index}" if index is not None else f"stage with {self.names[0]}"
 
-    def _bind(self, dev: torch.Tensor | None, grad: torch.Tensor | None) -> None:
+    def bind(self, dev: torch.Tensor | None, grad: torch.Tensor | None) -> None:
+        """The parameters become views of ``dev`` (empty without it), their ``.grad`` views of ``grad``."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         views = flat_views(dev, self.shapes) if dev is not None else (empty for _ in self.params)
         gviews = flat_views(grad, self.shapes) if grad is not None else (None for _ in self.params)
@@ -240,29 +266,7 @@ class StageStore:
             raise RuntimeError(f"{self._label()} computed while its parameters are not loaded")
         if self.frozen is not None:
             self.frozen.wait()
-        if self._load_future is not None:
-            t0 = time.perf_counter()
-            span = self._load_future.result()  # host wait: only when the copy is not issued yet
-            t1 = time.perf_counter()
-            self._load_future = None
-            if self.delayed:
-                self._work_reads.append(span.end)
-            stepped = min(t1, span.step_done) - t0 if span.step_done is not None else 0.0
-            if clock is not None:
-                clock.add("optimizer_wait", max(0.0, stepped))
-            if self.streams.cuda:
-                before = self.streams.mark()
-                self.streams.wait("compute", span.end)
-                if clock is not None:
-                    clock.span("load_wait", before, self.streams.mark())
-            elif clock is not None:
-                clock.add("load_wait", max(0.0, (t1 - t0) - max(0.0, stepped)))
-        if backward and self.grad is None:
-            grad, ready = self.pool.take(self.numel, self.dtype)
-            self.streams.wait("compute", ready)
-            grad.zero_()
-            self.grad = grad
-            self._bind(self.dev, self.grad)
+        self.residency.before_compute(self, backward, clock)
 
     def drop(self) -> None:
         """DROP: forget the device copy (weights did not change, nothing goes back)."""
@@ -278,17 +282,20 @@ class StageStore:
         if self.frozen is not None:
             self.frozen.drop()
 
-    def _squared_norm(self, grads_event=None) -> torch.Tensor:
-        """On the optimizer thread (offload, the rank's share of the cores) or the main thread
+    def squared_grad_norm(self, grads_event=None) -> torch.Tensor:
+        """The squared norm of this stage's fp32 gradient (the tied matrix's counted by its first
+        copy). On the optimizer thread (offload, the rank's share of the cores) or the main thread
         (resident, torchrun's one): ``squared_norm`` sums the same way for any thread count, where
         ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently.
-        ``grads_event``: the offloaded gradients' (``_grads_ready``)."""
-        g = self._grads_ready(grads_event)
+        ``grads_event``: the offloaded gradients' (``Residency.grads_ready``)."""
+        g = self.residency.grads_ready(self, grads_event)
         if self.tied_copy:
             g = g[self.tied_numel:]  # the first stage's copy of the tied gradient counts it
         return squared_norm(g)
 
-    def _note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
+    def note_transfer(self, kind: str, start, end, nbytes: int | None = None) -> None:
+        """A copy between host and device (``h2d``/``d2h``) from event ``start`` to ``end``, for
+        ``pop_transfer_stats`` (on CUDA; appended by the thread that issued it)."""
         if self.streams.cuda:
             self.transfers.append((kind, nbytes or self.numel * self.work.element_size(), start, end))
 
@@ -302,20 +309,16 @@ class StageStore:
             out[kind] = (b + nbytes, t + start.elapsed_time(end) / 1e3)
         return out
 
-    def _grads_ready(self, grads_event=None) -> torch.Tensor:
-        """fp32 gradients next to the master weights (``Residency.grads_ready``)."""
-        return self.residency.grads_ready(self, grads_event)
-
     def reduce_grads(self, reduce) -> None:
         """Data parallelism (main thread, before NORM or STEP): ``reduce(master_grad)`` replaces
         this iteration's fp32 gradient in place by its sum over the replicas. A squared norm the
         OFFLOAD_GRADS queued is of the local gradient: it is awaited (it also waited for the copy to
         land) and dropped, and ``grad_sq_norm`` takes the norm of the sum instead."""
-        future, self._norm_future = self._norm_future, None
+        future = self.residency.take_norm()
         if future is not None:
             future.result()  # host wait: the optimizer thread saw the gradients land
-        reduce(self._grads_ready(self._grads_event))
-        self._grads_summed = True
+        reduce(self.residency.grads_ready(self, self.residency.grads_event))
+        self.grads_summed = True
 
     def tied_grad(self) -> torch.Tensor:
         """The device gradient of the tied matrix (a view into ``grad``: the TIE action sums the
@@ -328,8 +331,8 @@ class StageStore:
     def grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm of this stage's gradient, fp32, on the master device (with offload a
         host wait for the optimizer thread, which takes it once the gradients are in host memory)."""
-        future, self._norm_future = self._norm_future, None
-        return future.result() if future is not None else self._squared_norm(self._grads_event)
+        future = self.residency.take_norm()
+        return future.result() if future is not None else self.squared_grad_norm(self.residency.grads_event)
 
     def step(self, lr: float, clip_coef: float | None) -> Future:
         """STEP: AdamW on the masters. With workers it runs on the optimizer thread while the GPU
@@ -338,14 +341,13 @@ class StageStore:
         ``grad_scale``, the inverse) instead of a separate pass over them. Returns a future of
         the step's wall-clock ``(start, end)``."""
         fused = self.optimizer.defaults.get("fused")
-        progress = self.residency.progress(self, fused)  # chunk by chunk, for a load to stream behind
-        grads_event = self._grads_event  # handed to the optimizer thread with the task, not read there
-        self.residency.before_step(self)
+        grads_event = self.residency.grads_event  # handed to the optimizer thread with the task, not read there
+        progress = self.residency.before_step(self, fused)  # chunk by chunk, for a load to stream behind
 
         def run() -> tuple[float, float]:
             start = time.perf_counter()
             try:
-                g = self._grads_ready(grads_event)  # FIFO: after this stage's norm, if one was queued
+                g = self.residency.grads_ready(self, grads_event)  # FIFO: after this stage's norm, if one was queued
                 if clip_coef is not None and not fused:
                     g.mul_(clip_coef)
                 # a fill kernel, not a copy: no host sync even where the masters are on the GPU
@@ -363,14 +365,13 @@ class StageStore:
                     progress.close()
             return start, time.perf_counter()
 
-        self._progress = progress
-        self._step_future = self._run_on_optimizer(run)
+        self.step_future = self.run_on_optimizer(run)
         # here, not in ``run``: the field is this thread's (only a resident stage's step reads it,
         # and that one ran already)
-        self._grads_summed = False
-        return self._step_future
+        self.grads_summed = False
+        return self.step_future
 
-    def _run_on_optimizer(self, fn, *args) -> Future:
+    def run_on_optimizer(self, fn, *args) -> Future:
         """``fn(*args)`` on the optimizer thread (FIFO), or here and now without workers."""
         if self.workers is not None:
             return self.workers.optimizer.submit(fn, *args)
@@ -380,14 +381,14 @@ class StageStore:
         """STEP of a skipped iteration: weights and AdamW state stay as they are; the gradients
         are thrown away so the next iteration does not accumulate onto them."""
         self.residency.discard(self)
+        self.grads_summed = False
 
     def wait_step(self) -> None:
         """Host wait for this stage's optimizer step and ``work`` refresh; re-raises their errors here."""
-        for attr in ("_step_future", "_refresh_future"):
-            future = getattr(self, attr)
-            if future is not None:
-                future.result()
-                setattr(self, attr, None)
+        if self.step_future is not None:
+            self.step_future.result()
+            self.step_future = None
+        self.residency.wait_refresh()
 
     # --- autograd's saved tensors -----------------------------------------------------------
     def saved_tensor_hooks(self):

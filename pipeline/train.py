@@ -72,15 +72,16 @@ def train(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None) -> 
     # Before any weight is read: a run that cannot fit stops here, with advice. What is checked
     # is one replica's pipeline; any mapping the placement picks gives each rank the stages of
     # some rank under round-robin, so the per-rank estimates are the same.
-    one, size = resolved.replica, resolved.pipeline_size
-    check_fits(one, source.config, sched.round_robin(one.num_stages, size), size, resolved.kept)
+    replica_cfg, size = resolved.replica, resolved.pipeline_size
+    check_fits(replica_cfg, source.config, sched.round_robin(replica_cfg.num_stages, size), size, resolved.kept)
     trainer = Trainer(cfg, env, source, resolved)
     try:
         history = trainer.train()
     except OutOfMemory as e:  # one line with the plan's figure and what to change, not a traceback
         from pipeline.plan.fit import out_of_memory_line
 
-        raise TrainingError(out_of_memory_line(e, one, source.config, sched.round_robin(one.num_stages, size), size,
+        raise TrainingError(out_of_memory_line(e, replica_cfg, source.config,
+                                               sched.round_robin(replica_cfg.num_stages, size), size,
                                                resolved.kept)) from None
     cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:

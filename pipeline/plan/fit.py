@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
-from models import head_dim, kv_heads, spec_for
+from models import attn_implementation, head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.plan.lora import adapted_per_layer, adapter_numel, lora_settings
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
@@ -62,7 +62,7 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
                        compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
                        cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
-                       lora_modules=adapted_per_layer(hf_config, adapters))
+                       lora_modules=adapted_per_layer(hf_config, adapters), delayed=cfg.delayed_update)
     return inp, program
 
 
@@ -94,7 +94,8 @@ def attention(cfg: TrainConfig, hf_config) -> str:
     model config; a config not resolved yet counts as sdpa)."""
     if cfg.attn_implementation != "auto":
         return cfg.attn_implementation
-    return hf_config._attn_implementation if hf_config._attn_implementation in ("eager", "sdpa") else "sdpa"
+    kernel = attn_implementation(hf_config)
+    return kernel if kernel in ("eager", "sdpa") else "sdpa"
 
 
 def _segments(cfg: TrainConfig, hf_config) -> tuple[int, ...]:

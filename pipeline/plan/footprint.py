@@ -42,11 +42,11 @@ class ModelShape:
 
     @staticmethod
     def of(config) -> "ModelShape":
-        L = spec_for(config).shape(config)
-        return ModelShape(L.hidden, L.intermediate, L.heads, L.kv_dim, config.vocab_size, L.q_dim, L.kv_heads,
-                          L.pre_norms, L.post_norms, L.norm_fp32_out, L.qk_norm, L.experts_per_token, L.num_experts,
-                          L.expert_intermediate, L.expert_saved, L.attn_softcap, L.fused_qkv,
-                          counts(config).largest)
+        layer = spec_for(config).shape(config)
+        return ModelShape(layer.hidden, layer.intermediate, layer.heads, layer.kv_dim, config.vocab_size,
+                          layer.q_dim, layer.kv_heads, layer.pre_norms, layer.post_norms, layer.norm_fp32_out,
+                          layer.qk_norm, layer.experts_per_token, layer.num_experts, layer.expert_intermediate,
+                          layer.expert_saved, layer.attn_softcap, layer.fused_qkv, counts(config).largest)
 
     @property
     def q(self) -> int:
@@ -161,6 +161,7 @@ class MemoryInputs:
     # LoRA: the adapters' rank (0: full fine-tuning) and the adapted linear modules of a layer
     lora_rank: int = 0
     lora_modules: int = 0
+    delayed: bool = False     # delayed_update: an offloaded stage's compute copy is its own buffer in fp32 too
 
     @property
     def inductor(self) -> bool:
@@ -330,10 +331,11 @@ def frozen_bytes(numel: int, d: int) -> int:
     return numel * d
 
 
-def param_bytes_host(numel: int, d: int) -> int:
+def param_bytes_host(numel: int, d: int, delayed: bool = False) -> int:
     # fp32 master + master grad (the offload's destination) + AdamW moments, and the pinned
-    # compute copy of the weights
-    return numel * (4 + 4 + 8 + (d if d < 4 else 0))
+    # compute copy of the weights: the master itself in fp32, except with a delayed update, whose
+    # compute copy keeps the weights from before the step while the masters move on
+    return numel * (4 + 4 + 8 + (d if d < 4 or delayed else 0))
 
 
 def pinned(total: float, inp: MemoryInputs) -> float:
@@ -381,7 +383,7 @@ class Ledger:
             self.params_static = sum(param_bytes_resident(inp.stages[s].adapter, d)
                                      + (0 if s in offloaded else frozen_bytes(inp.stages[s].numel, d)) for s in mine)
         else:
-            out.host = sum(param_bytes_host(inp.stages[s].numel, d) for s in mine if s in offloaded)
+            out.host = sum(param_bytes_host(inp.stages[s].numel, d, inp.delayed) for s in mine if s in offloaded)
             self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
         out.host_parts = {"parameters": out.host}
         if offloaded and d < 4 and not inp.cpu and not self.lora:  # the load stream's staging buffer (masters converted on the GPU)

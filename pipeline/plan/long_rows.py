@@ -28,8 +28,8 @@ def _auto_options(cfg: TrainConfig, hf_config, size: int) -> tuple[list[int], li
     """The stage counts, seq_chunks and tiled_mlp values an automatic choice may take: the
     configured value where it is not auto; what the run's other settings allow where it is."""
     routed = spec_for(hf_config).moe is not None
-    L = hf_config.num_hidden_layers
-    stages = [cfg.num_stages] if cfg.num_stages != -1 else [S for S in range(size, L + 3) if S % size == 0]
+    num_layers = hf_config.num_hidden_layers
+    stages = [cfg.num_stages] if cfg.num_stages != -1 else [S for S in range(size, num_layers + 3) if S % size == 0]
     whole_only = routed or cfg.fuse_last_stage == "true" or cfg.compile_layers == "true"
     chunks = [cfg.seq_chunks] if cfg.seq_chunks != -1 else \
         [k for k in AUTO_SEQ_CHUNKS if k <= cfg.seq_length and (k == 1 or not whole_only)]

@@ -8,21 +8,21 @@ after reading the model's config, once per process start and before any process 
 that ``-1`` left open) on its answer.
 
 The rules on the settings alone are ``pipeline.config``'s (beside the fields), the rules on files
-and the machine ``pipeline.plan.preflight``'s.
+and the machine ``pipeline.plan.preflight``'s: among them that a tied head is stored as the
+embedding's copy, the one check that reads tensors; these rules read the model's config and no
+weight, so ``--plan`` reads none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from models import UnsupportedModel, spec_for, supports_sdpa, tied
-from models.selfcheck import family_spec
+from models import UnsupportedModel, spec_for, supports_sdpa
 from pipeline.config import ALL_LINEAR, ConfigError, TrainConfig, lora_targets
 from pipeline.plan.lora import adapter_config, linear_names
 from pipeline.plan.partition import given_counts
 from pipeline.plan.programs import trains_tied_copies
-from pipeline.plan.weight_files import check_tied_checkpoint
+from pipeline.stage.selfcheck import family_spec
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,6 @@ class ModelView:
         cfg: the settings.
         whole: the model's config as its files (or preset) give it.
         kept: the config the run trains: ``num_layers`` decoder layers kept.
-        weights_dir: where its weights are; None for a preset's random weights.
         pipeline_size: the processes of one pipeline, where known (the rules on stages per
             process need it); None skips those.
     """
@@ -41,7 +40,6 @@ class ModelView:
     cfg: TrainConfig
     whole: Any
     kept: Any
-    weights_dir: Path | None = None
     pipeline_size: int | None = None
 
     @property
@@ -83,11 +81,10 @@ def stages_hold_layers(m: ModelView) -> None:
 
 
 def layers_buildable(m: ModelView) -> None:
-    """The family can build every kept layer, and a tied model's checkpoint holds one matrix."""
+    """The family can build every kept layer. (That a tied model's checkpoint holds one matrix
+    reads two tensors: ``preflight.check_model_weights`` checks it with the other weight files.)"""
     try:
         spec_for(m.kept).layer_kinds(m.kept)
-        if tied(m.kept) and m.weights_dir is not None:
-            check_tied_checkpoint(m.weights_dir)
     except ValueError as e:
         raise ConfigError(f"model {m.name}: {e}") from None
 

@@ -61,11 +61,11 @@ def stage_layers(cfg: TrainConfig, hf_config, num_ranks: int) -> list[range]:
     ``num_ranks`` ranks, stage s on rank s % num_ranks (a planned mapping only reorders the
     GPUs), by ``cfg.partition``. With checkpointing every layer counts as recomputed (the
     layers ``keep_layers`` spares are chosen after the partition)."""
-    S, L = cfg.num_stages, hf_config.num_hidden_layers
-    given = given_counts(cfg, L)
+    S, num_layers = cfg.num_stages, hf_config.num_hidden_layers
+    given = given_counts(cfg, num_layers)
     if given is not None:
         return layer_ranges(given)
-    even = partition_layers(L, S)
+    even = partition_layers(num_layers, S)
     if cfg.partition == "layers" or S == 1 or num_ranks == 1:
         # One GPU runs every stage, so there is no balance between GPUs to gain; what the cost
         # model's moves would do there is give the fused last stage more layers, whose host
@@ -94,10 +94,11 @@ def _inputs(cfg: TrainConfig, hf_config, num_ranks: int) -> tuple:
     # A stage's FLOPs are linear in its layer count: fixed[s] + count * layer[s].
     costs = functools.partial(stage_costs, hf_config, seq_len=cfg.seq_length,
                               recompute=cfg.activation_checkpointing, fused_last=fuses_last_stage(cfg))
-    zero, one = costs([0] * S), costs([1] * S)
-    layer = tuple((f1 - f0, b1 - b0) for (f0, b0), (f1, b1) in zip(zero, one))  # per stage: the fused last is cheaper
+    no_layer, one_layer = costs([0] * S), costs([1] * S)
+    # per stage: the fused last is cheaper
+    layer = tuple((f1 - f0, b1 - b0) for (f0, b0), (f1, b1) in zip(no_layer, one_layer))
     params = tuple(stage_num_params(hf_config, range(0), s == 0, s == S - 1) for s in range(S))
-    return (layer, tuple(zero), params, stage_num_params(hf_config, range(1), False, False),
+    return (layer, tuple(no_layer), params, stage_num_params(hf_config, range(1), False, False),
             program_spec(cfg, hf_config), num_ranks, cfg.batch_size // cfg.num_chunks * cfg.seq_length,
             cfg.plan_tflops)
 

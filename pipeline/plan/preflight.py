@@ -2,7 +2,8 @@
 the machine: ``check_config`` (the settings, by ``pipeline.config.check_settings``; a GPU asked
 for is there; the small files settings name: topology, lora_adapter) and ``check_files`` (the
 model's files, then the model read once and checked against the settings by ``resolve_model``
-with ``pipeline.plan.model_rules``; tokenizer, data, that save_dir is its own, and that the data
+with ``pipeline.plan.model_rules``; its weight files, a tied head against the embedding (the
+only check that reads tensors); tokenizer, data, that save_dir is its own, and that the data
 gives training examples). ``main.py`` runs them on every rank, and ``--check_only``
 (``train.sh``) before any worker starts, so a bad setting or path is one line.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from models import supported_types
+from models import supported_types, tied
 from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
 from pipeline.plan.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
@@ -322,13 +323,17 @@ def build_model(cfg: TrainConfig) -> None:
 
 
 def check_model_weights(cfg: TrainConfig, source: ModelSource) -> None:
-    """Every weight file the model's index names is there and whole."""
+    """Every weight file the model's index names is there and whole, and a tied model's head is
+    stored as the embedding's copy: the two tensors the checks read (``resolve_model``, the model's
+    rules and --plan read none)."""
     if source.weights_dir is None:
         return
-    from pipeline.plan.weight_files import check_weight_files
+    from pipeline.plan.weight_files import check_tied_checkpoint, check_weight_files
 
     try:
         check_weight_files(source.weights_dir)
+        if tied(source.config):
+            check_tied_checkpoint(source.weights_dir)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from models.selfcheck import generic_path_line
 from pipeline.config import TrainConfig, partition_counts
 from pipeline.plan.fit import resolve_kept, resolve_resident
 from pipeline.plan.layout import replica_config
@@ -24,6 +23,7 @@ from pipeline.plan.long_rows import resolve_long_rows
 from pipeline.plan.model_rules import check_choices
 from pipeline.plan.partition import stage_layers
 from pipeline.plan.saved import saved_partition
+from pipeline.stage.selfcheck import generic_path_line
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,13 @@ def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int]
     size = world_size // cfg.data_parallel
     long_rows = ""
     if -1 in (cfg.num_stages, cfg.seq_chunks) or cfg.tiled_mlp == "auto":
-        one, long_rows = resolve_long_rows(replica_config(cfg), hf_config, size)
-        cfg = dataclasses.replace(cfg, num_stages=one.num_stages, seq_chunks=one.seq_chunks, tiled_mlp=one.tiled_mlp)
+        chosen, long_rows = resolve_long_rows(replica_config(cfg), hf_config, size)
+        cfg = dataclasses.replace(cfg, num_stages=chosen.num_stages, seq_chunks=chosen.seq_chunks,
+                                  tiled_mlp=chosen.tiled_mlp)
     cfg, partition = resume_partition(cfg, hf_config, size, saved_parts)
-    one, resident = resolve_resident(replica_config(cfg), hf_config, size)
-    kept, recompute = resolve_kept(one, hf_config, size)
-    cfg = dataclasses.replace(cfg, resident_stages=one.resident_stages)
+    replica_cfg, resident = resolve_resident(replica_config(cfg), hf_config, size)
+    kept, recompute = resolve_kept(replica_cfg, hf_config, size)
+    cfg = dataclasses.replace(cfg, resident_stages=replica_cfg.resident_stages)
     check_choices(cfg, hf_config, size)
     return Resolved(cfg, kept, size, tuple(line for line in (generic_path_line(hf_config), long_rows, partition,
                                                              resident, recompute) if line))

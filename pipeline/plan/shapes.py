@@ -99,10 +99,10 @@ def forward_flops_per_token(config, num_layers: int, last: bool, seq_len: int) -
     ``last``: 2 per active parameter (matmuls; a routed layer's experts count top_k of them) and
     the attention over the keys each query sees. The embedding is a lookup (no FLOPs), and the
     loss's softmax is small beside the head's 2*V*h."""
-    L = config.num_hidden_layers
+    total_layers = config.num_hidden_layers
     head = stage_num_params(config, range(0), False, True) if last else 0
     return 2 * (num_layers * _mean_active_layer(config) + head) + \
-        num_layers * attention_flops_per_token(config, seq_len) / max(1, L)
+        num_layers * attention_flops_per_token(config, seq_len) / max(1, total_layers)
 
 
 def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:

@@ -9,7 +9,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import supports_sdpa
+from models import set_attn_implementation, supports_sdpa
 from pipeline.config import TrainConfig
 from pipeline.plan.model_rules import ModelView, check_model
 
@@ -124,8 +124,8 @@ def resolve_model(cfg: TrainConfig, world_size: int | None = None) -> ModelSourc
     whole = preset_config(cfg.model) if path is None else _read_config(cfg, path)
     kept = kept_layers(whole, cfg.num_layers)
     size = world_size // cfg.data_parallel if world_size and cfg.data_parallel >= 1 else None
-    check_model(ModelView(cfg, whole, kept, path, size))
-    kept._attn_implementation = attention_kernel(cfg, kept)
+    check_model(ModelView(cfg, whole, kept, pipeline_size=size))
+    set_attn_implementation(kept, attention_kernel(cfg, kept))
     return ModelSource(kept, path, tokenizer_dir(cfg))
 
 

@@ -1,7 +1,8 @@
 """The weight files of a Hugging Face directory: which file holds each tensor (safetensors or
-``.bin``, sharded or single), reading some of them one at a time, and the check that a tied head
-is stored as the embedding's copy. Read before any process group (``check_files``,
-``resolve_model``) and by the stages that load their own tensors (``pipeline.stage.weights``)."""
+``.bin``, sharded or single), reading some of them one at a time (``read_tensors``), and the check
+that a tied head is stored as the embedding's copy. The checks before any process group open
+them (``check_files``); the stages read their own tensors through ``read_tensors``
+(``pipeline.stage.weights``); nothing else of the plan reads a tensor."""
 from __future__ import annotations
 
 import json
@@ -82,14 +83,14 @@ def check_tied_checkpoint(model_dir: Path) -> None:
     if "lm_head.weight" not in files:
         return
     names = ["model.embed_tokens.weight", "lm_head.weight"]
-    tensors = {k: t for name in names for k, t in _read(files[name], [name])}
+    tensors = {k: t for name in names for k, t in read_tensors(files[name], [name])}
     if not torch.equal(*(tensors[k] for k in names)):
         raise ValueError("config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from "
                          "model.embed_tokens.weight (transformers would train them apart); set "
                          "tie_word_embeddings to false in config.json to train them as two matrices")
 
 
-def _read(path: Path, keys: list[str]):
+def read_tensors(path: Path, keys: list[str]):
     """(name, tensor) for ``keys`` of one weight file, one tensor at a time."""
     if path.suffix == ".safetensors":
         from safetensors import safe_open
@@ -103,4 +104,4 @@ def _read(path: Path, keys: list[str]):
             yield k, tensors[k]
 
 
-__all__ = ["check_tied_checkpoint", "check_weight_files", "weight_files"]
+__all__ = ["check_tied_checkpoint", "check_weight_files", "read_tensors", "weight_files"]

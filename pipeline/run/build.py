@@ -288,10 +288,10 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     lay = layout(cfg, env.rank, env.world_size)
     position, size = lay.position, lay.pipeline_size
     resolved = resolved or resolve_run(cfg, env.world_size, hf)
-    cfg, one = resolved.cfg, resolved.replica
+    cfg, replica_cfg = resolved.cfg, resolved.replica
     S = cfg.num_stages
     # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
-    placement = resolve_placement(one, DistEnv(env.rank, size, env.local_rank, min(env.local_world_size, size)),
+    placement = resolve_placement(replica_cfg, DistEnv(env.rank, size, env.local_rank, min(env.local_world_size, size)),
                                   hf, device, dtype)
     mapping = placement.choice.stage_to_rank
     loss_rank = lay.global_rank(mapping[-1], replica=0)  # replica 0's speaks
@@ -314,10 +314,10 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
                  f"{','.join(adapters.targets)}; adapters "
                  + (f"from {adapter_dir}" if adapter_dir else "initialised (peft's scheme, seeded)"))
     stream, eval_batches = build_data(cfg, source, log)
-    spec = program_spec(one, hf)
+    spec = program_spec(replica_cfg, hf)
     schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
                                                      show=cfg.debug_schedule and env.rank == 0)
-    parts = stage_layers(one, hf, size)
+    parts = stage_layers(replica_cfg, hf, size)
     checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
     stage_ids = sched.stages_of(position, mapping)
     # With offload, the stages the program never loads stay on the GPU (resident_stages), AdamW

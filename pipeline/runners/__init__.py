@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from pipeline.plan.shapes import segment_bounds, segment_lengths
-from pipeline.runners.base import Iteration, Mode, Runner, Shared
+from pipeline.runners.base import Iteration, Mode, Runner
 from pipeline.runners.fused_last import FusedLast
 from pipeline.runners.offloaded import HostActivations, OffloadedRows
 from pipeline.runners.offloaded_segments import OffloadedSegments
@@ -44,18 +44,19 @@ class RankRunners:
                  key_cost: float = 0.0, activation_offload: bool = False, fused_last: bool = False):
         self.num_segments, self.key_cost = num_segments, key_cost
         segmented = num_segments > 1
-        self.shared = Shared(num_stages, HostActivations(device, segmented) if activation_offload else None)
+        # stage inputs (and carried keys/values) in host memory between forwards and backwards
+        self.host = HostActivations(device, segmented) if activation_offload else None
 
         def make(training: bool) -> dict[int, Runner]:
             return {s: runner_for(Mode(training, s == num_stages - 1, fused_last, activation_offload, segmented))(
-                stage, stores[s], self.shared) for s, stage in stages.items()}
+                stage, stores[s], self.host) for s, stage in stages.items()}
 
         self.training, self.forward_only = make(True), make(False)
 
     @property
     def stash(self):
         """Stage inputs waiting in host memory (``activation_offload``), else None."""
-        return self.shared.host.stash if self.shared.host is not None else None
+        return self.host.stash if self.host is not None else None
 
     def cut(self, width: int) -> tuple[Sequence[int], list[tuple[int, int]]]:
         """The segment lengths and [start, end) columns of rows ``width`` columns wide (one
@@ -66,8 +67,8 @@ class RankRunners:
     def begin(self, it: Iteration, actions: list[Action]) -> dict[int, Runner]:
         """Start an iteration of ``actions``: the runners it uses, with fresh per-iteration state."""
         runners = self.training if it.training else self.forward_only
-        if self.shared.host is not None:
-            self.shared.host.begin(actions)
+        if self.host is not None:
+            self.host.begin(actions)
         for r in runners.values():
             r.begin(it)
         return runners
@@ -76,7 +77,7 @@ class RankRunners:
         """End the iteration: every micro-batch's backward (or last forward) freed what its runner
         held; what a forward-only pass kept goes now."""
         for r in runners.values():
-            r.begin(None)
+            r.end_iteration()
 
 
 __all__ = ["RUNNERS", "RankRunners", "Mode", "Runner", "runner_for"]

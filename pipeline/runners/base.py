@@ -106,12 +106,18 @@ class Runner(Protocol):
     (None on the first stage). Each calls its store's ``before_compute`` first and records its
     compute span on the iteration's clock. ``account`` is what the memory plan asks: the bytes a
     runner of this kind holds and frees at a FORWARD or BACKWARD action, as changes to the rank's
-    ``Ledger``, and the action's peak (``Ledger.note_peak``)."""
+    ``Ledger``, and the action's peak (``Ledger.note_peak``). A runner is made as
+    ``cls(stage, store, host)``: ``host`` is the rank's ``offloaded.HostActivations`` (stage inputs
+    and carried keys/values in host memory, ``activation_offload``), None without it."""
 
     applies: ClassVar[Callable[[Mode], bool]]
 
-    def begin(self, it: Iteration | None) -> None:
-        """Start iteration ``it`` with fresh per-iteration state; None ends one (drops it all)."""
+    def begin(self, it: Iteration) -> None:
+        """Start iteration ``it`` with fresh per-iteration state."""
+
+    def end_iteration(self) -> None:
+        """Drop what the iteration left (a forward-only pass's kept tensors); until the next
+        ``begin`` the runner holds nothing."""
 
     def forward(self, key: Key, x: Arrival) -> torch.Tensor | None: ...
 
@@ -119,16 +125,6 @@ class Runner(Protocol):
 
     @classmethod
     def account(cls, a: Action, ledger: "Ledger") -> None: ...
-
-
-@dataclass
-class Shared:
-    """What the runners of one rank share, made once (``pipeline.runners.RankRunners``):
-    ``host`` holds stage inputs (and carried keys/values) in host memory between forwards and
-    backwards (``activation_offload``), None without it."""
-
-    num_stages: int
-    host: object | None = None  # pipeline.runners.offloaded.HostActivations
 
 
 @contextlib.contextmanager
@@ -195,5 +191,5 @@ def differentiate(it: Iteration, key: Key, last: bool, out: torch.Tensor, grad: 
     torch.autograd.backward([out] + roots, [torch.ones_like(out) if last else grad] + grads)
 
 
-__all__ = ["Arrival", "Iteration", "Key", "Mode", "Runner", "Shared", "differentiate", "forward_done", "forward_input",
+__all__ = ["Arrival", "Iteration", "Key", "Mode", "Runner", "differentiate", "forward_done", "forward_input",
            "forward_result", "normalised", "routing", "whole_pass"]

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.plan.footprint import MemoryInputs, per_token, weight_grad_bytes
-from pipeline.runners.base import Arrival, Iteration, Key, Mode, Shared, forward_input, routing
+from pipeline.runners.base import Arrival, Iteration, Key, Mode, forward_input, routing
 from schedule.ir import Action, Op
 
 if TYPE_CHECKING:
     from pipeline.plan.footprint import Ledger
+    from pipeline.runners.offloaded import HostActivations
 
 
 class FusedLast:
@@ -27,16 +28,19 @@ class FusedLast:
         # a segment's backward needs the later segments' (gradients of keys and values): not fusable
         return mode.training and mode.last and mode.fused_last and not mode.segmented
 
-    def __init__(self, stage, store, shared: Shared):
+    def __init__(self, stage, store, host: HostActivations | None):
         self.stage, self.store = stage, store
         # with activation_offload, the rank's sent tensors are released at each compute
-        self.releases_sent = shared.host is not None
-        self.begin(None)
+        self.releases_sent = host is not None
+        self.end_iteration()
 
-    def begin(self, it: Iteration | None) -> None:
+    def begin(self, it: Iteration) -> None:
+        self.end_iteration()
         self.it = it
-        self.grads: dict[Key, torch.Tensor | None] = {}  # input gradients the forwards made
 
+    def end_iteration(self) -> None:
+        self.it: Iteration | None = None
+        self.grads: dict[Key, torch.Tensor | None] = {}  # input gradients the forwards made
 
     def forward(self, key: Key, x: Arrival) -> None:
         it = self.it
@@ -76,19 +80,19 @@ class FusedLast:
         return g
 
     @classmethod
-    def account(cls, a: Action, L: "Ledger") -> None:
+    def account(cls, a: Action, ledger: "Ledger") -> None:
         """The forward holds the input's gradient (a received input freed for it) and peaks with
         ``fused_transient``; the backward computes nothing (no peak of its own) and, offloading
         activations, sends the gradient, released at the next compute."""
-        s, n, io = L.compute(a)
+        s, n, io = ledger.compute(a)
         if a.op is Op.FORWARD:
-            L.grad_buffer(s)
-            if L.inp.activation_offload:
-                L.release_sent()
-            L.held += io if s > 0 else 0.0  # the input's gradient (a received input freed for it)
-            L.note_peak(a, fused_transient(L.inp, s, n) + weight_grad_bytes(L.inp, s))
-        elif L.inp.activation_offload and s > 0 and L.crosses(s, s - 1):
-            L.sent += io  # sent now, freed at the next compute
+            ledger.grad_buffer(s)
+            if ledger.inp.activation_offload:
+                ledger.release_sent()
+            ledger.held += io if s > 0 else 0.0  # the input's gradient (a received input freed for it)
+            ledger.note_peak(a, fused_transient(ledger.inp, s, n) + weight_grad_bytes(ledger.inp, s))
+        elif ledger.inp.activation_offload and s > 0 and ledger.crosses(s, s - 1):
+            ledger.sent += io  # sent now, freed at the next compute
 
 
 def fused_transient(inp: MemoryInputs, s: int, tokens: int) -> float:

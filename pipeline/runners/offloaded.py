@@ -14,7 +14,7 @@ import torch
 from offload.activations import ActivationStash
 from offload.kv import CarriedKV
 from pipeline.plan.footprint import MemoryInputs, attention_work, mlp_work, per_token, weight_grad_bytes
-from pipeline.runners.base import (Arrival, Iteration, Key, Mode, Shared, differentiate, forward_input,
+from pipeline.runners.base import (Arrival, Iteration, Key, Mode, differentiate, forward_input,
                                    forward_result, routing, whole_pass)
 from schedule.ir import Action, Op, crosses
 
@@ -63,15 +63,17 @@ class OffloadedRows:
     def applies(mode: Mode) -> bool:
         return mode.training and mode.activation_offload and not mode.segmented
 
-    def __init__(self, stage, store, shared: Shared):
-        self.stage, self.store, self.host = stage, store, shared.host
+    def __init__(self, stage, store, host: HostActivations):
+        self.stage, self.store, self.host = stage, store, host
         self.last = stage.is_last
         self.host.recomputing.add(stage.index)
-        self.it = None
+        self.end_iteration()
 
-    def begin(self, it: Iteration | None) -> None:
+    def begin(self, it: Iteration) -> None:
         self.it = it
 
+    def end_iteration(self) -> None:
+        self.it: Iteration | None = None  # the stash of stage inputs is the rank's (``HostActivations.begin``)
 
     def forward(self, key: Key, x: Arrival) -> torch.Tensor | None:
         it = self.it
@@ -108,20 +110,20 @@ class OffloadedRows:
         recomputed(a, ledger)
 
 
-def recomputed(a: Action, L: "Ledger") -> None:
+def recomputed(a: Action, ledger: "Ledger") -> None:
     """A recomputing stage's F or B: sent tensors released at the compute, what it holds after
     (``offloaded_compute``), its input in host memory from the forward to the backward, and the
     action's peak."""
-    s, n, io = L.compute(a)
-    L.release_sent()
-    extra, held_delta, L.sent = offloaded_compute(L.inp, a, io)
-    L.held += held_delta + L.sent
+    s, n, io = ledger.compute(a)
+    ledger.release_sent()
+    extra, held_delta, ledger.sent = offloaded_compute(ledger.inp, a, io)
+    ledger.held += held_delta + ledger.sent
     if a.op is Op.BACKWARD:
-        L.grad_buffer(s)
+        ledger.grad_buffer(s)
     if s > 0:
-        L.stashed += io if a.op is Op.FORWARD else -io
-        L.stash_peak = max(L.stash_peak, L.stashed)
-    L.note_peak(a, extra + (weight_grad_bytes(L.inp, s) if a.op is Op.BACKWARD else 0))
+        ledger.stashed += io if a.op is Op.FORWARD else -io
+        ledger.stash_peak = max(ledger.stash_peak, ledger.stashed)
+    ledger.note_peak(a, extra + (weight_grad_bytes(ledger.inp, s) if a.op is Op.BACKWARD else 0))
 
 
 def offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, float, float]:

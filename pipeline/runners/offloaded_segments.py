@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.runners.base import Arrival, Iteration, Key, Mode, Shared, forward_input, forward_result, routing
-from pipeline.runners.offloaded import recomputed
+from pipeline.runners.base import Arrival, Iteration, Key, Mode, forward_input, forward_result, routing
+from pipeline.runners.offloaded import HostActivations, recomputed
 from pipeline.runners.segmented import kv_bytes, kv_grads_change, segment_backward, segment_pass
 from pipeline.stage.segments import SegmentStage
 from schedule.ir import Action, Op
@@ -31,18 +31,20 @@ class OffloadedSegments:
     def applies(mode: Mode) -> bool:
         return mode.training and mode.activation_offload and mode.segmented
 
-    def __init__(self, stage, store, shared: Shared):
-        self.stage, self.store, self.host = stage, store, shared.host
+    def __init__(self, stage, store, host: HostActivations):
+        self.stage, self.store, self.host = stage, store, host
         self.last = stage.is_last
         self.host.recomputing.add(stage.index)
-        self.begin(None)
+        self.end_iteration()
 
-    def begin(self, it: Iteration | None) -> None:
+    def begin(self, it: Iteration) -> None:
         self.it = it
         # a segment's forward keeps only its carried keys/values; its backward recomputes it
-        self.segments = None if it is None else SegmentStage(self.stage, it.lengths, recompute=True,
-                                                             kv_host=self.host.kv)
+        self.segments = SegmentStage(self.stage, it.lengths, recompute=True, kv_host=self.host.kv)
 
+    def end_iteration(self) -> None:
+        self.it: Iteration | None = None
+        self.segments: SegmentStage | None = None
 
     def forward(self, key: Key, x: Arrival) -> torch.Tensor | None:
         it = self.it
@@ -71,31 +73,31 @@ class OffloadedSegments:
         return g
 
     @classmethod
-    def account(cls, a: Action, L: "Ledger") -> None:
+    def account(cls, a: Action, ledger: "Ledger") -> None:
         """As a recomputing stage (``offloaded.recomputed``), and the carried keys/values: a
         forward keeps its segment's on the device for the later segments (the last segment's
         nothing attends to); a backward brings its micro-batch's back (its own, or prefetched by
         the backward before), frees its segment's and leaves the gradients of the earlier
         segments'. On a GPU they wait in host memory from the micro-batch's last forward here."""
-        s, n, _ = L.compute(a)
-        inp, key = L.inp, (s, a.mb, a.seg)
+        s, n, _ = ledger.compute(a)
+        inp, key = ledger.inp, (s, a.mb, a.seg)
         last_segment = a.seg == len(inp.segments) - 1
         carried = 0.0  # this segment's carried keys/values, freed after its backward
         if a.op is Op.FORWARD:
-            L.per_mb[key] = 0.0 if last_segment else kv_bytes(inp, s, n)
-            L.saved += L.per_mb[key]
+            ledger.per_mb[key] = 0.0 if last_segment else kv_bytes(inp, s, n)
+            ledger.saved += ledger.per_mb[key]
         else:
-            for mb_key in {(s, a.mb), L.next_backward.get(key, (None, None))[:2]}:
-                L.saved += L.kv_host.pop(mb_key, 0.0)  # back on the device (its own, or prefetched)
-            carried = L.per_mb.pop(key)
-            L.saved += kv_grads_change(inp, a, L.per_mb)
-        recomputed(a, L)
-        L.saved -= carried
+            for mb_key in {(s, a.mb), ledger.next_backward.get(key, (None, None))[:2]}:
+                ledger.saved += ledger.kv_host.pop(mb_key, 0.0)  # back on the device (its own, or prefetched)
+            carried = ledger.per_mb.pop(key)
+            ledger.saved += kv_grads_change(inp, a, ledger.per_mb)
+        recomputed(a, ledger)
+        ledger.saved -= carried
         if inp.kv_offload and a.op is Op.FORWARD and last_segment:
-            moved = sum(v for (st_, mb_, sg), v in L.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
-            L.kv_host[(s, a.mb)] = moved
-            L.saved -= moved
-            L.kv_host_peak = max(L.kv_host_peak, sum(L.kv_host.values()))
+            moved = sum(v for (st_, mb_, sg), v in ledger.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
+            ledger.kv_host[(s, a.mb)] = moved
+            ledger.saved -= moved
+            ledger.kv_host_peak = max(ledger.kv_host_peak, sum(ledger.kv_host.values()))
 
 
 __all__ = ["OffloadedSegments"]

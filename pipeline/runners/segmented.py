@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.plan.footprint import MemoryInputs
-from pipeline.runners.base import (Arrival, Iteration, Key, Mode, Shared, forward_input, forward_result, normalised,
+from pipeline.runners.base import (Arrival, Iteration, Key, Mode, forward_input, forward_result, normalised,
                                    routing)
 from pipeline.runners.whole_rows import kept_graph
 from pipeline.stage.segments import SegmentStage
@@ -20,6 +20,7 @@ from schedule.ir import Action
 
 if TYPE_CHECKING:
     from pipeline.plan.footprint import Ledger
+    from pipeline.runners.offloaded import HostActivations
 
 
 class Segmented:
@@ -32,18 +33,21 @@ class Segmented:
     def applies(mode: Mode) -> bool:
         return mode.segmented
 
-    def __init__(self, stage, store, shared: Shared):
+    def __init__(self, stage, store, host: HostActivations | None):
         self.stage, self.store = stage, store
         self.last = stage.is_last
         self.kv_host = None
-        self.begin(None)
+        self.end_iteration()
 
-    def begin(self, it: Iteration | None) -> None:
+    def begin(self, it: Iteration) -> None:
+        self.end_iteration()
         self.it = it
-        self.segments = None if it is None else SegmentStage(self.stage, it.lengths, recompute=self.recompute,
-                                                             kv_host=self.kv_host)
-        self.roots: dict[Key, torch.Tensor] = {}
+        self.segments = SegmentStage(self.stage, it.lengths, recompute=self.recompute, kv_host=self.kv_host)
 
+    def end_iteration(self) -> None:
+        self.it: Iteration | None = None
+        self.segments: SegmentStage | None = None
+        self.roots: dict[Key, torch.Tensor] = {}
 
     def forward(self, key: Key, x: Arrival) -> torch.Tensor | None:
         it = self.it
@@ -112,8 +116,8 @@ def kv_grads_change(inp: MemoryInputs, a: Action, per_mb: dict) -> float:
     return change
 
 
-def carried_grads(a: Action, L: "Ledger") -> None:
-    L.saved += kv_grads_change(L.inp, a, L.per_mb)
+def carried_grads(a: Action, ledger: "Ledger") -> None:
+    ledger.saved += kv_grads_change(ledger.inp, a, ledger.per_mb)
 
 
 __all__ = ["Segmented", "carried_grads", "kv_bytes", "kv_grads_change", "segment_backward", "segment_pass"]

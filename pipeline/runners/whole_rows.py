@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from pipeline.plan.footprint import per_token, weight_grad_bytes
-from pipeline.runners.base import (Arrival, Iteration, Key, Mode, Shared, differentiate, forward_input,
+from pipeline.runners.base import (Arrival, Iteration, Key, Mode, differentiate, forward_input,
                                    forward_result, routing, whole_pass)
 from schedule.ir import Action, Op
 
 if TYPE_CHECKING:
     from pipeline.plan.footprint import Ledger
+    from pipeline.runners.offloaded import HostActivations
 
 
 class WholeRows:
@@ -28,16 +29,19 @@ class WholeRows:
     def applies(mode: Mode) -> bool:
         return True  # what no other runner takes
 
-    def __init__(self, stage, store, shared: Shared):
+    def __init__(self, stage, store, host: HostActivations | None):
         self.stage, self.store = stage, store
         self.last = stage.is_last
-        self.begin(None)
+        self.end_iteration()
 
-    def begin(self, it: Iteration | None) -> None:
+    def begin(self, it: Iteration) -> None:
+        self.end_iteration()
         self.it = it
+
+    def end_iteration(self) -> None:
+        self.it: Iteration | None = None
         self.inputs: dict[Key, torch.Tensor] = {}  # stage inputs, whose gradient goes upstream
         self.roots: dict[Key, torch.Tensor] = {}   # outputs (the last stage: its scaled loss)
-
 
     def forward(self, key: Key, x: Arrival) -> torch.Tensor | None:
         it = self.it
@@ -69,36 +73,36 @@ class WholeRows:
         kept_graph(a, ledger)
 
 
-def kept_graph(a: Action, L: "Ledger", freed: Callable[[Action, "Ledger"], None] | None = None) -> None:
+def kept_graph(a: Action, ledger: "Ledger", freed: Callable[[Action, "Ledger"], None] | None = None) -> None:
     """What a stage whose graph lives from forward to backward holds: autograd's saved tensors of
     the micro-batch (segment), its received input (kept for its gradient; a local one is counted
     as the previous stage's output) and its output (kept for the backward and, when sent, until
     the iteration ends); the backward frees the saved tensors and the input, hands a local
     gradient on, and peaks with a layer's gradients and the largest weight's. ``freed``: what
     else changes once the saved tensors are freed (segments: the carried keys' gradients)."""
-    s, n, io = L.compute(a)
-    inp, last = L.inp, L.inp.stages[a.stage].last
+    s, n, io = ledger.compute(a)
+    inp, last = ledger.inp, ledger.inp.stages[a.stage].last
     if a.op is Op.FORWARD:
         per_tok, fwd_t, _ = per_token(inp, s, a.seg)
-        L.per_mb[(s, a.mb, a.seg)] = per_tok * n
-        L.saved += per_tok * n
-        if L.crosses(s, s - 1):
-            L.held += io  # the received input, kept for its gradient (a local one is counted as an output)
+        ledger.per_mb[(s, a.mb, a.seg)] = per_tok * n
+        ledger.saved += per_tok * n
+        if ledger.crosses(s, s - 1):
+            ledger.held += io  # the received input, kept for its gradient (a local one is counted as an output)
         if not last:
-            L.held += io  # the output: kept for backward and, when sent, until the iteration ends
-        L.note_peak(a, fwd_t * n)
+            ledger.held += io  # the output: kept for backward and, when sent, until the iteration ends
+        ledger.note_peak(a, fwd_t * n)
         return
     _, _, bwd_t = per_token(inp, s, a.seg)
-    L.grad_buffer(s)
-    L.saved -= L.per_mb.pop((s, a.mb, a.seg))
+    ledger.grad_buffer(s)
+    ledger.saved -= ledger.per_mb.pop((s, a.mb, a.seg))
     if freed is not None:
-        freed(a, L)
-    if s > 0 and not L.crosses(s, s - 1):
-        L.held += io  # the input's gradient, handed to the previous stage of this rank
+        freed(a, ledger)
+    if s > 0 and not ledger.crosses(s, s - 1):
+        ledger.held += io  # the input's gradient, handed to the previous stage of this rank
     # a received input is freed and its gradient, sent on, lives until the iteration ends
-    if not last and not L.crosses(s, s + 1):
-        L.held -= 2 * io  # the output (the next stage's input) and the gradient it got back
-    L.note_peak(a, bwd_t * n + weight_grad_bytes(inp, s))
+    if not last and not ledger.crosses(s, s + 1):
+        ledger.held -= 2 * io  # the output (the next stage's input) and the gradient it got back
+    ledger.note_peak(a, bwd_t * n + weight_grad_bytes(inp, s))
 
 
 __all__ = ["WholeRows", "kept_graph"]

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models import head_dim, kv_heads, logit_softcap, materialize_, skeleton, spec_for, tied
+from models import (attn_implementation, head_dim, kv_heads, logit_softcap, materialize_, set_attn_implementation,
+                    skeleton, spec_for, tied)
 from models.moe import Routing
 from pipeline.plan.programs import tied_across_stages
 from pipeline.plan.shapes import loss_chunk_tokens
@@ -84,12 +85,12 @@ class Stage(nn.Module):
         self.tied_name = None
         if across and (self.is_first or self.is_last):
             self.tied_name = "model.embed_tokens.weight" if self.is_first else "lm_head.weight"
-        self.attn_implementation = config._attn_implementation or "eager"
+        self.attn_implementation = attn_implementation(config) or "eager"
         self.head_shapes = (config.num_attention_heads, kv_heads(config), head_dim(config))
         # sdpa runs through pipeline.stage.attention: the same sdpa for a plain causal row, and on a GPU
         # kernels without a score matrix for segments, windows and packed rows
-        self.config._attn_implementation = attention.register() if self.attn_implementation == "sdpa" \
-            else self.attn_implementation
+        set_attn_implementation(self.config, attention.register() if self.attn_implementation == "sdpa"
+                                else self.attn_implementation)
         self.checkpointing = checkpointing
         # With checkpointing, the stage's last ``kept_layers`` layers keep their activations for
         # backward (no recompute): the memory plan picks them where memory allows.
@@ -122,9 +123,8 @@ class Stage(nn.Module):
         """The modules' buffers (rotary frequencies, Gemma's embedding scale) to ``device``; the
         parameters are the store's to place."""
         for module in self.modules():
-            for name, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[name] = b.to(device)
+            for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                setattr(module, name, b.to(device))  # a buffer keeps its persistence (nn.Module.__setattr__)
 
     @property
     def windows(self) -> list[int | None]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models import spec_for
-from pipeline.plan.weight_files import _read, weight_files
+from pipeline.plan.weight_files import read_tensors, weight_files
 
 if TYPE_CHECKING:
     from pipeline.stage.model import Stage
@@ -30,7 +30,7 @@ def load_weights_(stage: Stage, model_dir: Path) -> None:
             by_file.setdefault(files[name], []).append(name)
     read: dict[str, torch.Tensor] = {}
     for path, keys in by_file.items():
-        read.update(_read(path, keys))
+        read.update(read_tensors(path, keys))
     with torch.no_grad():
         for k, src in sources.items():
             parts = [torch.cat([read.pop(n) for n in per_expert]) if len(per_expert) > 1 else read.pop(per_expert[0])

@@ -112,14 +112,21 @@ def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
     torch.testing.assert_close(hf.model.embed_tokens.weight, trainer_masters(trainer)["model.embed_tokens.weight"])
 
 
-def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path):
-    """transformers loads a tied model whose checkpoint holds a different lm_head.weight untied."""
+def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path, monkeypatch):
+    """transformers loads a tied model whose checkpoint holds a different lm_head.weight untied:
+    the checks of the files refuse it before launch; the model source (and so ``--plan``) reads
+    no tensor."""
+    from pipeline.plan import weight_files
+    from pipeline.plan.preflight import check_files
     from pipeline.plan.source import resolve_model
 
     path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "other_head", noise=0.01)
+    cfg = tiny_cfg(path, num_stages=1, save_dir=str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="lm_head.weight differs from model.embed_tokens.weight") as e:
-        resolve_model(tiny_cfg(path, num_stages=1))
+        check_files(cfg)
     assert "\n" not in str(e.value)
+    monkeypatch.setattr(weight_files, "read_tensors", lambda *a: pytest.fail("the model source read a tensor"))
+    resolve_model(cfg)
 
 
 def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):

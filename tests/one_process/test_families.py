@@ -196,11 +196,11 @@ def _config(cls: str, **kw):
 def test_self_check_accepts_a_llama_shaped_family():
     """SmolLM3 is not registered; its layers are Llama's under other names: accepted."""
     from models import spec_for
-    from models.registry import _CHECKED
-    from models.selfcheck import family_spec
+    from models.registry import forget
+    from pipeline.stage.selfcheck import family_spec
 
     config = _config("SmolLM3Config")
-    _CHECKED.pop("smollm3", None)
+    forget("smollm3")
     spec = family_spec(config)
     assert spec.family == "smollm3 (self-checked)" and spec_for(config) is spec
 
@@ -209,7 +209,7 @@ def test_self_check_refuses_a_family_that_differs():
     """Granite scales its embedding and logits outside the modules a stage takes: refused, with
     what differed, in one line."""
     from models import UnsupportedModel
-    from models.selfcheck import family_spec
+    from pipeline.stage.selfcheck import family_spec
 
     with pytest.raises(UnsupportedModel) as e:
         family_spec(_config("GraniteConfig", embedding_multiplier=2.0, logits_scaling=3.0))
@@ -231,13 +231,13 @@ def test_an_unregistered_family_is_refused_before_launch(tmp_path):
 def test_a_self_checked_family_says_so_in_one_line(tmp_path):
     """Starcoder2 is not registered and passes the self-check: the run's log (resolve's lines,
     printed by rank 0 and by --plan) says it runs on the generic path and what was compared."""
-    from models.registry import _CHECKED
-    from models.selfcheck import family_spec
+    from models.registry import forget
+    from pipeline.stage.selfcheck import family_spec
     from pipeline.plan.resolve import resolve
 
     cfg = tiny_cfg(tmp_path)
     config = _config("Starcoder2Config")
-    _CHECKED.pop("starcoder2", None)
+    forget("starcoder2")
     family_spec(config)  # what resolve_model does first: the self-check passes
     lines = [line for line in resolve(cfg, 2, config).lines if line.startswith("model:")]
     assert len(lines) == 1 and "model_type 'starcoder2' is not registered; it trains on the generic stage path" \

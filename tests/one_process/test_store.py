@@ -143,7 +143,7 @@ def test_squared_norm_does_not_depend_on_the_thread_count():
     st = make_store(nn.Linear(300, 400), device=CPU, compute_dtype=torch.float32, offload=False,
                     optim=OptimSettings(fused=True), streams=Streams(CPU), pool=BufferPool(CPU))
     st.master_grad.copy_(torch.randn(st.numel) * torch.rand(st.numel) * 10)  # 120k: above torch's grain
-    norms = _on_threads(st._squared_norm, (1, 2, 3, 4))
+    norms = _on_threads(st.squared_grad_norm, (1, 2, 3, 4))
     assert len(norms) == 4 and all(torch.equal(norms[1], v) for v in norms.values()), norms
     assert torch.allclose(norms[1], torch.dot(st.master_grad, st.master_grad), rtol=1e-5)
 
@@ -247,7 +247,8 @@ def test_offload_keeps_its_thread_owners(tiny_model_dir, monkeypatch, dtype, del
 
 def test_a_second_producer_on_the_load_stream_is_caught(monkeypatch):
     """The loader thread owns the load stream: the main thread enqueueing there, or another
-    thread writing a store's field, fails under the checks and passes without them."""
+    thread writing a field of a store or of its residency, fails under the checks and passes
+    without them."""
     workers = Workers(ThreadPoolExecutor(1), CPU)
     st = _store(offload=True, workers=workers)
     st.streams.event("load")  # unchecked
@@ -255,8 +256,10 @@ def test_a_second_producer_on_the_load_stream_is_caught(monkeypatch):
     with pytest.raises(AssertionError, match="the load stream belongs to 'param-loader'"):
         st.streams.event("load")
     st.streams.event("compute")  # the main thread's
-    err = workers.optimizer.submit(setattr, st, "loaded", True).exception(timeout=10)
-    assert isinstance(err, AssertionError) and "StageStore.loaded" in str(err), err
+    err = workers.optimizer.submit(setattr, st, "grads_summed", True).exception(timeout=10)
+    assert isinstance(err, AssertionError) and "StageStore.grads_summed" in str(err), err
+    err = workers.optimizer.submit(setattr, st.residency, "loaded", True).exception(timeout=10)
+    assert isinstance(err, AssertionError) and "Offloaded.loaded" in str(err), err
     workers.optimizer.shutdown()
     workers.loader.shutdown()
     with pytest.raises(RuntimeError, match="already belongs to 'param-loader'"):

@@ -5,21 +5,11 @@ package code."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from tests.helpers.paths import ROOT
+from tests.helpers.sources import package_files
 
 MAX_LINES = 80
-PACKAGE = ("main.py", "generate.py", "schedule", "pipeline", "offload", "data", "models")
-
-
-def package_files() -> list[Path]:
-    """Every Python module of the package code."""
-    files = []
-    for entry in PACKAGE:
-        path = ROOT / entry
-        files += [path] if path.is_file() else sorted(path.rglob("*.py"))
-    return files
 
 
 def long_functions(source: str, filename: str, max_lines: int = MAX_LINES) -> list[str]:

@@ -5,12 +5,9 @@ started run has are named here one by one. Read from the source (an AST scan), n
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from tests.helpers.paths import ROOT
-
-# The package's code: what a run imports (tests and bench scripts are not).
-PACKAGE = ("pipeline", "models", "data", "schedule", "offload", "main.py", "generate.py")
+from tests.helpers.sources import package_files
 
 HOMES = {
     "pipeline/config.py": "the settings alone (and the number of processes), beside their fields",
@@ -54,14 +51,6 @@ def misplaced(path: str, source: str) -> list[str]:
     if path in HOMES:
         return []
     return [f"{path}:{line} ({scope})" for line, scope in config_errors(source) if (path, scope) not in RUN_TIME]
-
-
-def package_files() -> list[Path]:
-    files = []
-    for name in PACKAGE:
-        p = ROOT / name
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
-    return files
 
 
 def test_every_config_error_is_made_in_a_validation_home():

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from models.registry import _CHECKED, REGISTRY, UnsupportedModel, accept, generic_spec, supported_types
-from models.spec import ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, submodule, tied
+from models.registry import REGISTRY, UnsupportedModel, accept, forget, generic_spec, known_spec, supported_types
+from models.spec import (ArchSpec, causal_lm_class, kv_heads, materialize_, quiet_transformers, set_attn_implementation,
+                         submodule, tied)
 
 RTOL = 1e-5
 BATCH, SEQ, WINDOW, VOCAB, LAYERS = 2, 24, 8, 128, 2  # the shrunk model and its batch
@@ -27,7 +28,7 @@ def family_spec(config) -> ArchSpec:
     Raises:
         UnsupportedModel: one line naming the model_type, the supported list and what differed.
     """
-    spec = REGISTRY.get(config.model_type) or _CHECKED.get(config.model_type)
+    spec = known_spec(config.model_type)
     if spec is not None:
         return spec
     spec = generic_spec(config)
@@ -74,7 +75,7 @@ def shrunk(config):
         if isinstance(value, int) and value >= VOCAB:
             small[key] = VOCAB - 1
     out = type(config)(**{**config.to_dict(), **small})
-    out._attn_implementation = "eager"
+    set_attn_implementation(out, "eager")
     return out
 
 
@@ -89,6 +90,8 @@ LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
 
 
 def _check(config, spec: ArchSpec) -> str:
+    # imported here: a stage brings the attention kernels (a quarter of a second of imports),
+    # which a registered family's start never needs
     from pipeline.stage.model import Stage
 
     try:
@@ -118,7 +121,7 @@ def _check(config, spec: ArchSpec) -> str:
         return f"the generic stage path fails on it ({_first_line(e)})"
     finally:
         for t in spec.model_types:
-            _CHECKED.pop(t, None)
+            forget(t)
     if abs(float(loss) - float(ref_loss)) > RTOL * abs(float(ref_loss)):
         return f"loss {float(loss):.6g} against Hugging Face's {float(ref_loss):.6g}"
     for name, g in ref.items():
