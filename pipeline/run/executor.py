@@ -183,7 +183,7 @@ class Executor:
         self.start_offset_s = start_offset_s
         self.device, self.dtype, self.hidden_size, self.grad_clip = device, dtype, hidden_size, grad_clip
         self.num_stages = len(mapping)
-        self.timeline = timeline  # optional recorder with .begin(action) / .end(action)
+        self.timeline = timeline  # optional recorder (pipeline.run.timeline.Timeline): begin / end, span, add
         self.router_loss = router_loss
         self.it: Iteration | None = None
         self._handlers = {
