@@ -1,4 +1,4 @@
-"""FSDP2 + CPU-offload full fine-tuning of a Llama model: the peer baseline for MMoC-Pipe's benchmark table.
+"""FSDP2 + CPU-offload fine-tuning of a Llama model (full, or LoRA): the peer baseline for MMoC-Pipe's tables.
 
 Same model (random-weight ``LlamaForCausalLM`` preset), same global batch and sequence length, same
 activation checkpointing per decoder layer; what differs is the parallelism: pure data parallel with
@@ -20,6 +20,16 @@ the cores runs the host AdamW (``torch.set_num_threads``; torchrun sets ``OMP_NU
 The JSON (``bench/sweep.py``'s format) is rewritten after every point; its top-level step time,
 rates and peaks are the best point's.
 
+LoRA (``--lora_rank R``, ``--lora_alpha``, ``--lora_target_modules``: bench/peer_lora.py) as a
+careful peft + FSDP2 user sets it up: peft's adapters injected into the model on the meta device,
+before any wrapping; the frozen base weights in bf16 (they need no float32 master: they never
+change), the adapters in float32 (the optimizer's masters; FSDP2 wants one dtype among a unit's
+trainable parameters, and allows frozen ones beside them in the same unit, so each decoder layer
+stays one unit); computed in bf16 through the same ``MixedPrecisionPolicy``; AdamW and clipping over
+the adapters only. The JSON's ``lora_rank``, ``lora_alpha``, ``lora_target_modules`` and
+``trainable_params`` say so (and each point's config its ``lora_rank``); ``num_params`` stays the
+base model's, the N of every row's 6 x N x tokens.
+
 Without CUDA it runs on gloo in float32 (``--model tiny``) so it can be checked on a CPU machine.
 """
 import argparse
@@ -40,6 +50,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_lora  # noqa: E402
 import sweep  # noqa: E402
 from host_clip import clip_host_grads_, local  # noqa: E402
 
@@ -49,11 +60,12 @@ PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "llama-2-7b": (4096, 11008, 32, 32, 32, 32000),
     "llama-3b": (3200, 8640, 26, 32, 32, 32000),
     "llama-2-13b": (5120, 13824, 40, 40, 40, 32000),
+    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256),
 }
 GIB = 2**30
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
     p.add_argument("--batch_size", type=int, default=64, help="global sequences per optimizer step")
@@ -84,7 +96,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0: off), as the "
                    "other rows do")
     p.add_argument("--json", default=None, help="rank 0 writes the results here")
-    return p.parse_args()
+    peer_lora.add_args(p)
+    args = p.parse_args(argv)
+    peer_lora.check(args)
+    return args
 
 
 def llama_config(name: str) -> LlamaConfig:
@@ -94,14 +109,45 @@ def llama_config(name: str) -> LlamaConfig:
                        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
 
 
-def build_model(config: LlamaConfig, device: torch.device, offload: bool) -> LlamaForCausalLM:
-    """Builds on meta, wraps each layer in activation checkpointing and fully_shard, then materialises the shards."""
+def meta_model(config: LlamaConfig, args: argparse.Namespace, base_dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model on the meta device; with ``--lora_rank``, peft's adapters injected (float32) and
+    every other, frozen, parameter cast to ``base_dtype``."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    if args.lora_rank:
+        peer_lora.inject(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(base_dtype)
+    return model
+
+
+def init_shard_(name: str, param: torch.Tensor) -> None:
+    """Fill one parameter's local shard directly (under no_grad, to_local() is the shard itself): no
+    DTensor RNG tracker needed. Adapters start as peft starts them: B zero (the adapted model is the
+    base model), A uniform within 1 / sqrt(fan_in) (its kaiming-uniform bound)."""
+    shard = local(param)
+    if name.endswith("norm.weight"):
+        shard.fill_(1.0)
+    elif ".lora_B." in name:
+        shard.zero_()
+    elif ".lora_A." in name:
+        bound = param.shape[1] ** -0.5
+        shard.uniform_(-bound, bound)
+    else:
+        shard.normal_(0.0, 0.02)
+
+
+def build_model(config: LlamaConfig, device: torch.device, offload: bool, args: argparse.Namespace,
+                bf16: bool) -> LlamaForCausalLM:
+    """Builds on meta (with LoRA's adapters), wraps each layer in activation checkpointing and
+    fully_shard, then materialises the shards. ``bf16``: compute in bf16 (the GPU's setting; the
+    CPU smoke runs float32), and with LoRA keep the frozen weights in it."""
+    model = meta_model(config, args, torch.bfloat16 if bf16 else torch.float32)
     layers = model.model.layers
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if device.type == "cuda":
+    if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -112,12 +158,10 @@ def build_model(config: LlamaConfig, device: torch.device, offload: bool) -> Lla
     fully_shard(model, **kwargs)
     # Only this rank's shard is allocated, so 13B never exists unsharded in one process.
     model.to_empty(device="cpu" if offload else device)
-    # Fill each local shard directly (under no_grad, to_local() is the shard itself): no DTensor RNG tracker needed.
     torch.manual_seed(dist.get_rank())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shard = param.to_local()
-            shard.fill_(1.0) if name.endswith("norm.weight") else shard.normal_(0.0, 0.02)
+            init_shard_(name, param)
     # to_empty left inv_freq uninitialised; buffers are not FSDP-managed, so this one goes straight to the GPU.
     model.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)
     model.train()
@@ -153,10 +197,11 @@ def sweep_points(micro_batches: list[int], sync_modes: list[str], per_rank: int)
     return points
 
 
-def train_step(model: FSDPModule, opt: torch.optim.Optimizer, vocab: int, micro_batch: int, num_micro: int,
-               sync_each: bool, seq_length: int, device: torch.device, gen: torch.Generator,
-               grad_clip: float) -> float:
-    """One optimizer step over this rank's share of the global batch; returns the mean micro-batch loss."""
+def train_step(model: FSDPModule, opt: torch.optim.Optimizer, params: list[torch.Tensor], vocab: int,
+               micro_batch: int, num_micro: int, sync_each: bool, seq_length: int, device: torch.device,
+               gen: torch.Generator, grad_clip: float) -> float:
+    """One optimizer step over this rank's share of the global batch; returns the mean micro-batch
+    loss. ``params``: the trainable parameters (the optimizer's, the clipped ones)."""
     total = torch.zeros((), device=device)
     for m in range(num_micro):
         last = m == num_micro - 1
@@ -166,10 +211,10 @@ def train_step(model: FSDPModule, opt: torch.optim.Optimizer, vocab: int, micro_
         loss.backward()
         total += loss.detach()
     if grad_clip > 0:
-        if any(p.grad is not None and local(p.grad).device.type == "cpu" for p in model.parameters()):
-            clip_host_grads_(list(model.parameters()), grad_clip)  # host shards: on every core, not one
+        if any(p.grad is not None and local(p.grad).device.type == "cpu" for p in params):
+            clip_host_grads_(params, grad_clip)  # host shards: on every core, not one
         else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total.item()  # host sync; the timed step ends here anyway
@@ -190,22 +235,98 @@ def agree_max(value: float, device: torch.device) -> float:
     return t.item()
 
 
-def main() -> None:
-    args = parse_args()
-    t_start = time.perf_counter()
+def setup(args: argparse.Namespace) -> torch.device:
+    """This rank's process group, threads, device and memory cap."""
     use_cuda = torch.cuda.is_available()
     # Offloaded gradients are host tensors: clipping all-reduces their norm on the CPU, over gloo.
     dist.init_process_group("cuda:nccl,cpu:gloo" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     # torchrun sets OMP_NUM_THREADS=1; the offloaded AdamW step runs on these threads.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-        if args.mem_cap_gb is not None:
-            total_mem = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_gb * GIB / total_mem), device)
+    if not use_cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    if args.mem_cap_gb is not None:
+        total_mem = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.mem_cap_gb * GIB / total_mem), device)
+    return device
+
+
+def write_results(path: str | None, header: dict, points: list[dict], host_rss: list[float],
+                  status: str | None = None) -> None:
+    """The JSON (rank 0's to write); the top level carries the best point (offload_bench reads it)."""
+    if not path:
+        return
+    res = sweep.result(header, points)
+    best = res["best"].get("fsdp2")
+    res["status"] = status or ("ok" if best else (points[-1]["status"] if points else "failed"))
+    if best:
+        res.update(step_time_s=best["step_time_s"], tokens_per_s=best["tokens_per_s"],
+                   tflops_per_gpu=best["tflops_per_gpu"], step_times_s=best["step_times_s"],
+                   peak_allocated_gib=best["peak_allocated_gib"], peak_reserved_gib=best["peak_reserved_gib"],
+                   peak_allocated_gib_per_rank=best["peak_allocated_gib_per_rank"],
+                   peak_reserved_gib_per_rank=best["peak_reserved_gib_per_rank"],
+                   num_micro_batches=best["config"]["num_micro_batches"], losses=best["losses"])
+    res["host_rss_peak_gib_per_rank"] = host_rss
+    res["host_rss_peak_gib"] = max(host_rss) if host_rss else None
+    sweep.write_json(path, res)
+
+
+def build_training(config: LlamaConfig, device: torch.device, args: argparse.Namespace):
+    """The sharded model, the trainable parameters (all, or LoRA's adapters) and their AdamW; None
+    when this rank ran out of memory building them."""
+    try:
+        model = build_model(config, device, args.offload, args, bf16=device.type == "cuda")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[args.adamw]
+        return model, trainable, torch.optim.AdamW(trainable, lr=args.lr, **impl)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        return None
+
+
+def run_point(model: FSDPModule, opt: torch.optim.Optimizer, trainable: list[torch.Tensor], args: argparse.Namespace,
+              vocab: int, micro_batch: int, mode: str, steps: sweep.Steps, device: torch.device) -> str:
+    """One point's warm-up and measured steps (into ``steps``); returns the point's status."""
+    rank, per_rank = dist.get_rank(), args.batch_size // dist.get_world_size()
+    gen = torch.Generator(device=device)
+    use_cuda = device.type == "cuda"
+    for step in range(args.warmup + args.iterations):
+        gen.manual_seed(1000 * step + rank)  # different data per rank and step
+        oom = False
+        try:
+            if use_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = train_step(model, opt, trainable, vocab, micro_batch, per_rank // micro_batch, mode == "each",
+                              args.seq_length, device, gen, args.grad_clip)
+            if use_cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            oom = True
+            # A rank that OOMs inside a collective leaves its peers blocked there; they fall to the
+            # process-group timeout. Symmetric OOMs (same shapes on every rank) all arrive here.
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        if any_rank(oom, device):
+            return "OOM"
+        dt = agree_max(dt, device)  # a step lasts until its slowest rank finishes
+        stop = steps.add(step, dt, loss, time.perf_counter())
+        if stop:
+            return stop
+    return "ok"
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.perf_counter()
+    device = setup(args)
+    use_cuda, rank, world = device.type == "cuda", dist.get_rank(), dist.get_world_size()
     per_rank, rem = divmod(args.batch_size, world)
     if rem:
         raise ValueError(f"batch_size ({args.batch_size}) must split into world_size ({world}) ranks")
@@ -214,7 +335,6 @@ def main() -> None:
     points_todo = sweep_points(micro_batches, modes, per_rank)
     config = llama_config(args.model)
     tokens_per_step = args.batch_size * args.seq_length
-
     header: dict[str, Any] = {
         "system": "fsdp2", "baseline": "fsdp2", "args": vars(args), "torch": torch.__version__,
         "transformers": transformers.__version__, "world_size": world, "num_gpus": world,
@@ -222,87 +342,36 @@ def main() -> None:
         "tokens_per_step": tokens_per_step, "threads_per_rank": torch.get_num_threads(),
     }
     points: list[dict] = []
-
-    def save(status: str | None = None) -> None:
-        """Rank 0 rewrites the JSON; the top level carries the best point (offload_bench reads it)."""
-        if rank != 0 or not args.json:
-            return
-        res = sweep.result(header, points)
-        best = res["best"].get("fsdp2")
-        res["status"] = status or ("ok" if best else (points[-1]["status"] if points else "failed"))
-        if best:
-            res.update(step_time_s=best["step_time_s"], tokens_per_s=best["tokens_per_s"],
-                       tflops_per_gpu=best["tflops_per_gpu"], step_times_s=best["step_times_s"],
-                       peak_allocated_gib=best["peak_allocated_gib"], peak_reserved_gib=best["peak_reserved_gib"],
-                       peak_allocated_gib_per_rank=best["peak_allocated_gib_per_rank"],
-                       peak_reserved_gib_per_rank=best["peak_reserved_gib_per_rank"],
-                       num_micro_batches=best["config"]["num_micro_batches"], losses=best["losses"])
-        res["host_rss_peak_gib_per_rank"] = host_rss
-        res["host_rss_peak_gib"] = max(host_rss) if host_rss else None
-        sweep.write_json(args.json, res)
-
     host_rss: list[float] = []
-    oom = False
-    try:
-        model = build_model(config, device, args.offload)
-        n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
-        impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[args.adamw]
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **impl)
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        oom, n_params = True, 0
+    json_path = args.json if rank == 0 else None
+    built = build_training(config, device, args)
+    model, trainable, opt = built or (None, [], None)
+    # DTensor numel is the global size; the base model's count (adapters left out) is every row's N
+    n_params = sum(p.numel() for name, p in model.named_parameters() if not peer_lora.is_adapter(name)) if model else 0
     header["params"] = header["num_params"] = n_params
-    if any_rank(oom, device):
-        save("OOM")
+    header.update(peer_lora.summary(args, sum(p.numel() for g in opt.param_groups for p in g["params"]) if opt else 0))
+    if any_rank(built is None, device):
+        write_results(json_path, header, points, host_rss, "OOM")
         dist.destroy_process_group()
         return
 
-    gen = torch.Generator(device=device)
     for micro_batch, mode in points_todo:
-        num_micro = per_rank // micro_batch
-        cfg = {"micro_batch_per_rank": micro_batch, "num_micro_batches": num_micro, "grad_sync": mode,
+        cfg = {"micro_batch_per_rank": micro_batch, "num_micro_batches": per_rank // micro_batch, "grad_sync": mode,
                "offload": args.offload, "grad_clip": args.grad_clip, "mem_cap_gb": args.mem_cap_gb,
-               "threads_per_rank": torch.get_num_threads(), "adamw": args.adamw, "activation_checkpointing": True}
+               "threads_per_rank": torch.get_num_threads(), "adamw": args.adamw, "activation_checkpointing": True,
+               **({"lora_rank": args.lora_rank} if args.lora_rank else {})}
         elapsed = agree_max(time.perf_counter() - t_start, device)
         best = sweep.best_step(points, "fsdp2")
         # The warm-up steps must fit at about the best step so far (the first point always runs);
         # after them, the measured ones must fit at the warm-up's pace.
         if points and not sweep.fits(elapsed, args.budget_s, args.warmup * best if best else 0.0):
             points.append(sweep.point("fsdp2", cfg, True, status="not run (budget)"))
-            save()
+            write_results(json_path, header, points, host_rss)
             continue
         if use_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         steps = sweep.Steps(args.warmup, args.iterations, best, args.prune_factor, args.budget_s, t_start)
-        status = "ok"
-        for step in range(args.warmup + args.iterations):
-            gen.manual_seed(1000 * step + rank)  # different data per rank and step
-            try:
-                if use_cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                loss = train_step(model, opt, config.vocab_size, micro_batch, num_micro, mode == "each",
-                                  args.seq_length, device, gen, args.grad_clip)
-                if use_cuda:
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                oom = True
-                # A rank that OOMs inside a collective leaves its peers blocked there; they fall to the
-                # process-group timeout. Symmetric OOMs (same shapes on every rank) all arrive here.
-                opt.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-            if any_rank(oom, device):
-                status, oom = "OOM", False
-                break
-            dt = agree_max(dt, device)  # a step lasts until its slowest rank finishes
-            stop = steps.add(step, dt, loss, time.perf_counter())
-            if stop:
-                status = stop
-                break
+        status = run_point(model, opt, trainable, args, config.vocab_size, micro_batch, mode, steps, device)
         mem = [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB] \
             if use_cuda else [0.0, 0.0]
         rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
@@ -315,9 +384,15 @@ def main() -> None:
         if rank == 0:
             print(sweep.point_line(f"fsdp2 model={args.model} world={world} micro_batch={micro_batch} sync={mode}",
                                    points[-1]), flush=True)
-        save()
+        write_results(json_path, header, points, host_rss)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The results are written and the process group is gone. The interpreter's teardown sometimes
+    # aborts after gloo ("terminate called without an active exception": a C++ thread still
+    # joinable), which would fail a finished run.
+    os._exit(0)

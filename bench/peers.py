@@ -21,6 +21,16 @@ share of ``--budget_s``, never past what is left) and is killed 90 s after it; a
 leaves its status in the table and the others run. This project's rows come from
 ``bench/offload_bench.py``'s ``rows.json`` (``--ours DIR``, default ``OUT/bench``).
 
+LoRA: ``--lora_rank R`` (with ``--lora_alpha``, ``--lora_target_modules``) makes the job peft's
+LoRA on the frozen model, passed to ``fsdp2`` and ``roundpipe`` (their LoRA setups: their scripts'
+docstrings); the peers are then those two, as DeepSpeed is not needed for the LoRA tables and its
+script has no LoRA switch (``--peers deepspeed`` with ``--lora_rank`` is refused). A row of this
+project run by main.py itself (``bench/lora_rows.sh``) joins the table with ``--ours_results
+NAME=PATH`` (PATH: its ``save_results`` file). The one-GPU LoRA table::
+
+    python3 bench/peers.py --gpus 1 --cap_gb 24 --model llama-3-8b --lora_rank 16 --lora_alpha 32 \
+        --lora_target_modules all-linear --out OUT --ours_results lora-8b=OUT/results.json
+
 The table (``OUT/peers.md``, ``OUT/peers.json``) has one line per system: its best point (the sweep
 stays in the peer's JSON), s/step, peak GPU memory (allocated, largest GPU), exact (the update
 each step is the synchronous one: RoundPipe's asynchronous step uses one-step-old weights),
@@ -39,10 +49,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload_bench  # noqa: E402
+import peer_lora  # noqa: E402
 import sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("fsdp2", "deepspeed", "roundpipe")
+LORA_PEERS = ("fsdp2", "roundpipe")  # the scripts with a LoRA switch
+OURS_WARMUP = 2  # a main.py results file's first iterations left out of its row, as offload_bench's rows leave them
 DEFAULT_BUDGETS = {"fsdp2": 150.0, "deepspeed": 170.0, "roundpipe": 330.0}
 KILL_GRACE_S = 90.0
 BREAKDOWN = ("compute_s", "load_wait_s", "offload_wait_s", "optimizer_wait_s", "other_s")
@@ -54,12 +67,15 @@ def peer_command(peer: str, args: argparse.Namespace, json_path: Path, budget_s:
     common = ["--model", args.model, "--batch_size", str(args.batch_size), "--seq_length", str(args.seq_length),
               "--mem_cap_gb", str(args.cap_gb), "--json", str(json_path), "--budget_s", str(round(budget_s)),
               "--grad_clip", str(args.grad_clip)]
+    if args.lora_rank and peer in LORA_PEERS:  # choose_peers refused the others
+        common += ["--lora_rank", str(args.lora_rank), "--lora_alpha", str(args.lora_alpha),
+                   "--lora_target_modules", args.lora_target_modules]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"]
     env = {"NCCL_P2P_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
     if peer == "fsdp2":
         env["OMP_NUM_THREADS"] = str(max(1, cores // args.gpus))
         return torchrun + [str(ROOT / "bench/fsdp2_baseline.py"), *common, "--micro_batches", args.fsdp_micro_batches,
-                           "--sync_modes", "deferred,each", "--iterations", "2", "--warmup", "2"], env
+                           "--sync_modes", args.fsdp_sync_modes, "--iterations", "2", "--warmup", "2"], env
     if peer == "deepspeed":
         env.update(OMP_NUM_THREADS=str(max(1, cores // args.gpus)), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
         return torchrun + [str(ROOT / "bench/deepspeed_baseline.py"), *common, "--micro_batches",
@@ -70,6 +86,20 @@ def peer_command(peer: str, args: argparse.Namespace, json_path: Path, budget_s:
         return [sys.executable, str(ROOT / "bench/roundpipe_baseline.py"), *common, "--points",
                 args.roundpipe_points, "--iterations", "3", "--warmup", "1"], env
     raise SystemExit(f"error: unknown peer {peer!r}; expected one of {', '.join(PEERS)}")
+
+
+def choose_peers(text: str | None, lora_rank: int) -> list[str]:
+    """``--peers`` (default: every peer; with ``--lora_rank``, those with a LoRA switch); a peer
+    unknown, or without a LoRA switch under ``--lora_rank``, exits with one line."""
+    offered = LORA_PEERS if lora_rank else PEERS
+    peers = [x for x in (text or ",".join(offered)).split(",") if x]
+    for peer in peers:
+        if peer not in PEERS:
+            raise SystemExit(f"error: unknown peer {peer!r}; expected some of {', '.join(PEERS)}")
+        if peer not in offered:
+            raise SystemExit(f"error: peer {peer!r} has no LoRA switch; with --lora_rank choose among "
+                             f"{', '.join(LORA_PEERS)}")
+    return peers
 
 
 def parse_budgets(text: str) -> dict[str, float]:
@@ -137,7 +167,7 @@ def peer_rows(peer: str, res: dict | None, run: dict | None = None) -> list[dict
 def config_text(cfg: dict) -> str:
     """The switches that tell one sweep point from another."""
     keys = ("micro_batch_per_rank", "grad_sync", "gradient_accumulation_steps", "num_microbatch",
-            "forward_backward_per_step")
+            "forward_backward_per_step", "lora_rank")
     return ", ".join(f"{k}={cfg[k]}" for k in keys if k in cfg) or "-"
 
 
@@ -156,6 +186,19 @@ def our_rows(rows_json: dict, gpus: int, tokens_per_step: int) -> list[dict]:
                     "tflops_per_gpu": sweep.model_tflops_per_gpu(n, tokens_per_step, r["step_time_s"], gpus)
                     if n else None, **{k: r.get(k) for k in BREAKDOWN}})
     return out
+
+
+def results_row(spec: str) -> dict:
+    """``NAME=PATH``: a row of this project's run by main.py itself (PATH: its ``save_results``
+    file), in the form of offload_bench's rows.json rows."""
+    name, sep, path = spec.partition("=")
+    if not (sep and name and path):
+        raise SystemExit(f"error: --ours_results {spec!r}: expected NAME=PATH (PATH: main.py's save_results file)")
+    res = load_json(Path(path))
+    if not res or len(res.get("iterations", [])) <= OURS_WARMUP:
+        return {"row": name, "status": f"no result (no {path} with over {OURS_WARMUP} iterations)"}
+    summary = offload_bench.summarise(res, "main", argparse.Namespace(warmup=OURS_WARMUP))
+    return {"row": name, "model": res.get("config", {}).get("model"), **summary}
 
 
 def fmt(v, p: int = 2) -> str:
@@ -190,23 +233,25 @@ def load_json(path: Path) -> dict | None:
 
 
 def collect(out: Path, ours: Path | None, peers: list[str], runs: dict[str, dict], gpus: int,
-            tokens_per_step: int) -> list[dict]:
-    """Our rows (when their rows.json exists), then each peer's best rows."""
-    rows: list[dict] = []
-    ours_json = load_json(ours / "rows.json") if ours else None
-    if ours_json:
-        rows += our_rows(ours_json, gpus, tokens_per_step)
+            tokens_per_step: int, ours_results: list[str] = ()) -> list[dict]:
+    """Our rows (offload_bench's, when their rows.json exists; then main.py's ``ours_results``),
+    then each peer's best rows."""
+    ours_json = (load_json(ours / "rows.json") if ours else None) or {"rows": []}
+    rows = our_rows({"rows": ours_json["rows"] + [results_row(spec) for spec in ours_results]}, gpus,
+                    tokens_per_step)
     for peer in peers:
         res = load_json(out / "peers" / f"{peer}.json")
         rows += peer_rows(peer, res, runs.get(peer))
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="peer_results")
     p.add_argument("--ours", default=None, help="offload_bench's output directory (default OUT/bench)")
-    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--ours_results", action="append", default=[], metavar="NAME=PATH",
+                   help="a row of this project's run by main.py (PATH: its save_results file); repeatable")
+    p.add_argument("--peers", default=None, help=f"default {','.join(PEERS)}; with --lora_rank {','.join(LORA_PEERS)}")
     p.add_argument("--budget_s", type=float, default=420.0, help="all peers together")
     p.add_argument("--peer_budgets", default="", help="PEER=SECONDS,... over " +
                    ",".join(f"{k}={v:.0f}" for k, v in DEFAULT_BUDGETS.items()))
@@ -219,20 +264,26 @@ def main(argv: list[str] | None = None) -> None:
                    help="every peer clips at this norm (0: none; compare with this project's -noclip rows); host "
                         "gradients' norms on every core (bench/host_clip.py), DeepSpeed's on the GPU")
     p.add_argument("--fsdp_micro_batches", default="32,16,8,4")
+    p.add_argument("--fsdp_sync_modes", default="deferred,each", help="FSDP2's gradient sync modes to sweep")
     p.add_argument("--deepspeed_micro_batches", default="32,16,8")
     p.add_argument("--roundpipe_points", default="async:8,sync:8,async:4,sync:4,async:16,sync:16")
     p.add_argument("--summarise", metavar="OUT", default=None, help="run nothing: print OUT's table again")
+    peer_lora.add_args(p)
     args = p.parse_args(argv)
-    peers = [x for x in args.peers.split(",") if x]
-    for peer in peers:
-        if peer not in PEERS:
-            raise SystemExit(f"error: unknown peer {peer!r}; expected some of {', '.join(PEERS)}")
+    peer_lora.check(args)
+    args.peers = choose_peers(args.peers, args.lora_rank)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    peers = args.peers
     tokens_per_step = args.batch_size * args.seq_length
     if args.summarise:
         out = Path(args.summarise)
         runs = {r["peer"]: r for r in (load_json(out / "peers.json") or {}).get("runs", [])}
         print(table(collect(out, Path(args.ours) if args.ours else out / "bench", peers, runs, args.gpus,
-                            tokens_per_step)))
+                            tokens_per_step, args.ours_results)))
         return
     budgets = parse_budgets(args.peer_budgets)
     out = Path(args.out)
@@ -247,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"peers: {peer} with a budget of {budget:.0f}s", flush=True)
             runs[peer] = run_peer(peer, args, out / "peers", budget)
         print(json.dumps(runs[peer]), flush=True)
-    rows = collect(out, Path(args.ours) if args.ours else out / "bench", peers, runs, args.gpus, tokens_per_step)
+    rows = collect(out, Path(args.ours) if args.ours else out / "bench", peers, runs, args.gpus, tokens_per_step,
+                   args.ours_results)
     text = table(rows)
     (out / "peers.md").write_text(text + "\n")
     (out / "peers.json").write_text(json.dumps({"args": vars(args), "runs": list(runs.values()), "rows": rows},

@@ -1,4 +1,4 @@
-"""RoundPipe 0.1.1 full fine-tuning of a Llama model: a peer baseline for MMoC-Pipe's table.
+"""RoundPipe 0.1.1 fine-tuning of a Llama model (full, or LoRA): a peer baseline for MMoC-Pipe's tables.
 
 One process drives every visible GPU (RoundPipe's device threads; no torchrun, no NCCL: activations
 and parameters move through host memory). The model is RoundPipe's ``LlamaForCausalLM`` preset
@@ -29,6 +29,16 @@ transformers 5 renamed ``create_causal_mask(input_embeds=...)`` to ``inputs_embe
 ``OMP_NUM_THREADS`` should be every core (RoundPipe's Adam is OpenMP C++, JIT-compiled on first use
 and cached; ``python3 -c "from roundpipe.optim.optim_builder import load_optim_function;
 load_optim_function('adam')"`` builds it ahead). Budget, pruning and the JSON as in ``bench/sweep.py``.
+
+LoRA (``--lora_rank R``, ``--lora_alpha``, ``--lora_target_modules``: bench/peer_lora.py) as the
+authors' LoRA benchmark sets it up (RoundPipe-artifact ``roundpipe/train_lora.py``): peft's layers
+injected into the Hugging Face model in place before ``wrap_model_to_roundpipe`` (the model keeps
+its class, so the sequential Llama preset still takes it; a ``PeftModel`` would not), the adapters
+in the model's dtype with RoundPipe's float32 optimizer copies (``optim_dtype``), and the optimizer
+over ``optim_parameters()``, which holds the parameters that require a gradient: the adapters. The
+head stays a plain linear layer: the preset's fused loss reads its weight. Host memory is pinned
+(``--pin_model alloc``, RoundPipe's default; the authors' throughput runs pin too): RoundPipe's
+docs advise ``off`` only for a LoRA model larger than host memory, at the cost of unpinned copies.
 """
 from __future__ import annotations
 
@@ -44,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_lora  # noqa: E402
 import sweep  # noqa: E402
 from host_clip import clip_host_grads_  # noqa: E402
 
@@ -98,8 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=None)
     p.add_argument("--prune_factor", type=float, default=1.5)
     p.add_argument("--json", default=None)
+    p.add_argument("--pin_model", choices=("alloc", "register", "off"), default="alloc",
+                   help="RoundPipe's host-memory pinning of the model (see the docstring)")
+    peer_lora.add_args(p)
     p.add_argument("--ballast", type=float, default=None, help=argparse.SUPPRESS)  # internal: the ballast child
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    peer_lora.check(args)
+    return args
 
 
 def ballast(cap_gb: float) -> None:
@@ -157,6 +173,20 @@ def build_hf_model(model_name: str, seq_length: int):
     return model, config
 
 
+def add_lora(hf_model, args: argparse.Namespace) -> int:
+    """peft's adapters into ``hf_model`` (on the host, before RoundPipe wraps it); returns their
+    element count. Refuses a model the Llama preset would no longer take as it expects."""
+    from torch import nn
+
+    head = type(hf_model.lm_head)
+    n = peer_lora.inject(hf_model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+    # The preset picks its wrapper by class name and feeds lm_head.weight to its fused loss.
+    if type(hf_model.lm_head) is not head or not isinstance(hf_model.lm_head, nn.Linear):
+        raise SystemExit(f"error: LoRA wrapped the head ({type(hf_model.lm_head).__name__}); RoundPipe's preset "
+                         "needs a plain linear head")
+    return n
+
+
 def active_params(model_name: str) -> int:
     """The parameters a token runs through (a routed layer's experts: top_k of them): what the
     model FLOP rate counts, as for this project's rows."""
@@ -166,6 +196,64 @@ def active_params(model_name: str) -> int:
 
     config = preset_config(model_name)
     return stage_num_params(config, range(config.num_hidden_layers), True, True, active=True)
+
+
+def adapt_presets() -> None:
+    """RoundPipe's presets call transformers 4's mask builders; this routes them to the installed ones."""
+    import importlib
+
+    renames = {"input_embeds": "inputs_embeds", "past_key_values": "cache"}
+    for preset in ("llama", "qwen3", "qwen3_moe"):
+        module = importlib.import_module(f"roundpipe.models.{preset}")
+        for fn in ("create_causal_mask", "create_sliding_window_causal_mask"):
+            if hasattr(module, fn):
+                setattr(module, fn, keyword_adapter(getattr(module, fn), renames))
+
+
+def build_roundpipe(hf_model, args: argparse.Namespace):
+    """RoundPipe's model over ``hf_model`` (its sequential preset), the optimizer's parameters
+    (float32 copies of those that require a gradient: all, or LoRA's adapters) and its CPU Adam."""
+    import torch
+    from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
+    from roundpipe.optim import Adam
+
+    adapt_presets()
+    model = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
+                                    model_run_config=RoundPipeRunConfig(recompute_grain=args.recompute_grain),
+                                    pin_model=args.pin_model)
+    params = list(model.optim_parameters())
+    return model, params, Adam(params, lr=args.lr, weight_decay=0.0, decoupled_weight_decay=True)
+
+
+def run_steps(model, step_fn: Callable[[], None], args: argparse.Namespace, vocab: int, gen, point: tuple,
+              steps: sweep.Steps) -> str:
+    """One point's warm-up and measured steps (into ``steps``); returns the point's status."""
+    import torch
+    from roundpipe import RoundPipeRunConfig
+
+    mode, num_micro, accum = point
+    run_config = RoundPipeRunConfig(num_microbatch=num_micro)
+    try:
+        for step in range(steps.warmup + steps.iterations):
+            ids = torch.randint(vocab, (args.batch_size, args.seq_length), generator=gen)
+            t0 = time.perf_counter()
+            total = 0.0
+            for chunk in ids.chunk(accum):
+                loss = model.forward_backward(
+                    input_kwargs={"input_ids": chunk, "labels": chunk, "return_logits": False},
+                    loss_fn=lambda outputs, _: outputs.loss / num_micro / accum, run_config=run_config)
+                total += float(loss)  # a host tensor already (RoundPipe synchronised on it)
+            model.step(step_fn, is_async=(mode == "async"))
+            dt = time.perf_counter() - t0
+            stop = steps.add(step, dt, total, time.perf_counter())
+            if stop:
+                return stop
+    except Exception as e:  # noqa: BLE001 - one point failing must not lose the others
+        oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+        status = "OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:200]}"
+        print(f"roundpipe roundpipe-{mode} N={num_micro} A={accum}: {status}", file=sys.stderr, flush=True)
+        return status
+    return "ok"
 
 
 def main() -> None:
@@ -183,26 +271,15 @@ def main() -> None:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     hf_model, config = build_hf_model(args.model, args.seq_length)
-    n_params = active_params(args.model)
-
-    import importlib
+    n_params = active_params(args.model)  # the base model's, adapters left out: every row's N
+    if args.lora_rank:
+        add_lora(hf_model, args)
 
     import roundpipe
-    from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
     from roundpipe.device import device_list
-    from roundpipe.optim import Adam
 
-    renames = {"input_embeds": "inputs_embeds", "past_key_values": "cache"}
-    for preset in ("llama", "qwen3", "qwen3_moe"):
-        module = importlib.import_module(f"roundpipe.models.{preset}")
-        for fn in ("create_causal_mask", "create_sliding_window_causal_mask"):
-            if hasattr(module, fn):
-                setattr(module, fn, keyword_adapter(getattr(module, fn), renames))
     num_gpus = len(device_list)
-    model = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
-                                    model_run_config=RoundPipeRunConfig(recompute_grain=args.recompute_grain))
-    params = list(model.optim_parameters())
-    optim = Adam(params, lr=args.lr, weight_decay=0.0, decoupled_weight_decay=True)
+    model, params, optim = build_roundpipe(hf_model, args)
 
     def step_fn() -> None:
         # Runs on RoundPipe's optimizer thread, on the fp32 host copies and their gradients.
@@ -218,7 +295,8 @@ def main() -> None:
         "num_gpus": num_gpus, "device": torch.cuda.get_device_name(0), "model": args.model, "num_params": n_params,
         "tokens_per_step": tokens_per_step, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "threads": torch.get_num_threads(), "build_s": time.perf_counter() - t_start,
-        "memory_cap": "ballast process" if holder else None,
+        "memory_cap": "ballast process" if holder else None, "pin_model": args.pin_model,
+        **peer_lora.summary(args, sum(p.numel() for p in params)),
     }
     print(f"roundpipe: built in {header['build_s']:.1f}s on {num_gpus} GPUs", flush=True)
     points: list[dict] = []
@@ -227,39 +305,19 @@ def main() -> None:
         system = f"roundpipe-{mode}"
         cfg = {"step": mode, "num_microbatch": num_micro, "forward_backward_per_step": accum,
                "recompute_grain": args.recompute_grain, "optim_dtype": "float32", "grad_clip": args.grad_clip,
-               "mem_cap_gb": args.mem_cap_gb, "omp_num_threads": header["omp_num_threads"]}
+               "mem_cap_gb": args.mem_cap_gb, "omp_num_threads": header["omp_num_threads"],
+               **({"lora_rank": args.lora_rank} if args.lora_rank else {})}
         best = sweep.best_step(points, system)
         if points and not sweep.fits(time.perf_counter() - t_start, args.budget_s,
                                      args.warmup * (best or sweep.best_step(points, "roundpipe-async") or 0.0)):
             points.append(sweep.point(system, cfg, mode == "sync", status="not run (budget)"))
             sweep.write_json(args.json, sweep.result(header, points))
             continue
-        run_config = RoundPipeRunConfig(num_microbatch=num_micro)
         warmup = args.warmup + (1 if index == 0 else 0)
         for i in range(num_gpus):
             torch.cuda.reset_peak_memory_stats(i)
         steps = sweep.Steps(warmup, args.iterations, best, args.prune_factor, args.budget_s, t_start)
-        status = "ok"
-        try:
-            for step in range(warmup + args.iterations):
-                ids = torch.randint(config.vocab_size, (args.batch_size, args.seq_length), generator=gen)
-                t0 = time.perf_counter()
-                total = 0.0
-                for chunk in ids.chunk(accum):
-                    loss = model.forward_backward(
-                        input_kwargs={"input_ids": chunk, "labels": chunk, "return_logits": False},
-                        loss_fn=lambda outputs, _: outputs.loss / num_micro / accum, run_config=run_config)
-                    total += float(loss)  # a host tensor already (RoundPipe synchronised on it)
-                model.step(step_fn, is_async=(mode == "async"))
-                dt = time.perf_counter() - t0
-                stop = steps.add(step, dt, total, time.perf_counter())
-                if stop:
-                    status = stop
-                    break
-        except Exception as e:  # noqa: BLE001 - one point failing must not lose the others
-            oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-            status = "OOM" if oom else f"failed: {type(e).__name__}: {str(e)[:200]}"
-            print(f"roundpipe {system} N={num_micro} A={accum}: {status}", file=sys.stderr, flush=True)
+        status = run_steps(model, step_fn, args, config.vocab_size, gen, (mode, num_micro, accum), steps)
         peaks = [torch.cuda.max_memory_allocated(i) / GIB for i in range(num_gpus)]
         reserved = [torch.cuda.max_memory_reserved(i) / GIB for i in range(num_gpus)]
         points.append(sweep.measured_point(

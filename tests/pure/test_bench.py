@@ -284,13 +284,91 @@ def test_peers_partial_run_and_budgets(tmp_path):
     assert peers.parse_budgets("roundpipe=400")["roundpipe"] == 400 and peers.parse_budgets("")["fsdp2"] == 150
     with pytest.raises(SystemExit):
         peers.parse_budgets("megatron=1")
-    cmd, env = peers.peer_command("roundpipe", peers_args := argparse.Namespace(
-        model="llama-2-7b", batch_size=64, seq_length=512, cap_gb=48.0, gpus=2, fsdp_micro_batches="32,16",
-        deepspeed_micro_batches="32", roundpipe_points="async:8", grad_clip=0.0), tmp_path / "rp.json", 300)
+    peers_args = peers.parse_args(["--fsdp_micro_batches", "32,16", "--deepspeed_micro_batches", "32",
+                                   "--roundpipe_points", "async:8", "--grad_clip", "0.0"])
+    assert peers_args.peers == ["fsdp2", "deepspeed", "roundpipe"]
+    cmd, env = peers.peer_command("roundpipe", peers_args, tmp_path / "rp.json", 300)
     assert "torch.distributed.run" not in cmd and env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert cmd[cmd.index("--grad_clip") + 1] == "0.0"  # the no-clipping form reaches the peer
+    assert not any(a.startswith("--lora") for a in cmd)  # full fine-tuning: the scripts' default
     cmd, env = peers.peer_command("deepspeed", peers_args, tmp_path / "ds.json", 300)
     assert "--nproc_per_node=2" in cmd and env["NCCL_P2P_DISABLE"] == "1" and int(env["OMP_NUM_THREADS"]) >= 1
+
+
+LORA_JOB = ["--gpus", "1", "--cap_gb", "24", "--model", "llama-3-8b", "--lora_rank", "16", "--lora_alpha", "32",
+            "--lora_target_modules", "all-linear"]
+
+
+def _script_args(cmd):
+    """The flags after the peer script's path in a peer's command line."""
+    script = next(i for i, a in enumerate(cmd) if a.endswith("_baseline.py"))
+    return cmd[script + 1:]
+
+
+def test_peers_pass_lora_to_fsdp2_and_roundpipe(tmp_path):
+    """One peers.py command with --lora_rank: the LoRA peers by default, each command line carrying
+    the job's LoRA, and each script's own parser reading it back."""
+    args = peers.parse_args(LORA_JOB + ["--fsdp_sync_modes", "deferred"])
+    assert args.peers == ["fsdp2", "roundpipe"]
+    for peer, script in (("fsdp2", fsdp2), ("roundpipe", rp)):
+        cmd, _ = peers.peer_command(peer, args, tmp_path / f"{peer}.json", 300)
+        got = script.parse_args(_script_args(cmd))
+        assert (got.lora_rank, got.lora_alpha, got.lora_target_modules) == (16, 32.0, "all-linear"), peer
+        assert (got.model, got.mem_cap_gb, got.batch_size) == ("llama-3-8b", 24.0, 64)
+    cmd, _ = peers.peer_command("fsdp2", args, tmp_path / "f.json", 300)
+    assert fsdp2.parse_args(_script_args(cmd)).sync_modes == "deferred" and "--nproc_per_node=1" in cmd
+    cmd, _ = peers.peer_command("roundpipe", peers.parse_args(LORA_JOB[:-1] + ["q_proj,v_proj"]), tmp_path / "r.json",
+                                300)
+    assert rp.parse_args(_script_args(cmd)).lora_target_modules == "q_proj,v_proj"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (LORA_JOB + ["--peers", "fsdp2,deepspeed"], "has no LoRA switch"),  # it would train the whole model
+    (["--peers", "megatron"], "unknown peer"),
+    (LORA_JOB[:-1] + ["all-linear,q_proj"], "all-linear alone"),
+    (LORA_JOB[:-1] + ["q_proj,lm_head"], "stay frozen"),
+    (["--lora_rank", "-1"], "must be >= 0"),
+])
+def test_peers_refuse_a_lora_job_they_cannot_run(argv, says):
+    with pytest.raises(SystemExit, match=says):
+        peers.parse_args(argv)
+
+
+def test_fsdp2_llama_3_8b_preset_matches_the_project_preset():
+    """The FSDP2 peer's llama-3-8b is this project's (same shapes, so the same N in every row)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LlamaForCausalLM(fsdp2.llama_config("llama-3-8b")).parameters())
+    assert n == sweep.model_params("llama-3-8b")
+
+
+def _results_json(path, step_times, model="llama-3-8b"):
+    its = [{"step": i, "step_time_s": t, "tokens_per_s": 32768 / t, "tflops_per_gpu": 1.0, "loss": 11.0,
+            "peak_mem_bytes": [20 * 2**30], "per_rank": [{"compute_seconds": t - 0.5, "load_wait_seconds": 0.1,
+                                                         "host_rss_bytes": 2**30}]} for i, t in enumerate(step_times)]
+    _write(path, {"config": {"model": model, "lora_rank": 16}, "world_size": 1, "iterations": its})
+
+
+def test_peers_table_takes_a_row_run_by_main_py(tmp_path):
+    """--ours_results: a row this project ran through main.py (lora_rows.sh) heads the table, its
+    warm-up iterations left out; a missing file is a line that says so."""
+    _results_json(tmp_path / "8b" / "results.json", [30.0, 9.0, 4.0, 5.0, 6.0])
+    header = {"num_params": 8_030_261_248, "tokens_per_step": 32768, "num_gpus": 1}
+    _write(tmp_path / "peers" / "fsdp2.json", sweep.result({**header, "system": "fsdp2"}, [
+        sweep.point("fsdp2", {"micro_batch_per_rank": 16, "grad_sync": "deferred", "lora_rank": 16}, True,
+                    warmup_s=[9.0], step_times_s=[8.0], num_params=8_030_261_248, tokens_per_step=32768,
+                    num_gpus=1)]))
+    specs = [f"lora-8b={tmp_path / '8b' / 'results.json'}", f"gone={tmp_path / 'none.json'}"]
+    rows = peers.collect(tmp_path, tmp_path / "bench", ["fsdp2"], {}, 1, 32768, specs)
+    assert [r["system"] for r in rows] == ["mmoc-pipe lora-8b", "mmoc-pipe gone", "fsdp2"]
+    assert rows[0]["step_time_s"] == pytest.approx(5.0) and rows[0]["compute_s"] == pytest.approx(4.5)
+    assert rows[0]["tflops_per_gpu"] == pytest.approx(6 * sweep.model_params("llama-3-8b") * 32768 / 5.0 / 1e12)
+    assert rows[1]["status"].startswith("no result")
+    assert rows[2]["config"] == "micro_batch_per_rank=16, grad_sync=deferred, lora_rank=16"
+    with pytest.raises(SystemExit, match="NAME=PATH"):
+        peers.results_row("results.json")
 
 
 def test_steps_measure_after_warmup_and_stop_early():
