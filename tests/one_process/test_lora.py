@@ -59,11 +59,26 @@ def test_lora_matches_peft(tiny_model_dir, schedule, offload, prefetch):
     dict(use_offload=True, activation_offload=True, schedule="gpipe"),
     dict(seq_chunks=3, use_offload=True),
     pytest.param(dict(seq_chunks=2, activation_offload=True, schedule="interleaved"), marks=pytest.mark.slow),
-], ids=["resident_and_offloaded", "checkpointed", "activation_offload", "seq_chunks", "seq_chunks_act_offload"])
+    # a GPU's default: every decoder layer, its LoRA layers included, through torch.compile
+    pytest.param(dict(use_offload=True, activation_checkpointing=True, keep_layers=1, compile_layers="true"),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(use_offload=True, tiled_mlp="true"), marks=pytest.mark.slow),
+], ids=["resident_and_offloaded", "checkpointed", "activation_offload", "seq_chunks", "seq_chunks_act_offload",
+        "compiled_layers", "tiled_mlp"])
 def test_lora_modes_match_peft(tiny_model_dir, extra):
-    """Resident and offloaded stages on one rank, checkpointed layers, activation offload and
-    sequence segments: the same adapters."""
+    """Resident and offloaded stages on one rank, checkpointed layers, activation offload,
+    sequence segments, compiled layers and a tiled MLP: the same adapters."""
+    import torch._dynamo.utils as dynamo_utils
+
+    compiled = extra.get("compile_layers") == "true"
+    if compiled:
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
     losses, adapters, _ = trained(lora_cfg(tiny_model_dir, **extra))
+    # the layers went through the compiler, graphs shared between them: 2 for the 6 layers, as the
+    # first layer's input needs no gradient (the embedding is frozen) and the others' do
+    if compiled:
+        assert 0 < dynamo_utils.counters["stats"]["unique_graphs"] <= 2, dict(dynamo_utils.counters["stats"])
     assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir)))
 
 
