@@ -67,3 +67,26 @@ def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir, tmp_p
                num_iterations=4, max_skipped_steps=2)
     with pytest.raises(TrainingError, match="3 steps in a row"):
         train_in_process(cfg)
+
+
+@pytest.mark.slow
+def test_float16_lora_trains_like_float32(tiny_model_dir, tmp_path):
+    """LoRA adapters under float16 compute and loss scaling, the base weights frozen and offloaded:
+    the losses, norms and adapters of float32 within float16's precision."""
+    from pipeline.stage.lora import adapter_tensors
+
+    lora = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules="all-linear", adam_eps=1e-4, use_offload=True)
+    runs = {dtype: train_in_process(tiny_cfg(tiny_model_dir, tmp_path, dtype=dtype, **lora))
+            for dtype in ("float32", "float16")}
+    full, half = runs["float32"], runs["float16"]
+    assert half.trainer.scaler is not None and not any(h["skipped"] for h in half.history)
+    for a, b in zip(half.history, full.history):
+        assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
+    adapters = [{k: v for s in r.trainer.stores.values() for k, v in adapter_tensors(s).items()} for r in (full, half)]
+    assert adapters[0] and adapters[0].keys() == adapters[1].keys()
+    # 5%: a B matrix starts at zero, so after three steps it is nothing but AdamW updates, each
+    # about lr whatever its gradient's size, and float16's noise flips some of them (0.9% seen);
+    # a lost or stale adapter gradient moves it by its whole size
+    for k, v in adapters[0].items():
+        assert (adapters[1][k].float() - v.float()).norm() <= 5e-2 * v.float().norm(), k
