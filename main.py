@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os._exit(_interrupted())
     except BaseException:  # noqa: BLE001 - e.g. CUDA OOM on one rank
+        if faults.stop_seen():  # a peer left on the same Ctrl-C and broke a connection: the stop's error
+            os._exit(_interrupted())
         # Peers may be blocked in a send/recv with this rank; a clean NCCL teardown would wait
         # for them forever. Report, then leave at once: torchrun then stops the other ranks.
         print(f"[rank {env.rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

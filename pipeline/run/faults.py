@@ -60,16 +60,35 @@ class StopRequest:
         return int(flag.item())  # host sync: once per step, after the step's own end-of-step sync
 
 
+_seen: list[int] = []  # stop signals taken outside the steps, by _record
+
+
+def _record(signum: int, frame) -> None:
+    # The main thread raises nothing: a KeyboardInterrupt raised inside a ``__del__`` (a
+    # tokenizer's regex, say) is printed as "Exception ignored" with a traceback, and the code it
+    # interrupted goes on. The watch thread below ends the process instead.
+    _seen.append(signum)
+
+
+def stop_seen() -> bool:
+    """Whether a stop signal came outside the steps: an error the main thread meets after it (a
+    peer that left on the same Ctrl-C and broke the connection) is that stop, not a failure."""
+    return bool(_seen)
+
+
 def leave_at_once_outside_steps(leave: Callable[[], int]) -> None:
     """From now on a stop signal outside the training steps ends this process at once with
     ``leave()``'s exit code (after its line), from a thread the signal wakes
     (``signal.set_wakeup_fd``): the main thread may be waiting inside C++, in a start-up
     collective with a peer that has already left, where Python's handler would run only when the
-    wait times out (``comm_timeout_s``). Inside the steps a ``StopRequest`` takes the signal and
-    the thread leaves it be. Call from the main thread, once."""
+    wait times out (``comm_timeout_s``). The main thread's handler only records the signal
+    (``stop_seen``). Inside the steps a ``StopRequest`` takes the signal and the thread leaves it
+    be. Call from the main thread, once."""
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record)
 
     def watch() -> None:
         while True:

@@ -76,6 +76,51 @@ def test_ctrl_c_through_train_sh_after_launch_is_two_lines(tmp_path):
     assert text.rstrip().endswith("launcher: stopped by SIGINT"), text[-2000:]
 
 
+_BUSY_IN_DEL = """
+import os, sys, time
+from pipeline.run import faults
+
+def leave():
+    sys.stderr.write("left\\n")
+    return 130
+
+class Busy:  # as a tokenizer's regex objects: Python code run by the collector, a signal landing inside
+    def __del__(self):
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+
+faults.leave_at_once_outside_steps(leave)
+print("ready", flush=True)
+try:
+    while True:
+        Busy()
+except BaseException:
+    if not faults.stop_seen():
+        raise
+    os._exit(130)
+"""
+
+
+@pytest.mark.slow
+def test_stop_outside_steps_prints_no_traceback_from_a_destructor():
+    """Ctrl-C outside the steps while the main thread runs a ``__del__``: the process leaves with
+    its one line and exit 130, with no "Exception ignored ... KeyboardInterrupt" traceback (what a
+    KeyboardInterrupt raised inside a destructor prints, the run then going on until the watch
+    thread ends it)."""
+    import signal
+    import time
+
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", _BUSY_IN_DEL], cwd=ROOT, env=env_without_dist(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and err == "left\n", err
+
+
 @pytest.mark.slow
 def test_launcher_prints_no_omp_notice():
     """torchrun's four-line OMP_NUM_THREADS notice (several workers, the variable unset) is not
