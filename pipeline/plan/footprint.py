@@ -5,9 +5,9 @@ write to. No weights, no tensors: numbers of bytes."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from models import counts, spec_for
+from models import LayerShape, counts, spec_for
 from offload.slices import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
 from pipeline.plan.shapes import loss_chunk_tokens
 from schedule.ir import RECV_OPS, Action, Op, crosses, offloaded_stages, recv_for
@@ -17,36 +17,18 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The sizes the estimate needs from a Hugging Face config (``of``); the fields after
-    ``vocab`` describe the family's layer (``models.LayerShape``; the defaults: Llama's)."""
+class ModelShape(LayerShape):
+    """The sizes the estimate needs from a Hugging Face config (``of``): the family's layer
+    (``models.LayerShape``'s fields), the vocabulary and the largest layer parameter."""
 
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_dim: int       # num_key_value_heads * head_dim
-    vocab: int
-    q_dim: int = 0    # num_attention_heads * head_dim (0: hidden)
-    kv_heads: int = 0
-    pre_norms: int = 2
-    post_norms: int = 0
-    norm_fp32_out: bool = False
-    qk_norm: str = ""
-    experts_per_token: int = 0
-    num_experts: int = 0
-    expert_intermediate: int = 0
-    expert_saved: int = 4
-    attn_softcap: bool = False
-    fused_qkv: bool = False
+    vocab: int = 0
     largest_layer_param: int = 0  # 0: hidden * intermediate
 
     @staticmethod
     def of(config) -> "ModelShape":
         layer = spec_for(config).shape(config)
-        return ModelShape(layer.hidden, layer.intermediate, layer.heads, layer.kv_dim, config.vocab_size,
-                          layer.q_dim, layer.kv_heads, layer.pre_norms, layer.post_norms, layer.norm_fp32_out,
-                          layer.qk_norm, layer.experts_per_token, layer.num_experts, layer.expert_intermediate,
-                          layer.expert_saved, layer.attn_softcap, layer.fused_qkv, counts(config).largest)
+        return ModelShape(**{f.name: getattr(layer, f.name) for f in fields(LayerShape)},
+                          vocab=config.vocab_size, largest_layer_param=counts(config).largest)
 
     @property
     def q(self) -> int:

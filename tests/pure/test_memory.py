@@ -290,7 +290,7 @@ def test_checkpointed_head_counts_one_loss_chunk():
     from pipeline.plan.footprint import MemoryInputs, StagePlan, per_token
     from pipeline.plan.shapes import LOSS_CHUNK_BYTES
 
-    m = ModelShape(4096, 14336, 32, 1024, 128256)
+    m = ModelShape(hidden=4096, q_dim=4096, kv_dim=1024, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
     last = [StagePlan(1, 0, False, True)]  # the head alone
     tokens = 4 * 2048
     _, fwd, bwd = per_token(MemoryInputs(m, last, [0], 4, 2048, 2, False, True), 0)
