@@ -66,10 +66,14 @@ class FrozenWeights:
         self._bind(dev)
         return loader.done(LoadSpan(start, end, None))
 
-    def wait(self) -> None:
-        """Before a compute: the compute stream waits for the last LOAD's copy (device-side)."""
+    def wait(self, clock=None) -> None:
+        """Before a compute: the compute stream waits for the last LOAD's copy (device-side);
+        ``clock`` gets the wait as ``load_wait`` (``StageStore.before_compute``)."""
         if self._ready is not None:
+            before = self.streams.mark() if clock is not None and self.streams.cuda else None
             self.streams.wait("compute", self._ready)
+            if before is not None:
+                clock.span("load_wait", before, self.streams.mark())
             self._ready = None
 
     def drop(self) -> None:

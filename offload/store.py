@@ -254,6 +254,9 @@ class StageStore:
         copy's ``LoadSpan``. The host never blocks here (module docstring)."""
         span = self.residency.load(self)
         frozen = self.frozen.load() if self.frozen is not None else None
+        if frozen is not None:  # issued on this thread: its span is known now
+            copy = frozen.result()
+            self.note_transfer("h2d", copy.start, copy.end, self.frozen.numel * self.frozen.dtype.itemsize)
         return frozen or span
 
     def before_compute(self, backward: bool, clock: Clock | None = None) -> None:
@@ -265,7 +268,7 @@ class StageStore:
         if not self.loaded or (self.frozen is not None and not self.frozen.loaded):
             raise RuntimeError(f"{self._label()} computed while its parameters are not loaded")
         if self.frozen is not None:
-            self.frozen.wait()
+            self.frozen.wait(clock)
         self.residency.before_compute(self, backward, clock)
 
     def drop(self) -> None:
@@ -297,7 +300,7 @@ class StageStore:
         """A copy between host and device (``h2d``/``d2h``) from event ``start`` to ``end``, for
         ``pop_transfer_stats`` (on CUDA; appended by the thread that issued it)."""
         if self.streams.cuda:
-            self.transfers.append((kind, nbytes or self.numel * self.work.element_size(), start, end))
+            self.transfers.append((kind, self.numel * self.work.element_size() if nbytes is None else nbytes, start, end))
 
     def pop_transfer_stats(self) -> dict[str, tuple[int, float]]:
         """{kind: (bytes, seconds)} of the transfers since the last call. Call after a device

@@ -264,3 +264,63 @@ def test_a_second_producer_on_the_load_stream_is_caught(monkeypatch):
     workers.loader.shutdown()
     with pytest.raises(RuntimeError, match="already belongs to 'param-loader'"):
         st.streams.hand_to("load", threading.current_thread())
+
+
+class _StubEvent:
+    """A CUDA event's stand-in on the CPU: recorded on a stream, 1 ms from any other event."""
+
+    def __init__(self, enable_timing: bool = False, **_):
+        self.timing, self.stream = enable_timing, None
+
+    def record(self, stream=None) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "_StubEvent") -> float:
+        assert self.timing and other.timing and self.stream is not None and other.stream is not None
+        return 1.0
+
+
+class _StubStream:
+    def __init__(self) -> None:
+        self.waited: list[_StubEvent] = []
+
+    def wait_event(self, event: _StubEvent) -> None:
+        assert event.stream is not None, "a wait for an event never recorded"
+        self.waited.append(event)
+
+
+def test_lora_frozen_loads_count_as_transfers_and_load_waits(monkeypatch):
+    """What a LoRA run reports of its frozen weights' loads on a GPU (streams and events stubbed on
+    the CPU): each LOAD's bytes and time among the step's host-to-device transfers, and the
+    compute stream's wait for the copy as ``load_wait``, as for an offloaded stage's weights."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", _StubEvent)
+    monkeypatch.setattr(Streams, "on", lambda self, which: contextlib.nullcontext())
+    streams = Streams(CPU)
+    streams.cuda = True
+    streams.compute, streams.load, streams.offload = _StubStream(), _StubStream(), _StubStream()
+    module = _module()
+    module[0].requires_grad_(False)  # the frozen base; the rest trains
+    st = make_store(module, device=CPU, compute_dtype=torch.float32, offload=True, frozen=True,
+                    optim=OptimSettings(), streams=streams, pool=BufferPool(CPU))
+
+    class Clock:
+        def __init__(self):
+            self.spans: list[str] = []
+
+        def span(self, key, start, end):
+            self.spans.append(key)
+
+        def add(self, key, seconds):
+            pass
+
+    clock = Clock()
+    st.load().result()
+    st.before_compute(backward=False, clock=clock)
+    frozen_bytes = sum(p.numel() for p in module[0].parameters()) * 4
+    assert st.pop_transfer_stats() == {"h2d": (frozen_bytes, 1e-3)}
+    assert clock.spans == ["load_wait"] and len(streams.compute.waited) == 1
