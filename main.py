@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError, parse_args
     from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
     from pipeline.run.metrics import TrainingError
+    from pipeline.plan.fit import planned_for
     from pipeline.plan.preflight import check_config, check_files, check_save_dir, hold_save_dir
     from pipeline.train import plan_report, train
 
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, path, mode = parse_args(argv)
         if mode == "plan":  # for the processes torchrun starts, or for `nproc` of them
             world_size = env.world_size if env.world_size > 1 else (cfg.nproc or 1)
+            cfg = planned_for(cfg)
             check_config(cfg, world_size, need_devices=False)
             if env.rank != 0:
                 return 0

@@ -175,7 +175,8 @@ class TrainConfig:
                               "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
                               "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
                               "90% of the GPU (0 without a GPU).")
-    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap).",
+    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap). "
+                              "With --plan on a machine without a GPU (device auto): plan for GPUs of this size.",
                               check=at_least(0))
     host_memory_gb: float = _f(0.0, "Host memory the run may use in GiB, for the memory plan's host check (--plan and "
                                "before training): set it, with nproc and gpu_memory_gb, to plan for another "

@@ -33,6 +33,15 @@ def device_type(cfg: TrainConfig) -> str:
     return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
+def planned_for(cfg: TrainConfig) -> TrainConfig:
+    """The settings ``--plan`` plans: ``device: auto`` with ``gpu_memory_gb`` on a machine without a
+    GPU means GPUs of that size (a plan for another machine), not this machine's CPU run, which
+    would leave the cap unread."""
+    if cfg.device == "auto" and cfg.gpu_memory_gb and not torch.cuda.is_available():
+        return dataclasses.replace(cfg, device="cuda")
+    return cfg
+
+
 def dtype_bytes(cfg: TrainConfig, device: str) -> int:
     return compute_dtype(cfg, torch.device(device)).itemsize
 

@@ -85,3 +85,25 @@ def test_plan_exit_status_says_whether_it_fits(capsys):
     at = argv.index("--gpu_memory_gb")
     assert main.main(argv[:at] + ["--gpu_memory_gb", "16", "--resident_stages", "0"] + argv[at + 2:]) == 1
     assert "GPU: " in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the 70B plan chooses its stages: seconds
+def test_readme_lora_plan_is_what_the_code_prints(capsys, monkeypatch):
+    """The README's LoRA plan for 70B shapes on two 24 GiB GPUs: run as shown (device auto, on a
+    machine without a GPU, ``gpu_memory_gb`` plans for GPUs of that size), it prints the peaks and
+    host figures the README quotes."""
+    import shlex
+
+    import main
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    section = (ROOT / "README.md").read_text().split("## LoRA")[1].split("\n## ")[0]
+    command = re.search(r"`(python3 main\.py --plan [^`]+)`: (.+?)\.\n", section, re.S)
+    argv = shlex.split(command.group(1))
+    assert "--device" not in argv
+    assert main.main(argv[2:]) == 0
+    out = capsys.readouterr().out
+    assert "(cuda, 16-bit compute)" in out.splitlines()[0], out.splitlines()[0]
+    for figure in re.findall(r"\d+\.\d\d GiB", command.group(2)) + re.findall(r"(\d+\.\d\d) and", command.group(2)):
+        assert figure.split()[0] + " GiB" in out, (figure, out)
