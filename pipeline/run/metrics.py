@@ -445,10 +445,23 @@ def device_stats(device: torch.device, stores: dict) -> dict:
 
 
 def write_results(path: Path, config: dict, env: DistEnv, data_parallel: int, history: list[dict],
-                  loss_rank: int) -> None:
-    """Gather every rank's step rows and write ``results.json`` from rank 0 (collective)."""
+                  loss_rank: int, resumed_at: int = 0) -> None:
+    """Gather every rank's step rows and write ``results.json`` from rank 0 (collective). A run
+    resumed after step ``resumed_at`` keeps the rows of steps up to it that ``path`` holds (those
+    of the run it continues; the steps an abandoned continuation wrote after them go, as in
+    ``metrics.jsonl``)."""
     per_rank = gather_objects(history)
     if env.rank == 0:
+        earlier = [row for row in earlier_rows(path) if row.get("step", 0) <= resumed_at] if resumed_at else []
         write_json_atomic(path, {"config": config, "world_size": env.world_size, "data_parallel": data_parallel,
-                                 "iterations": results_rows(per_rank, loss_rank)})
+                                 "iterations": earlier + results_rows(per_rank, loss_rank)})
     barrier()
+
+
+def earlier_rows(path: Path) -> list[dict]:
+    """The iterations an earlier ``results.json`` at ``path`` holds; none if there is no readable one."""
+    try:
+        rows = json.loads(Path(path).read_text()).get("iterations", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return rows if isinstance(rows, list) else []

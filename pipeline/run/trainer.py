@@ -263,7 +263,8 @@ class Trainer:
         if cfg.save_params and not self.stopped_by:
             checkpoint.save_params(out / "params.pt", self.checkpoints.saved_stores, self.env)
             r.log.info(f"saved parameters to {out / 'params.pt'}")
-        write_results(Path(cfg.results_path), cfg.to_dict(), self.env, cfg.data_parallel, history, r.loss_rank)
+        write_results(Path(cfg.results_path), cfg.to_dict(), self.env, cfg.data_parallel, history, r.loss_rank,
+                      resumed_at=self.start_iteration)
 
 
 __all__ = ["GcClock", "Trainer"]

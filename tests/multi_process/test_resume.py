@@ -52,7 +52,9 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
     cfg = tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), use_offload=True)
     first = in_process_trainer(cfg)
     _signal_during(first, 3)
-    before = _losses(first.train())
+    first_rows = first.train()
+    first.save(first_rows)  # its results.json: steps 1-3
+    before = _losses(first_rows)
     assert first.stopped_by == signal.SIGTERM and len(before) == 3
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after training
     ckpt = saved.checkpoint_dir(tmp_path, 3)
@@ -66,8 +68,12 @@ def test_stop_and_resume_in_process_is_exact(tiny_model_dir, tmp_path, uninterru
 
     resumed = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, save_dir=str(tmp_path), resume="latest"))
     assert resumed.start_iteration == 3
-    after = _losses(resumed.train())
+    resumed_rows = resumed.train()
+    after = _losses(resumed_rows)
     assert before + after == uninterrupted  # exact: same weights, AdamW state, data and lr
+    resumed.save(resumed_rows)  # results.json keeps the steps before the checkpoint
+    rows = json.loads((tmp_path / "results.json").read_text())["iterations"]
+    assert [r["step"] for r in rows] == list(range(1, ITERS + 1)) and [r["loss"] for r in rows] == uninterrupted
 
 
 @pytest.mark.slow
