@@ -36,6 +36,30 @@ class ShardPeers(Protocol):
         """Collective: every peer's range of ``flat`` from its owner to every peer, in place."""
         ...
 
+    @property
+    def shared(self) -> bool:
+        """The peers map the stage's host buffers together (``offload.shared``): one copy of the
+        masters and of ``work``, and each peer's gradient readable by the others."""
+        ...
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collective: a buffer every peer maps (shared), else None."""
+        ...
+
+    def grad_buffer(self, numel: int) -> torch.Tensor | None:
+        """Collective: this peer's fp32 gradient buffer, zeroed, that the others map too (shared), else None."""
+        ...
+
+    def sum_grads(self, lo: int, hi: int) -> torch.Tensor:
+        """Collective, shared: once every peer's gradient has landed (each calls it after its own
+        has), ``[lo, hi)`` of this peer's gradient buffer replaced by the sum over the peers; returned."""
+        ...
+
+    def stepped(self, master: torch.Tensor) -> None:
+        """Collective, after every peer's step of its range: the masters whole again on every peer
+        (shared: a barrier; else ``exchange``)."""
+        ...
+
 
 # Elements of a flat gradient whose squares one thread sums in fp32 (``squared_norm``): below
 # torch's grain size (32768), so a lone block is never split between threads either.

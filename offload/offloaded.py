@@ -51,18 +51,27 @@ class Offloaded:
         object.__setattr__(self, name, value)
 
     def master(self, store: "StageStore") -> torch.Tensor:
-        """The fp32 masters, in host memory (pinned on CUDA)."""
-        return host_empty(store.numel, torch.float32, store.device.type == "cuda")
+        """The fp32 masters, in host memory (pinned on CUDA; sharded over peers that share host
+        buffers, one copy they all map)."""
+        shared = store.shard.host_buffer(store.numel, torch.float32) if store.shard is not None else None
+        return shared if shared is not None else host_empty(store.numel, torch.float32, store.device.type == "cuda")
 
     def master_grad(self, store: "StageStore") -> torch.Tensor:
         # pinned on CUDA: the gradients' D2H copy lands here directly
-        return host_empty(store.numel, torch.float32, store.device.type == "cuda").zero_()
+        shared = store.shard.grad_buffer(store.numel) if store.shard is not None else None
+        return shared if shared is not None else host_empty(store.numel, torch.float32,
+                                                            store.device.type == "cuda").zero_()
 
     def place(self, store: "StageStore") -> None:
         same_dtype = store.dtype == torch.float32
         own_copy = not same_dtype or self.delayed  # delayed: the masters move on while ``work`` stays
-        self.work = host_empty(store.numel, store.dtype, store.device.type == "cuda") if own_copy else store.master
-        self.work.copy_(store.master)
+        if own_copy:
+            shared = store.shard.host_buffer(store.numel, store.dtype) if store.shard is not None else None
+            self.work = shared if shared is not None else host_empty(store.numel, store.dtype,
+                                                                     store.device.type == "cuda")
+        else:
+            self.work = store.master
+        self.work.copy_(store.master)  # shared: every peer writes the same values
         # Until its first LOAD the stage holds nothing: the module's own fp32 weights would
         # otherwise stay alive beside the masters (a 7B model's 25 GiB of host memory at start-up).
         store.bind(None, None)
@@ -201,7 +210,9 @@ class Offloaded:
         self.dev = self.grad = None
         store.bind(None, None)
         self.loaded = False
-        if norm and store.workers is not None:
+        if store.partial_norm:  # the peers' sum of this peer's range, FIFO before the step
+            self._norm_future = store.run_on_optimizer(store.sum_over_peers, self.grads_event, norm)
+        elif norm and store.workers is not None:
             self._norm_future = store.workers.optimizer.submit(store.squared_grad_norm, self.grads_event)
 
     def copy_out(self, store: "StageStore") -> None:
@@ -244,11 +255,18 @@ class Offloaded:
         return self._progress
 
     def after_step(self, store: "StageStore", progress: StepProgress | None) -> None:
-        """On the optimizer thread, after AdamW: the peers' exchange (sharded; collective, on this
-        thread, which alone uses the group: the peers run the same steps in the same order) and,
-        stepped whole, ``work`` (the next load copies it)."""
+        """On the optimizer thread, after AdamW: sharded, the peers' exchange, or with shared buffers
+        this peer's range of ``work`` and a barrier (collective, on this thread, which alone uses the
+        group: the peers run the same steps in the same order); stepped whole, ``work`` (the next
+        load copies it)."""
+        if store.partial_norm:  # one copy of ``work``: each peer refreshes its range before the barrier
+            lo, hi = store.shard_range
+            if self.work is not store.master:
+                self.work[lo:hi].copy_(store.master[lo:hi])
+            store.shard.stepped(store.master)
+            return
         if store.shard is not None:
-            store.shard.exchange(store.master)
+            store.shard.stepped(store.master)
         if progress is None and self.work is not store.master and not self.delayed:
             self.work.copy_(store.master)  # not chunked: the next load copies ``work``
 

@@ -192,16 +192,16 @@ class StageStore:
         self.tied_numel = self.shapes[0].numel() if tied is not None else 0  # elements [0, tied_numel)
         self.tied_copy = tied is not None and tied_copy
 
+        self.shard = shard if residency.offload else None  # ZeRO-1 for offloaded stages only (their buffers too)
         self.master = residency.master(self)
         with torch.no_grad():
             for p, view in zip(self.params, flat_views(self.master, self.shapes)):
                 view.copy_(p.detach())  # the module's weights may live on another device than the master
         self.master_grad = residency.master_grad(self)
-        # ZeRO-1 for offloaded stages only: a resident stage steps on its own device
         self.adamw = FlatAdamW(self.master, self.master_grad,
                                [((0, self.tied_numel, n_decay), optim.weight_decay), ((n_decay, self.numel), 0.0)],
-                               optim, shard if residency.offload else None)
-        self.optimizer, self.shard, self.shard_range = self.adamw.optimizer, self.adamw.shard, self.adamw.shard_range
+                               optim, self.shard)
+        self.optimizer, self.shard_range = self.adamw.optimizer, self.adamw.shard_range
         residency.place(self)  # work, dev, grad and the parameters' views
         self.step_future: Future | None = None  # the last STEP's; the residency's loads may wait for it
         # data parallel: ``master_grad`` holds the replicas' sum (``reduce_grads``); a resident
@@ -312,11 +312,29 @@ class StageStore:
             out[kind] = (b + nbytes, t + start.elapsed_time(end) / 1e3)
         return out
 
+    @property
+    def partial_norm(self) -> bool:
+        """``grad_sq_norm`` is of this peer's range of the stage only (sharded over peers that share
+        its host buffers: each sums and steps its range alone; ``GradSync.sum_norms``)."""
+        return self.shard is not None and self.shard.shared
+
+    def sum_over_peers(self, grads_event, norm: bool) -> torch.Tensor | None:
+        """Optimizer thread (sharded, shared host buffers; queued by OFFLOAD_GRADS): once this peer's
+        gradient has landed, its range summed over the peers' in place, and that range's squared
+        norm when ``norm``. Collective over the peers, who queue it in the same order."""
+        self.residency.grads_ready(self, grads_event)
+        summed = self.shard.sum_grads(*self.shard_range)
+        return squared_norm(summed) if norm else None
+
     def reduce_grads(self, reduce) -> None:
         """Data parallelism (main thread, before NORM or STEP): ``reduce(master_grad)`` replaces
         this iteration's fp32 gradient in place by its sum over the replicas. A squared norm the
         OFFLOAD_GRADS queued is of the local gradient: it is awaited (it also waited for the copy to
-        land) and dropped, and ``grad_sq_norm`` takes the norm of the sum instead."""
+        land) and dropped, and ``grad_sq_norm`` takes the norm of the sum instead. Shared buffers:
+        OFFLOAD_GRADS queued the sum of this peer's range (``sum_over_peers``), nothing to do here."""
+        if self.partial_norm:
+            self.grads_summed = True
+            return
         future = self.residency.take_norm()
         if future is not None:
             future.result()  # host wait: the optimizer thread saw the gradients land
@@ -345,11 +363,15 @@ class StageStore:
         the step's wall-clock ``(start, end)``."""
         fused = self.optimizer.defaults.get("fused")
         grads_event = self.residency.grads_event  # handed to the optimizer thread with the task, not read there
+        # shared sharded, without a NORM to take it: the sum queued before, whose error is the step's
+        summed = self.residency.take_norm() if self.partial_norm else None
         progress = self.residency.before_step(self, fused)  # chunk by chunk, for a load to stream behind
 
         def run() -> tuple[float, float]:
             start = time.perf_counter()
             try:
+                if summed is not None:
+                    summed.result()
                 g = self.residency.grads_ready(self, grads_event)  # FIFO: after this stage's norm, if one was queued
                 if clip_coef is not None and not fused:
                     g.mul_(clip_coef)

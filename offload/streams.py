@@ -34,8 +34,13 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     registered with CUDA instead, exactly, and unregistered when the tensor object goes; views of
     it (the optimizer's leaves) must not outlive it, which holds since the store keeps it.
     """
-    t = torch.empty(numel, dtype=dtype)
-    if pin and numel:
+    return page_lock(torch.empty(numel, dtype=dtype), pin)
+
+
+def page_lock(t: torch.Tensor, on: bool) -> torch.Tensor:
+    """``t`` (a whole host allocation) with its pages registered with CUDA when ``on``, until the
+    tensor object goes (``host_empty``; the mappings of ``offload.shared``)."""
+    if on and t.numel():
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0)
         if int(err) != 0:

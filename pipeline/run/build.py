@@ -255,7 +255,9 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
         mine = sum(hi - lo for lo, hi in (stores[s].shard_range for s in sharded))
         log.info(f"data_parallel: the CPU AdamW steps of stages {sharded} are sharded over "
                  f"{cfg.data_parallel} replicas (rank {env.rank} steps {mine} of "
-                 f"{sum(stores[s].numel for s in sharded)} parameters, then the peers exchange them)")
+                 f"{sum(stores[s].numel for s in sharded)} parameters; "
+                 + ("the peers on this node share one copy of the masters and sum their gradients in host memory)"
+                    if replicas.shared else "gradients summed and stepped ranges exchanged over gloo)"))
     log.info(f"start-up (rank {env.rank}): stages built in {built:.1f}s, their weights, gradients "
              f"and AdamW state placed in {placed:.1f}s")
     return stages, stores, streams
@@ -327,7 +329,7 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     torch.manual_seed(cfg.seed)
     # Before the stores (their sharded steps use its groups), on every rank alike: group
     # creation is collective.
-    replicas = GradSync(lay, cfg.comm_timeout_s) if cfg.data_parallel > 1 else None
+    replicas = GradSync(lay, cfg.comm_timeout_s, pin=device.type == "cuda") if cfg.data_parallel > 1 else None
     stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
                                            device, dtype, replicas, log, adapters, adapter_dir)
     p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)

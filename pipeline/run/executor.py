@@ -371,11 +371,21 @@ class Executor:
         before = it.clock.mark()
         for s in sorted(self.stores):
             self._sum_over_replicas(s)
-        sq = sum(self.stores[s].grad_sq_norm().to(self.device) for s in sorted(self.stores))
+        whole = ranges = torch.zeros((), device=self.device)
+        for s in sorted(self.stores):
+            sq_s = self.stores[s].grad_sq_norm().to(self.device)
+            if self.stores[s].partial_norm:
+                ranges = ranges + sq_s
+            else:
+                whole = whole + sq_s
         it.clock.span("offload_wait", before, it.clock.mark())  # the gradient offloads and their norms
-        if dist.is_initialized():
-            # with replicas, over this replica's ranks: every replica now holds the same gradients
-            dist.all_reduce(sq, group=self.replicas.pipeline_group if self.replicas is not None else None)
+        if self.replicas is not None and self.replicas.shared:
+            sq = self.replicas.sum_norms(whole, ranges)  # a stage's ranges on its peers, whole ones once
+        else:
+            sq = whole + ranges
+            if dist.is_initialized():
+                # with replicas, over this replica's ranks: every replica now holds the same gradients
+                dist.all_reduce(sq, group=self.replicas.pipeline_group if self.replicas is not None else None)
         norm = sq.sqrt() / it.loss_scale  # the gradients carry the loss scale
         it.grad_norm = float(norm)  # host sync: the norm is logged and gates the steps anyway
         if not math.isfinite(it.grad_norm):

@@ -17,11 +17,16 @@ of the whole batch: no averaging, the same normalisation as one pipeline.
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
+from offload.shared import SharedHost, probe
 from pipeline.plan.layout import Layout
+
+
+SHARE_HOST = os.environ.get("MMOC_SHARE_HOST", "1") != "0"
 
 
 class GradSync:
@@ -31,8 +36,9 @@ class GradSync:
     group, in position order, and keeps its own. With NCCL a second, gloo group per position
     carries host tensors (the fp32 gradients of offloaded stages live in host memory)."""
 
-    def __init__(self, layout: Layout, timeout_s: float | None = None):
-        self.layout = layout
+    def __init__(self, layout: Layout, timeout_s: float | None = None, pin: bool = False):
+        """``pin``: the host buffers the peers share are page-locked (CUDA)."""
+        self.layout, self.pin = layout, pin
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         host_too = dist.get_backend() != "gloo"
         self.group = self.host_group = self.pipeline_group = self.shard_group = None
@@ -48,10 +54,26 @@ class GradSync:
             group = dist.new_group([layout.global_rank(p, r) for p in range(layout.pipeline_size)], timeout=timeout)
             if r == layout.replica:
                 self.pipeline_group = group
+        # Sharded stages share their host buffers when every position's peers can (one node);
+        # else, or with MMOC_SHARE_HOST=0, their gradients are summed and their stepped ranges
+        # exchanged over gloo.
+        ok = probe(self.shard_group, layout.replica, layout.data_parallel) and SHARE_HOST
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ok)
+        self.shared = all(everyone)
 
     def sum_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over this position's D peers (blocking on the host with gloo)."""
         dist.all_reduce(tensor, group=self.host_group if tensor.device.type == "cpu" else self.group)
+
+    def sum_norms(self, whole: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+        """The squared gradient norm of the whole model from this rank's squared norms: ``whole``
+        of the stages it holds whole (summed over the replicas already: every replica has them, so
+        replica 0's count), ``ranges`` of the ranges it holds of shared sharded stages (each range
+        on one peer). One all-reduce over every rank (device tensors under NCCL)."""
+        both = torch.stack([whole if self.layout.replica == 0 else torch.zeros_like(whole), ranges])
+        dist.all_reduce(both)
+        return both.sum()
 
     def sum_loss(self, loss: float | None) -> float | None:
         """The global batch's loss from each replica's share (loss positions only; the peers of
@@ -67,12 +89,19 @@ class ShardPeers:
     """The D peers of a position splitting an offloaded stage's CPU AdamW step (ZeRO-1 on host
     state, ``offload.adamw.ShardPeers``): peer r (replica r) steps the r-th range of the flat
     parameters, ranges aligned to ``ALIGN`` elements so each is a whole number of the fused
-    kernel's vectors (the same bits as one step over everything)."""
+    kernel's vectors (the same bits as one step over everything). With ``host`` the peers map the
+    stage's host buffers together (``offload.shared``); one per store, which keeps the peers'
+    gradient buffers here."""
 
     ALIGN = 64
 
-    def __init__(self, layout: Layout, group):
-        self.index, self.peers, self.group = layout.replica, layout.peers(), group
+    def __init__(self, layout: Layout, group, host: SharedHost | None = None):
+        self.index, self.peers, self.group, self.host = layout.replica, layout.peers(), group, host
+        self.grads: list[torch.Tensor] | None = None  # shared: every peer's gradient buffer
+
+    @property
+    def shared(self) -> bool:
+        return self.host is not None
 
     def bounds(self, numel: int) -> list[tuple[int, int]]:
         num_peers = len(self.peers)
@@ -84,13 +113,38 @@ class ShardPeers:
             if hi > lo:
                 dist.broadcast(flat[lo:hi], src=src, group=self.group)
 
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        return self.host.one(numel, dtype) if self.host is not None else None
+
+    def grad_buffer(self, numel: int) -> torch.Tensor | None:
+        if self.host is None:
+            return None
+        self.grads = self.host.each(numel, torch.float32)
+        return self.grads[self.index]
+
+    def sum_grads(self, lo: int, hi: int) -> torch.Tensor:
+        dist.barrier(group=self.group)  # every peer's gradient has landed in its buffer
+        mine = self.grads[self.index][lo:hi]
+        for peer, grads in enumerate(self.grads):
+            if peer != self.index:
+                mine.add_(grads[lo:hi])
+        return mine
+
+    def stepped(self, master: torch.Tensor) -> None:
+        if self.host is not None:
+            dist.barrier(group=self.group)  # every range of the one copy is stepped
+        else:
+            self.exchange(master)
+
 
 def shard_peers(sync: "GradSync | None", numel: int) -> ShardPeers | None:
     """The peers that shard a stage of ``numel`` parameters, or None: one replica, or a stage too
     small to give every peer a range."""
     if sync is None:
         return None
-    peers = ShardPeers(sync.layout, sync.shard_group)
+    host = SharedHost(sync.shard_group, sync.layout.replica, sync.layout.data_parallel, sync.pin) if sync.shared \
+        else None
+    peers = ShardPeers(sync.layout, sync.shard_group, host)
     return peers if all(hi > lo for lo, hi in peers.bounds(numel)) else None
 
 

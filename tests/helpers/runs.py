@@ -35,10 +35,13 @@ def reference_result(model_dir: str, num_layers: int = 0):
     return reference_train(tiny_cfg(model_dir, num_layers=num_layers), model_dir)
 
 
-def run_torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+def run_torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None = None
+                 ) -> subprocess.CompletedProcess:
+    """main.py on ``nproc`` processes, with ``env`` added to the environment."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "main.py"), "--config", "", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env_without_dist(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env={**env_without_dist(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def flags(settings: dict) -> list[str]:

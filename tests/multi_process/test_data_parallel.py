@@ -105,15 +105,22 @@ def _assert_same(got, want):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [False, True])
-def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offload):
+@pytest.mark.parametrize("offload,share", [(False, "1"), (True, "1"), (True, "0")],
+                         ids=["resident", "offload-shared-host", "offload-over-gloo"])
+def test_two_replicas_match_one_pipeline(tiny_model_dir, tmp_path_factory, offload, share):
+    """Offloaded stages sharded over the replicas: the peers on this machine share the masters and
+    sum their gradients in host memory; with MMOC_SHARE_HOST=0 (and across nodes) over gloo."""
     ref = _one_pipeline(str(tiny_model_dir), str(tmp_path_factory.mktemp("one")), offload)
     out = tmp_path_factory.mktemp("dp")
-    proc = run_torchrun(4, cli_flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)))
+    proc = run_torchrun(4, cli_flags(_dp_cfg(tiny_model_dir, out, use_offload=offload, data_parallel=2)),
+                        env={"MMOC_SHARE_HOST": share})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 processes (2 replicas of 2)" in proc.stdout, proc.stdout[-2000:]
     assert ("CPU AdamW steps of stages [1, 3] are sharded over 2 replicas" in proc.stdout) == offload, \
         proc.stdout[-2000:]
+    if offload:
+        how = "share one copy of the masters" if share == "1" else "exchanged over gloo"
+        assert how in proc.stdout, proc.stdout[-2000:]
     assert run_results(out / "results.json")["data_parallel"] == 2
     _assert_same(run_outcome(out), ref)
 
