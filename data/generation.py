@@ -5,32 +5,47 @@ The prompt is built exactly as training built the records of its data format
 tokenizer's chat template with its generation prompt, or plain text after ``bos``. The format is
 the one the run trained on (read from the run's ``results.json`` beside the model directory)
 unless ``--format`` gives it. ``--adapter`` applies a LoRA run's peft adapter (``save_dir/adapter``)
-to the base model ``--model`` names. Greedy by default, sampled with ``--do_sample``; on a GPU when
-there is one. Bad input is one ``error:`` line and exit status 2.
+to the base model ``--model`` names (default: the one the adapter records). A model name that is
+not a directory (``generated``) is the entry point's to resolve (``generate.py`` passes
+``pipeline.plan.source.saved_model_dir``: this layer knows no run's model names). Greedy by
+default, sampled with ``--do_sample``; on a GPU when there is one. Bad input is one ``error:``
+line and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from data.dataset import ALPACA, CHAT, FORMATS, TEXT, XSUM, DataError, detect_format
+
+
+# (--model, the run's cache_dir or None) -> the directory to load; ValueError for a name it refuses
+ModelDir = Callable[[str, "str | None"], Path]
 
 
 class GenerateError(ValueError):
     """Bad input to generate.py: printed as one line, exit status 2."""
 
 
+def run_config(trained: Path) -> dict[str, Any]:
+    """The settings of the run that wrote ``trained`` (``save_dir/model`` or ``save_dir/adapter``),
+    from the ``results.json`` beside it; empty when there is none."""
+    try:
+        config = json.loads((Path(trained).parent / "results.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def training_format(model_dir: Path) -> str | None:
     """The data format the run that wrote ``model_dir`` (``save_dir/model``) trained on, from the
     ``dataset`` of that run's ``results.json``; None when it cannot be told (no results file,
     synthetic data, data no longer there)."""
-    try:
-        config = json.loads((Path(model_dir).parent / "results.json").read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    config = run_config(model_dir)
     dataset = config.get("dataset")
     if not dataset or dataset == "synthetic":
         return None
@@ -88,8 +103,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="generate.py", description="Continue prompts with a model MMoC-Pipe trained, "
                                 "the prompt built as training built it.", allow_abbrev=False)
-    p.add_argument("--model", required=True, help="Hugging Face model directory (save_dir/model, or a checkpoint's "
-                                                  "save_dir/checkpoints/step_N); with --adapter, the base model.")
+    p.add_argument("--model", default="", help="Hugging Face model directory (save_dir/model, or a checkpoint's "
+                                               "save_dir/checkpoints/step_N), or 'generated' (the small model runs "
+                                               "generate by default); with --adapter, the base model (default: the "
+                                               "one the adapter records).")
     p.add_argument("--adapter", default="", help="A LoRA run's peft adapter directory (save_dir/adapter), applied to "
                                                  "--model, the base model the run trained it on.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -111,18 +128,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def generate(args: argparse.Namespace) -> list[str]:
-    """The continuation of every prompt ``args`` gives, in order."""
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise GenerateError(f"--model {str(model_dir)!r} is not a Hugging Face model directory (no config.json); "
-                            "give save_dir/model of a finished run")
+def _adapter_base(adapter: Path) -> str | None:
+    """The base model a peft adapter records (``base_model_name_or_path``; None for none)."""
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return base if isinstance(base, str) and base else None
+
+
+def model_directory(args: argparse.Namespace, adapter: Path | None, model_dir: ModelDir) -> Path:
+    """The Hugging Face directory to load: ``--model`` as ``model_dir`` resolves it, or with
+    ``--adapter`` and no ``--model`` the base model the adapter records."""
+    name = args.model or (_adapter_base(adapter) if adapter is not None else None)
+    if not name:
+        raise GenerateError("give --model (a run's save_dir/model), or --adapter with the base model it records" if
+                            adapter is None else f"--adapter {str(adapter)!r} records no base model (its run trained "
+                            "on a preset, whose random weights were never saved: give --model save_dir/model of a "
+                            "--merge_lora run, without --adapter), or give --model, the base model it trained on")
+    try:
+        path = model_dir(name, (run_config(adapter).get("cache_dir") or None) if adapter is not None else None)
+    except ValueError as e:
+        raise GenerateError(f"--model {e}") from None
+    if not (path / "config.json").is_file():
+        given = f"--model {name!r}" if args.model else f"the base model {name!r} that --adapter records"
+        raise GenerateError(f"{given} is not a Hugging Face model directory (no config.json in {path}); give "
+                            "--model: a run's save_dir/model, or with --adapter its base model (a directory, or "
+                            "'generated')")
+    return path
+
+
+def generate(args: argparse.Namespace, model_dir: ModelDir | None = None) -> list[str]:
+    """The continuation of every prompt ``args`` gives, in order; ``model_dir`` resolves
+    ``--model`` (default: it names a directory)."""
     if args.max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens ({args.max_new_tokens}) must be at least 1")
     adapter = Path(args.adapter) if args.adapter else None
     if adapter is not None and not (adapter / "adapter_config.json").is_file():
         raise GenerateError(f"--adapter {str(adapter)!r} is not a peft adapter directory (no adapter_config.json); "
                             "give save_dir/adapter of a LoRA run")
+    model_dir = model_directory(args, adapter, model_dir or (lambda name, cache_dir: Path(name)))
     trained = adapter or model_dir  # save_dir/model or save_dir/adapter: results.json is beside it
     fmt = args.format if args.format != "auto" else training_format(trained)
     if fmt is None:
@@ -149,9 +194,7 @@ def generate(args: argparse.Namespace) -> list[str]:
         raise GenerateError(f"--format chat needs a tokenizer with a chat template; {str(model_dir)!r} has none")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
+        model = with_adapter(model, adapter, model_dir)
     model = model.to(device).eval()
     torch.manual_seed(args.seed)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.do_sample else \
@@ -171,9 +214,28 @@ def generate(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def with_adapter(model, adapter: Path, base: Path):
+    """``model`` with the peft adapter in ``adapter`` applied; an adapter that does not fit the
+    base (another model's) is one line."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated is_gradient_checkpointing: a FutureWarning about
+        # their code, not the user's input, printed on every load
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        try:
+            return PeftModel.from_pretrained(model, adapter)
+        except (RuntimeError, ValueError, KeyError) as e:
+            detail = " ".join(line.strip() for line in str(e).splitlines()[:2])  # the first mismatch
+            raise GenerateError(f"--adapter {str(adapter)!r} does not load onto the base model {str(base)!r} (is it "
+                                f"the base its run trained on? it records {_adapter_base(adapter)!r}): "
+                                f"{detail}") from None
+
+
+def main(argv: list[str] | None = None, model_dir: ModelDir | None = None) -> int:
+    """generate.py: ``model_dir`` resolves ``--model`` (default: it names a directory)."""
     try:
-        texts = generate(build_parser().parse_args(argv))
+        texts = generate(build_parser().parse_args(argv), model_dir)
     except GenerateError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
@@ -184,4 +246,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["GenerateError", "build_parser", "generate", "main", "prompt_record", "read_prompts", "training_format"]
+__all__ = ["GenerateError", "ModelDir", "build_parser", "generate", "main", "model_directory", "prompt_record",
+           "read_prompts", "run_config", "training_format", "with_adapter"]

@@ -28,7 +28,9 @@ Every key below is a key of `fine_tune.yaml` and a flag of `main.py` / `train.sh
 name. Precedence: the defaults here < the YAML file (`--config`, default `fine_tune.yaml`) <
 flags. Unknown keys and wrongly typed values are one `error:` line. A boolean `use_x` or `x` is
 set with `--use_x` / `--x` and cleared with `--no_x`. In the YAML file a key may also sit under
-the name of its section below (`optimizer: {lr: 1.0e-5}`); a key in the wrong section is an error.
+the name of its section below (`optimizer: {lr: 1e-5}`); a key in the wrong section is an error.
+A number setting reads `3e-4` as the flag does (YAML 1.1 would read it as a string); a whole-number
+setting refuses `1e3` (write `1000`).
 
 Besides the keys, `main.py` takes `--config FILE`, `--check_only` (check the configuration and
 exit; `train.sh` runs it first) and `--plan` (alias `--dry_run`: memory per GPU and host, the

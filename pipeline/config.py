@@ -412,15 +412,36 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
         raise ConfigError(f"config key {name!r} must be true or false, got {value!r}")
     if typ == "int":
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key {name!r} must be an integer, got {value!r}")
+            # 1e3 or 1.0e+3: a whole number, but written as a float; say how to write it
+            number = _yaml_number(value)
+            whole = number is not None and math.isfinite(number) and number.is_integer() and \
+                str(int(number)) != str(value).strip()
+            hint = f" (write {int(number)})" if whole else ""
+            raise ConfigError(f"config key {name!r} must be an integer, got {value!r}{hint}")
         return value
     if typ == "float":
+        number = _yaml_number(value) if isinstance(value, str) else None
+        value = value if number is None else number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
         if not math.isfinite(value):  # argparse's float() and YAML's .nan/.inf both make one
             raise ConfigError(f"config key {name!r} must be a finite number, got {value!r}")
         return float(value)
     return "" if value is None else str(value)
+
+
+def _yaml_number(value: Any) -> float | None:
+    """``value`` as a float where it is one, or a string that ``float()`` reads, else None.
+    PyYAML follows YAML 1.1, which reads an exponent without a dot (``3e-4``, ``1E-5``) as a
+    string; Python and YAML 1.2 read it as a number, and so do these settings."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def load_yaml(path: str) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def preset_config(name: str):
 
 
 GENERATED_MODEL = "tiny-llama"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where train.sh runs main.py
 
 
 @dataclass
@@ -67,6 +68,25 @@ class ModelSource:
 
 def generated_model_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.cache_dir) / GENERATED_MODEL
+
+
+def saved_model_dir(name: str, cache_dir: str | None = None) -> Path:
+    """The directory whose weights a run with ``model: name`` started from, to load them again
+    (generate.py: a finished run's model, or the base model of its LoRA adapter). ``generated``
+    is the generated model in ``cache_dir`` (default: a run's default) where the run read it: a
+    relative ``cache_dir`` from the current directory, else from the repository root (train.sh
+    runs there); any other name is that directory. Raises ValueError for a preset: its random
+    weights were drawn on the run's device (a GPU draws other numbers than the CPU) and never
+    saved, so nothing here can load them again."""
+    if name in PRESETS:
+        raise ValueError(f"{name!r} is a preset whose random weights were drawn when its run started (on "
+                         "the run's device) and never saved, so they cannot be loaded again; give the run's "
+                         "save_dir/model (a LoRA run writes it with --merge_lora)")
+    if name != "generated":
+        return Path(name)
+    here = generated_model_dir(TrainConfig(**({"cache_dir": cache_dir} if cache_dir else {})))
+    at_root = REPO_ROOT / here
+    return at_root if not here.is_absolute() and not here.is_dir() and at_root.is_dir() else here
 
 
 def needs_generated(cfg: TrainConfig) -> bool:
@@ -166,4 +186,4 @@ def generated_config():
 
 __all__ = ["GENERATED_MODEL", "PRESETS", "ModelSource", "attention_kernel", "build_generated_model", "generated_config",
            "generated_model_dir", "kept_layers", "model_dir", "needs_generated", "preset_config", "resolve_model",
-           "tokenizer_dir"]
+           "saved_model_dir", "tokenizer_dir"]

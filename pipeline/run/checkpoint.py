@@ -163,7 +163,8 @@ def _merge_adapter_parts(out_dir: Path, settings, base_model: str | None) -> Non
     _fsync(path)
     for part in parts:
         part.unlink()
-    peft_config(settings, base_model).save_pretrained(str(out_dir))
+    # The base as an absolute path: a relative one (.cache/tiny-llama) names nothing from another directory
+    peft_config(settings, base_model and os.path.abspath(base_model)).save_pretrained(str(out_dir))
 
 
 def save_adapter(out_dir: Path, stores: dict, settings, base_model: str | None, env: DistEnv) -> None:

@@ -126,6 +126,24 @@ def test_non_finite_yaml_numbers_are_refused(tmp_path):
         parse_args(["--config", _yaml(tmp_path, "adam_eps: .nan\n")])
 
 
+def test_yaml_exponents_without_a_dot_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads 3e-4 as a string; a float setting takes what float() reads in it,
+    under its section too, and still refuses junk with the same line."""
+    cfg = parse_args(["--config", _yaml(tmp_path, "lr: 3e-4\noptimizer: {adam_eps: 1E-5}\n")])[0]
+    assert cfg.lr == 3e-4 and cfg.adam_eps == 1e-5
+    with pytest.raises(ConfigError, match=r"^config key 'lr' must be a number, got 'abc'$"):
+        parse_args(["--config", _yaml(tmp_path, "lr: abc\n")])
+
+
+@pytest.mark.parametrize("text,shown", [("1e3", "'1e3'"), ("1.0e+3", "1000.0")])
+def test_whole_numbers_written_as_floats_say_how_to_write_them(tmp_path, text, shown):
+    with pytest.raises(ConfigError, match=rf"^config key 'num_iterations' must be an integer, got {shown} "
+                                          r"\(write 1000\)$"):
+        parse_args(["--config", _yaml(tmp_path, f"num_iterations: {text}\n")])
+    with pytest.raises(ConfigError, match=r"^config key 'num_iterations' must be an integer, got 2.5$"):
+        parse_args(["--config", _yaml(tmp_path, "num_iterations: 2.5\n")])
+
+
 def test_help_groups_flags_by_section_with_the_yaml_values(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "fine_tune.yaml").write_text("lr: 0.0003\nseed: 0\n")

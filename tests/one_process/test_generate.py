@@ -104,3 +104,50 @@ def test_generate_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
 
         (tmp_path / "p.jsonl").write_text('{"text": "x"}\n')
         read_prompts(tmp_path / "p.jsonl", "xsum")
+
+
+def test_generate_takes_main_py_model_names(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--model generated is the generated model a run trained from (in the run's cache_dir, or the
+    default .cache from the current directory, else from the repository root where train.sh runs);
+    with --adapter and no --model, the base the adapter records; no FutureWarning of peft's loading
+    beside the answer; a preset (random weights, never saved) is one line."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.plan import source
+    from pipeline.plan.source import GENERATED_MODEL, saved_model_dir
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(
+            tmp_path / "run" / "adapter")
+    adapter = str(tmp_path / "run" / "adapter")
+    argv = ["--adapter", adapter, "--prompt", ARTICLE, "--format", "xsum", "--max_new_tokens", "6", "--device", "cpu"]
+    assert main(["--model", str(tiny_model_dir), *argv]) == 0
+    expected = capsys.readouterr().out
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / GENERATED_MODEL).symlink_to(tiny_model_dir)
+    (tmp_path / "run" / "results.json").write_text(json.dumps({"config": {"cache_dir": str(tmp_path / "cache")}}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["--model", "generated", *argv], model_dir=saved_model_dir) == 0  # the run's cache_dir
+    assert capsys.readouterr().out == expected and expected.strip()
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+    # No run's cache_dir: .cache, not in the current directory but in the repository root's.
+    (tmp_path / "run" / "results.json").unlink()
+    monkeypatch.setattr(source, "REPO_ROOT", tmp_path / "repo")
+    (tmp_path / "repo" / ".cache").mkdir(parents=True)
+    (tmp_path / "repo" / ".cache" / GENERATED_MODEL).symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tmp_path / "run")
+    assert saved_model_dir("generated") == tmp_path / "repo" / ".cache" / GENERATED_MODEL
+    assert main(["--model", "generated", *argv], model_dir=saved_model_dir) == 0
+    assert main(argv, model_dir=saved_model_dir) == 0  # the adapter's recorded base: str(tiny_model_dir)
+    assert capsys.readouterr().out == expected * 2
+    assert main(["--model", "tiny", *argv], model_dir=saved_model_dir) == 2
+    assert main(["--model", "generated", "--prompt", "x", "--format", "xsum"]) == 2  # no resolver: a directory
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: --model 'tiny' is a preset whose random weights"), lines
+    assert lines[1].startswith("error: --model 'generated' is not a Hugging Face model directory"), lines

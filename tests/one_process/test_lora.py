@@ -148,6 +148,33 @@ def test_adapter_reloads_with_peft_and_merges(tiny_model_dir, tmp_path):
     assert_close(merged.state_dict(), expected, 1e-6)
 
 
+def test_adapter_records_its_base_as_an_absolute_path(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A run on a relative model path (train.sh's default model is .cache/tiny-llama) records its
+    base in adapter_config.json as an absolute path: from another directory peft's recorded base
+    loads and generate.py with --adapter alone generates what --model <the base> does."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from data.generation import main as generate_main
+    from pipeline.plan.source import saved_model_dir
+
+    monkeypatch.chdir(tiny_model_dir.parent.parent)
+    relative = str(tiny_model_dir.relative_to(tiny_model_dir.parent.parent))
+    cfg = lora_cfg(relative, num_iterations=1, save_model=True, save_dir=str(tmp_path / "run"))
+    trained(cfg)[2].save([])
+    adapter = str(tmp_path / "run" / "adapter")
+    monkeypatch.chdir(tmp_path)  # another directory
+    recorded = PeftConfig.from_pretrained(adapter).base_model_name_or_path
+    assert Path(recorded).is_absolute() and Path(recorded).resolve() == tiny_model_dir.resolve(), recorded
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(recorded), adapter)
+    argv = ["--adapter", adapter, "--prompt", "the match ended", "--max_new_tokens", "4", "--device", "cpu"]
+    capsys.readouterr()  # the run's log
+    assert generate_main(argv, model_dir=saved_model_dir) == 0
+    assert generate_main(["--model", str(tiny_model_dir), *argv], model_dir=saved_model_dir) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second
+
+
 def test_checkpoint_resumes_bit_for_bit(tiny_model_dir, tmp_path):
     """A checkpoint holds the adapters and their AdamW state (no base weight); resumed at step 2,
     the third step is the uninterrupted run's, bit for bit."""
