@@ -9,7 +9,7 @@ write one copy of the masters, so a step needs only a barrier.
 Each buffer is an anonymous memory file (``memfd_create``) that its maker sizes and the others
 open through ``/proc/<pid>/fd/<fd>`` while it is still open there (a barrier); the mappings keep
 the memory from then on, and it goes with the last of them. On CUDA each process page-locks its
-own mapping (``streams.page_lock``)."""
+mappings of the buffers it copies to or from the device (``streams.page_lock``)."""
 from __future__ import annotations
 
 import os
@@ -50,22 +50,20 @@ class SharedHost:
         for pid, fd in where:
             if pid == os.getpid() and fd is not None:
                 os.close(fd)
-        for t in out:
-            if t is not None:
-                page_lock(t, self.cuda)
         return out
 
     def one(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """One buffer every peer maps (made by peer 0; uninitialised)."""
+        """One buffer every peer maps (made by peer 0; uninitialised), page-locked on CUDA."""
         fd = _memfd(numel * dtype.itemsize) if self.index == 0 else None
-        return self._map_all(self._exchange(fd), numel, dtype)[0]
+        return page_lock(self._map_all(self._exchange(fd), numel, dtype)[0], self.cuda)
 
     def each(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """One buffer per peer, in peer order, every peer mapping all of them; this peer writes
-        ``[index]`` (zeroed)."""
+        ``[index]`` (zeroed; page-locked on CUDA, where its copies from the device land) and only
+        reads the others."""
         fd = _memfd(numel * dtype.itemsize)
         out = self._map_all(self._exchange(fd), numel, dtype)
-        out[self.index].zero_()
+        page_lock(out[self.index], self.cuda).zero_()
         return out
 
 
