@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -412,16 +413,12 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
         raise ConfigError(f"config key {name!r} must be true or false, got {value!r}")
     if typ == "int":
         if isinstance(value, bool) or not isinstance(value, int):
-            # 1e3 or 1.0e+3: a whole number, but written as a float; say how to write it
-            number = _yaml_number(value)
-            whole = number is not None and math.isfinite(number) and number.is_integer() and \
-                str(int(number)) != str(value).strip()
-            hint = f" (write {int(number)})" if whole else ""
+            # 1e3 or 1.0e+3 (YamlLoader reads both as 1000.0): a whole number written as a float
+            whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+            hint = f" (write {int(value)})" if whole else ""
             raise ConfigError(f"config key {name!r} must be an integer, got {value!r}{hint}")
         return value
     if typ == "float":
-        number = _yaml_number(value) if isinstance(value, str) else None
-        value = value if number is None else number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
         if not math.isfinite(value):  # argparse's float() and YAML's .nan/.inf both make one
@@ -430,24 +427,26 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
     return "" if value is None else str(value)
 
 
-def _yaml_number(value: Any) -> float | None:
-    """``value`` as a float where it is one, or a string that ``float()`` reads, else None.
-    PyYAML follows YAML 1.1, which reads an exponent without a dot (``3e-4``, ``1E-5``) as a
-    string; Python and YAML 1.2 read it as a number, and so do these settings."""
-    if isinstance(value, float):
-        return value
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading numbers as YAML 1.2 and Python do: YAML 1.1 wants a dot in a
+    float, so ``3e-4`` or ``1E5`` would otherwise come back as strings (a config file's ``lr``, a
+    topology file's ``bandwidth_gbps``, and ``--help``'s shown values)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
 
 
 def load_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=YamlLoader)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:

@@ -22,6 +22,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config import YamlLoader
+
 # Nominal GB/s per lane and direction, by PCIe generation (after line encoding).
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 _GEN_OF_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
@@ -269,7 +271,7 @@ def load_topology_file(path: str | os.PathLike) -> Topology:
         else:
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=YamlLoader)
     except Exception as e:  # json.JSONDecodeError / yaml.YAMLError: both become one clear line
         raise ValueError(f"topology file {path}: cannot parse: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or set(data) != {"gpus"} or not isinstance(data["gpus"], list) or not data["gpus"]:

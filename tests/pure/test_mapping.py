@@ -73,6 +73,8 @@ def test_topology_file_yaml_and_json(tmp_path):
     j = tmp_path / "topo.json"
     j.write_text(json.dumps({"gpus": [{"index": 0, "root": 0, "numa": 1, "bandwidth_gbps": 12}]}))
     assert load_topology_file(j).gpus == [GpuLink(0, 0, 1, 12.0)]
+    y.write_text("gpus:\n  - {index: 0, root: 0, bandwidth_gbps: 2.5e1}\n  - {index: 1, root: 0, bandwidth_gbps: 1e2}\n")
+    assert [g.bandwidth_gbps for g in load_topology_file(y).gpus] == [25.0, 100.0]  # YAML 1.1 read 1e2 as text
 
 
 @pytest.mark.parametrize("body, match", [
