@@ -14,8 +14,9 @@ save_dir is refused, whatever its flags, with one line naming the holder. ``lock
 by ``train.sh``'s ``--check_only``) only looks, so the usual refusal comes before any worker
 starts; two runs started together are told apart by the lock itself.
 
-A save_dir that holds an earlier run is continued or replaced only when asked, and
-``--resume latest`` never trains a finished run again from step 1 over its outputs.
+A save_dir that holds an earlier run is continued or replaced only when asked, and a resume never
+trains a finished run again over its outputs: not from step 1 (``--resume latest`` without a
+checkpoint), nor from a checkpoint older than the step it finished at (``save_dir/finished.json``).
 """
 from __future__ import annotations
 
@@ -39,9 +40,11 @@ from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, g
 
 LOCK_FILE = ".lock"
 # What a run leaves in save_dir; any of them means save_dir holds an earlier run.
-RUN_OUTPUTS = ("model", "metrics.jsonl", "results.json", "params.pt", saved.CHECKPOINTS)
+RUN_OUTPUTS = ("model", "adapter", "metrics.jsonl", "results.json", "params.pt", saved.CHECKPOINTS)
+# The trained weights a run writes once it has finished (a stop writes a checkpoint instead).
+MODEL_OUTPUTS = ("model", "adapter", "params.pt")
 # Written only once a run has ended (results.json too after a stop, which leaves a checkpoint).
-FINISHED_OUTPUTS = ("model", "params.pt", "results.json")
+FINISHED_OUTPUTS = (*MODEL_OUTPUTS, "results.json")
 # The lock files this process holds: open for its whole life (closing one would drop its lock).
 _held: list[int] = []
 
@@ -140,11 +143,44 @@ def _finished(out: Path, results_path: Path) -> list[str]:
     return found
 
 
+def _finished_step(out: Path, results_path: Path) -> int | None:
+    """The step the finished run in ``out`` ended at: its ``finished.json``; for a run written
+    before there was one, where its weights are there, the last step its results.json or
+    metrics.jsonl records. None when no finished run's step is known."""
+    try:
+        return int(json.loads((out / saved.FINISHED).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not any((out / name).exists() for name in MODEL_OUTPUTS):
+        return None
+    steps = []
+    try:
+        steps.append(int(json.loads(results_path.read_text())["iterations"][-1]["step"]))
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    try:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steps += [int(row["step"]) for row in rows if row.get("kind") == "train"][-1:]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return max(steps, default=None)
+
+
+def _train_further(out: Path) -> str:
+    """How to go on from the finished run in ``out`` without replacing it."""
+    if (out / "adapter").is_dir():
+        return f"to train further, start from its adapter with --lora_adapter {out / 'adapter'} and another --save_dir"
+    if (out / "model").is_dir():
+        return f"to train further, start from its model with --model {out / 'model'} and another --save_dir"
+    return "write elsewhere with --save_dir"
+
+
 def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
     """save_dir can be written, no live run holds it (``test_lock``: rank 0 only, whose peers
     would see their own run's lock), and an earlier run in it is continued or replaced only as
-    asked: ``resume`` continues from a checkpoint, ``overwrite`` replaces it; ``--resume latest``
-    on a finished run with no checkpoint is refused (it would retrain and replace it)."""
+    asked: ``resume`` continues from a checkpoint, ``overwrite`` replaces it. A resume that would
+    train a finished run again over its outputs is refused: ``--resume latest`` with no
+    checkpoint (from step 1), and any checkpoint older than the step the run finished at."""
     out = Path(cfg.save_dir)
     _check_writable(out)
     holder = lock_holder(out) if test_lock else None
@@ -156,15 +192,29 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
     if not found or cfg.overwrite:
         return
     newest = saved.find_latest(out, lambda line: None)
-    if not cfg.resume:
-        advice = "continue it with --resume latest or " if newest else "it has no checkpoint to continue from; "
-        raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); {advice}write elsewhere "
-                          "with --save_dir (--overwrite would discard it)")
     finished = _finished(out, Path(cfg.results_path))
+    ended = _finished_step(out, Path(cfg.results_path)) if finished else None
+    if not cfg.resume:
+        newest_step = saved.saved_step(newest) if newest is not None else None
+        if ended is not None and newest_step is not None and newest_step < ended:  # resuming would go back
+            advice = (f"it finished at step {ended}, after its newest checkpoint (step {newest_step}), so there is "
+                      f"nothing to resume; {_train_further(out)}")
+        else:
+            advice = ("continue it with --resume latest or " if newest else
+                      "it has no checkpoint to continue from; ") + "write elsewhere with --save_dir"
+        raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); {advice} (--overwrite "
+                          "would discard it)")
     if cfg.resume == "latest" and newest is None and finished:
         raise ConfigError(f"save_dir {str(out)!r} holds a finished run ({', '.join(finished)}) with no checkpoint to "
                           "continue from: --resume latest would train it again from step 1 and replace it; write "
                           "elsewhere with --save_dir (--overwrite would discard it)")
+    point = newest if cfg.resume == "latest" else Path(cfg.resume)
+    step = saved.saved_step(point) if point is not None else None
+    if ended is not None and step is not None and step < ended:
+        which = "its newest checkpoint" if cfg.resume == "latest" else "the checkpoint --resume names"
+        raise ConfigError(f"save_dir {str(out)!r} holds a finished run at step {ended} ({', '.join(finished)}) and "
+                          f"{which} is older (step {step}, {point}): resuming would train steps {step + 1}.. again "
+                          f"and replace it; {_train_further(out)} (--overwrite would discard the finished run)")
 
 
 # --- the data ---------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 STATE_DIR = "train_state"
+# Beside a run's final outputs (model/, adapter/, params.pt, results.json), written once they are:
+# {"step": N}, the step they are at. A checkpoint of an earlier step resumed into the same save_dir
+# would train over them; the pre-launch checks refuse it.
+FINISHED = "finished.json"
 
 
 def checkpoint_dir(save_dir: Path, step: int) -> Path:
@@ -64,6 +68,14 @@ def saved_at(path: Path) -> float:
         return -1.0
 
 
+def saved_step(path: Path) -> int | None:
+    """The step a checkpoint was saved after (its COMPLETE marker's), None without a readable one."""
+    try:
+        return int(json.loads((Path(path) / MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def candidates(save_dir: Path) -> list[Path]:
     """step_N and step_N.partial directories; a step_N.old (the previous save of the same step,
     left only if a replacement was cut short) is neither offered nor counted."""
@@ -104,5 +116,6 @@ def saved_partition(resume: str, save_dir: str) -> list[int] | None:
         return None
 
 
-__all__ = ["CHECKPOINTS", "MARKER", "STATE_DIR", "TRAINER_STATE", "candidates", "checkpoint_dir", "find_latest", "rank_file",
-           "read_trainer_state", "saved_at", "saved_partition", "stage_file", "validate_checkpoint"]
+__all__ = ["CHECKPOINTS", "FINISHED", "MARKER", "STATE_DIR", "TRAINER_STATE", "candidates", "checkpoint_dir",
+           "find_latest", "rank_file", "read_trainer_state", "saved_at", "saved_partition", "saved_step", "stage_file",
+           "validate_checkpoint"]

@@ -16,8 +16,8 @@ import torch
 
 from pipeline.config import RESUME_FREE, ConfigError
 from pipeline.dist import DistEnv, barrier, broadcast_object, gather_objects
-from pipeline.plan.saved import (CHECKPOINTS, MARKER, STATE_DIR, TRAINER_STATE, candidates, checkpoint_dir, find_latest,
-                                 rank_file, read_trainer_state, saved_at, stage_file, validate_checkpoint)
+from pipeline.plan.saved import (CHECKPOINTS, FINISHED, MARKER, STATE_DIR, TRAINER_STATE, candidates, checkpoint_dir,
+                                 find_latest, rank_file, read_trainer_state, saved_at, stage_file, validate_checkpoint)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -203,6 +203,14 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
         del merged
         shutil.rmtree(parts_dir, ignore_errors=True)
     barrier()
+
+
+def mark_finished(save_dir: Path, step: int, env: DistEnv) -> None:
+    """Rank 0, once a run's final outputs are written: ``save_dir/finished.json`` names the step
+    they are at, so that resuming an older checkpoint into save_dir is refused before launch
+    instead of training over them (``preflight.check_save_dir``)."""
+    if env.rank == 0:
+        write_json_atomic(Path(save_dir) / FINISHED, {"step": step, "finished_at": time.time()})
 
 
 def rng_state(device: torch.device) -> dict:
