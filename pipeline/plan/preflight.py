@@ -4,15 +4,16 @@ for is there; the small files settings name: topology, lora_adapter) and ``check
 model's files, then the model read once and checked against the settings by ``resolve_model``
 with ``pipeline.plan.model_rules``; its weight files, a tied head against the embedding (the
 only check that reads tensors); tokenizer, data, that save_dir is its own, and that the data
-gives training examples). ``main.py`` runs them on every rank, and ``--check_only``
-(``train.sh``) before any worker starts, so a bad setting or path is one line.
+gives training examples, the checkpoint a resume names). ``main.py`` runs them on every rank, and
+``--check_only`` (``train.sh``) before any worker starts, so a bad setting or path is one line.
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
 however it ends (a crash or ``kill -9`` leaves no stale lock), so a second run into the same
 save_dir is refused, whatever its flags, with one line naming the holder. ``lock_holder`` (run
 by ``train.sh``'s ``--check_only``) only looks, so the usual refusal comes before any worker
-starts; two runs started together are told apart by the lock itself.
+starts; two runs started together are told apart by the lock itself. A run that ends removes the
+lock file (``release_save_dir``), and the save_dir it made when nothing else is in it.
 
 A save_dir that holds an earlier run is continued or replaced only when asked, and a resume never
 trains a finished run again over its outputs: not from step 1 (``--resume latest`` without a
@@ -20,6 +21,7 @@ checkpoint), nor from a checkpoint older than the step it finished at (``save_di
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -45,8 +47,9 @@ RUN_OUTPUTS = ("model", "adapter", "metrics.jsonl", "results.json", "params.pt",
 MODEL_OUTPUTS = ("model", "adapter", "params.pt")
 # Written only once a run has ended (results.json too after a stop, which leaves a checkpoint).
 FINISHED_OUTPUTS = (*MODEL_OUTPUTS, "results.json")
-# The lock files this process holds: open for its whole life (closing one would drop its lock).
-_held: list[int] = []
+# The lock files this process holds, open until it ends (closing one would drop its lock): fd ->
+# (the lock file, the save_dir this process made, or None).
+_held: dict[int, tuple[Path, Path | None]] = {}
 
 
 # --- the lock ---------------------------------------------------------------------------------
@@ -89,29 +92,61 @@ def lock_holder(save_dir: str | Path) -> str | None:
         os.close(fd)
 
 
+def _take_lock(path: Path) -> int | None:
+    """An fd of the lock file at ``path`` holding its exclusive lock, or None while another run
+    holds it. The lock must be on the file that is at ``path`` now: a holder removes its file as it
+    leaves (``release_save_dir``), and a lock taken on that removed file would not keep out the next
+    run, which opens a new one."""
+    for _ in range(20):  # a lock_holder test holds a shared lock for microseconds
+        # Not inherited by programs this process starts (O_CLOEXEC): the lock dies with rank 0.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            time.sleep(0.05)
+            continue
+        try:
+            now, mine = os.stat(path), os.fstat(fd)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed by the holder that just left: take the file at path now
+    return None
+
+
 def hold_save_dir(save_dir: str | Path, launcher_pid: int | None = None) -> None:
     """Create ``save_dir`` and hold its lock until this process ends (rank 0, before the
     process group exists); raises ConfigError naming the holder when another run has it."""
     out = Path(save_dir)
+    made = None if out.exists() else out
     try:
         out.mkdir(parents=True, exist_ok=True)
-        # Not inherited by programs this process starts (O_CLOEXEC): the lock dies with rank 0.
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _take_lock(out / LOCK_FILE)
     except OSError as e:
         raise ConfigError(f"save_dir {str(out)!r} is not writable ({e.strerror}); give another --save_dir") from None
-    for _ in range(20):  # a lock_holder test holds a shared lock for microseconds
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            time.sleep(0.05)
-    else:
-        os.close(fd)
+    if fd is None:
         raise _busy(out, _describe(out / LOCK_FILE))
     info = {"host": socket.gethostname(), "pid": os.getpid(), "launcher_pid": launcher_pid, "started": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    _held.append(fd)
+    _held[fd] = (out / LOCK_FILE, made)
+
+
+def release_save_dir() -> None:
+    """As this process ends, however it ends (``main.py``): remove each lock file it holds while
+    still holding it, then drop the lock; and a save_dir it made, where nothing else is in it (a
+    run refused after it took the lock leaves nothing behind). Safe to call again, and from the
+    signal-watching thread."""
+    while _held:
+        fd, (path, made) = _held.popitem()
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()  # only an empty directory
 
 
 # --- what save_dir holds ----------------------------------------------------------------------
@@ -215,6 +250,15 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
         raise ConfigError(f"save_dir {str(out)!r} holds a finished run at step {ended} ({', '.join(finished)}) and "
                           f"{which} is older (step {step}, {point}): resuming would train steps {step + 1}.. again "
                           f"and replace it; {_train_further(out)} (--overwrite would discard the finished run)")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """The checkpoint directory ``resume`` names is there and complete ('latest', save_dir's
+    newest, is weighed by ``check_save_dir``)."""
+    if cfg.resume and cfg.resume != "latest":
+        refusal = saved.resume_refusal(cfg.resume, cfg.save_dir)
+        if refusal:
+            raise ConfigError(refusal)
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -415,8 +459,9 @@ def load_tokenizer(cfg: TrainConfig, source: ModelSource):
 
 
 def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = None) -> ModelSource | None:
-    """Checks that read files (model, tokenizer, data, save_dir): run before any process group
-    exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
+    """Checks that read files (model, tokenizer, data, save_dir, the checkpoint a resume names): run
+    before any process group exists (``main.py``, on every rank alike, and ``--check_only``), so a
+    bad path is one line.
     Returns the model read (``resolve_model``), for the run to use, not read again.
 
     ``rank0``: this process also tests save_dir's lock (the other ranks would find their own
@@ -428,6 +473,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     from data import SAMPLE_TRAIN, check_first_records, load_records
 
     check_report_to(cfg)
+    check_resume(cfg)
     pending = needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file()
     source = read_model(cfg, world_size)  # a generated model not built yet: the shape it will have
     records = None

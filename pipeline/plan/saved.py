@@ -97,6 +97,22 @@ def find_latest(save_dir: Path, warn) -> Path | None:
     return max(valid, key=saved_at, default=None)
 
 
+def resume_refusal(resume: str, save_dir: str) -> str | None:
+    """Why the checkpoint directory ``resume`` names (not 'latest') cannot be resumed from, in one
+    line; None when it can. A path that is not there is taken for a typo: the line names a real
+    checkpoint of save_dir where it has one."""
+    path = Path(resume)
+    if not path.exists():
+        where = "" if path.is_absolute() else f" ({path.absolute()})"
+        example = find_latest(Path(save_dir), lambda line: None) or checkpoint_dir(Path(save_dir), 10)
+        return (f"resume {resume!r}: no such checkpoint directory{where}; resume takes 'latest' or a checkpoint "
+                f"directory such as {example}")
+    reason = validate_checkpoint(path)
+    if reason:
+        return f"resume {resume!r} is not a complete checkpoint: {reason}; give a {CHECKPOINTS}/step_N directory or 'latest'"
+    return None
+
+
 def read_trainer_state(path: Path) -> dict:
     return json.loads((Path(path) / TRAINER_STATE).read_text())
 
@@ -117,5 +133,5 @@ def saved_partition(resume: str, save_dir: str) -> list[int] | None:
 
 
 __all__ = ["CHECKPOINTS", "FINISHED", "MARKER", "STATE_DIR", "TRAINER_STATE", "candidates", "checkpoint_dir",
-           "find_latest", "rank_file", "read_trainer_state", "saved_at", "saved_partition", "saved_step", "stage_file",
-           "validate_checkpoint"]
+           "find_latest", "rank_file", "read_trainer_state", "resume_refusal", "saved_at", "saved_partition", "saved_step",
+           "stage_file", "validate_checkpoint"]

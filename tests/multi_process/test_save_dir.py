@@ -22,12 +22,10 @@ from tests.helpers.prelaunch import chat_file, refused_before_launch, train_sh
 
 @pytest.fixture
 def held(monkeypatch):
-    """The lock files this test's process takes: closed (and so released) after the test."""
-    fds: list[int] = []
-    monkeypatch.setattr(preflight, "_held", fds)
+    """The lock files this test's process takes: released after the test."""
+    monkeypatch.setattr(preflight, "_held", {})
     yield
-    for fd in fds:
-        os.close(fd)
+    preflight.release_save_dir()
 
 
 def _finished_run(out: Path, checkpoint_step: int = 0, finished_step: int = 0) -> Path:
@@ -116,6 +114,61 @@ def test_a_resume_never_goes_back_behind_a_finished_run(tmp_path):
     shutil.rmtree(stopped / "model")
     (stopped / "results.json").write_text(json.dumps({"iterations": [{"step": 3}]}))
     _check(stopped, resume="latest")
+
+
+def test_a_resume_path_must_be_a_complete_checkpoint(tmp_path):
+    """A checkpoint directory --resume names is checked before launch: one that is not there (a
+    typo of latest) names a real checkpoint of save_dir, or the form of one; an incomplete one says
+    what is wrong with it."""
+    run = _finished_run(tmp_path / "run", checkpoint_step=4, finished_step=4)
+
+    def refusal(resume: str, save_dir: Path = run) -> str:
+        with pytest.raises(ConfigError) as info:
+            preflight.check_resume(make_config({"save_dir": str(save_dir), "resume": resume}))
+        return str(info.value)
+
+    assert refusal("latset") == (f"resume 'latset': no such checkpoint directory ({Path('latset').absolute()}); "
+                                 f"resume takes 'latest' or a checkpoint directory such as "
+                                 f"{saved.checkpoint_dir(run, 4)}")
+    gone = tmp_path / "gone"
+    assert refusal(str(gone), tmp_path / "fresh") == (
+        f"resume '{gone}': no such checkpoint directory; resume takes 'latest' or a checkpoint directory such as "
+        f"{tmp_path / 'fresh' / 'checkpoints' / 'step_00000010'}")
+    (run / saved.CHECKPOINTS / "step_00000002").mkdir()
+    assert refusal(str(run / saved.CHECKPOINTS / "step_00000002")) == (
+        f"resume '{run / saved.CHECKPOINTS / 'step_00000002'}' is not a complete checkpoint: no COMPLETE marker (the "
+        "save did not finish); give a checkpoints/step_N directory or 'latest'")
+    for resume in (str(saved.checkpoint_dir(run, 4)), "latest", ""):
+        preflight.check_resume(make_config({"save_dir": str(run), "resume": resume}))
+
+
+def test_a_run_leaves_no_lock_file(tmp_path, held, monkeypatch):
+    """A run removes its lock file as it ends, and the save_dir it made where nothing else is in
+    it; the next run locks the file that is at the path, not one its holder removed as it left."""
+    out = tmp_path / "run"
+    preflight.hold_save_dir(out)
+    assert (out / preflight.LOCK_FILE).is_file()
+    preflight.release_save_dir()
+    assert not out.exists()  # made by this run, and nothing else in it
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    preflight.hold_save_dir(out)
+    preflight.release_save_dir()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+    opened, real_open = [], os.open
+
+    def holder_leaves_after_the_first_open(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if not opened:
+            os.unlink(path)  # the holder removes its lock file as it leaves, right after this open
+        opened.append(path)
+        return fd
+
+    monkeypatch.setattr(os, "open", holder_leaves_after_the_first_open)
+    preflight.hold_save_dir(out)
+    monkeypatch.undo()
+    assert len(opened) == 2 and preflight.lock_holder(out)  # the lock is on the file at the path
 
 
 def test_a_live_run_holds_its_save_dir(tmp_path, held):
@@ -233,6 +286,19 @@ def test_a_second_run_into_a_live_save_dir_is_refused(tiny_model_dir, tmp_path):
     assert rows[-1]["kind"] == "summary"
     assert saved.validate_checkpoint(saved.checkpoint_dir(out, step)) is None
     assert preflight.lock_holder(out) is None  # gone with the run
+
+
+@pytest.mark.slow
+def test_a_run_refused_after_the_lock_leaves_nothing(tiny_model_dir, tmp_path):
+    """A refusal that only a started run can make (the memory plan of rank 0's choices), into a
+    save_dir the run made: one error line, and no save_dir with a lock file in it left behind."""
+    from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
+
+    out = tmp_path / "run"
+    proc = run_torchrun(2, cli_flags(tiny_cfg(tiny_model_dir, num_stages=2, save_dir=str(out), host_memory_gb=0.01)))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "does not fit" in errors[0], proc.stderr[-3000:]
+    assert not out.exists()
 
 
 @pytest.mark.slow
