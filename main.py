@@ -33,6 +33,14 @@ def _fail(env, message: str) -> int:
     return 2
 
 
+def _release_save_dir() -> None:
+    """Rank 0's lock file in save_dir goes with the run, however it ends (before preflight is
+    imported this process holds none, and importing it would import torch)."""
+    preflight = sys.modules.get("pipeline.plan.preflight")
+    if preflight is not None:
+        preflight.release_save_dir()
+
+
 _INTERRUPTED = threading.Lock()  # the line once, whichever thread sees the signal first
 
 
@@ -43,6 +51,7 @@ def _interrupted() -> int:
         sys.stderr.write("error: interrupted by Ctrl-C (SIGINT) outside the training steps; no checkpoint was "
                          "written by this stop\n")
         sys.stderr.flush()
+    _release_save_dir()
     return 130
 
 
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         # Peers may be blocked in a send/recv with this rank; a clean NCCL teardown would wait
         # for them forever. Report, then leave at once: torchrun then stops the other ranks.
         print(f"[rank {env.rank}] training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _release_save_dir()
         os._exit(1)
     cleanup()
     return 0
@@ -145,6 +155,7 @@ if __name__ == "__main__":
         code = _interrupted()
     if worker:
         orphans.report()  # a worker stopped because its launcher died says so
+    _release_save_dir()
     # Everything is written, flushed and closed and the process group is destroyed; leave without
     # the interpreter's teardown, where gloo's C++ threads can abort the process at exit
     # ("terminate called without an active exception") and turn a finished run into a failed one.

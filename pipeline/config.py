@@ -251,7 +251,8 @@ class TrainConfig:
                                "one is complete.", check=Check(lambda v: v >= 1, "at least 1"))
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
                      "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
-                     "again) or a checkpoint directory; empty = start from the model.")
+                     "again) or a checkpoint directory; empty = start from the model. A checkpoint older than the "
+                     "step a finished run in save_dir ended at is refused (it would train over that run).")
     report_to: str = _f("tensorboard", "Where the rows of metrics.jsonl also go, from the rank that writes it (with "
                         "save_metrics): tensorboard (event files in save_dir/tensorboard; `tensorboard --logdir "
                         "save_dir/tensorboard`), wandb (Weights & Biases, if installed; WANDB_MODE=offline needs no "

@@ -4,21 +4,24 @@ for is there; the small files settings name: topology, lora_adapter) and ``check
 model's files, then the model read once and checked against the settings by ``resolve_model``
 with ``pipeline.plan.model_rules``; its weight files, a tied head against the embedding (the
 only check that reads tensors); tokenizer, data, that save_dir is its own, and that the data
-gives training examples). ``main.py`` runs them on every rank, and ``--check_only``
-(``train.sh``) before any worker starts, so a bad setting or path is one line.
+gives training examples, the checkpoint a resume names). ``main.py`` runs them on every rank, and
+``--check_only`` (``train.sh``) before any worker starts, so a bad setting or path is one line.
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
 however it ends (a crash or ``kill -9`` leaves no stale lock), so a second run into the same
 save_dir is refused, whatever its flags, with one line naming the holder. ``lock_holder`` (run
 by ``train.sh``'s ``--check_only``) only looks, so the usual refusal comes before any worker
-starts; two runs started together are told apart by the lock itself.
+starts; two runs started together are told apart by the lock itself. A run that ends removes the
+lock file (``release_save_dir``), and the save_dir it made when nothing else is in it.
 
-A save_dir that holds an earlier run is continued or replaced only when asked, and
-``--resume latest`` never trains a finished run again from step 1 over its outputs.
+A save_dir that holds an earlier run is continued or replaced only when asked, and a resume never
+trains a finished run again over its outputs: not from step 1 (``--resume latest`` without a
+checkpoint), nor from a checkpoint older than the step it finished at (``save_dir/finished.json``).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -39,11 +42,14 @@ from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, g
 
 LOCK_FILE = ".lock"
 # What a run leaves in save_dir; any of them means save_dir holds an earlier run.
-RUN_OUTPUTS = ("model", "metrics.jsonl", "results.json", "params.pt", saved.CHECKPOINTS)
+RUN_OUTPUTS = ("model", "adapter", "metrics.jsonl", "results.json", "params.pt", saved.CHECKPOINTS)
+# The trained weights a run writes once it has finished (a stop writes a checkpoint instead).
+MODEL_OUTPUTS = ("model", "adapter", "params.pt")
 # Written only once a run has ended (results.json too after a stop, which leaves a checkpoint).
-FINISHED_OUTPUTS = ("model", "params.pt", "results.json")
-# The lock files this process holds: open for its whole life (closing one would drop its lock).
-_held: list[int] = []
+FINISHED_OUTPUTS = (*MODEL_OUTPUTS, "results.json")
+# The lock files this process holds, open until it ends (closing one would drop its lock): fd ->
+# (the lock file, the save_dir this process made, or None).
+_held: dict[int, tuple[Path, Path | None]] = {}
 
 
 # --- the lock ---------------------------------------------------------------------------------
@@ -86,29 +92,61 @@ def lock_holder(save_dir: str | Path) -> str | None:
         os.close(fd)
 
 
+def _take_lock(path: Path) -> int | None:
+    """An fd of the lock file at ``path`` holding its exclusive lock, or None while another run
+    holds it. The lock must be on the file that is at ``path`` now: a holder removes its file as it
+    leaves (``release_save_dir``), and a lock taken on that removed file would not keep out the next
+    run, which opens a new one."""
+    for _ in range(20):  # a lock_holder test holds a shared lock for microseconds
+        # Not inherited by programs this process starts (O_CLOEXEC): the lock dies with rank 0.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            time.sleep(0.05)
+            continue
+        try:
+            now, mine = os.stat(path), os.fstat(fd)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed by the holder that just left: take the file at path now
+    return None
+
+
 def hold_save_dir(save_dir: str | Path, launcher_pid: int | None = None) -> None:
     """Create ``save_dir`` and hold its lock until this process ends (rank 0, before the
     process group exists); raises ConfigError naming the holder when another run has it."""
     out = Path(save_dir)
+    made = None if out.exists() else out
     try:
         out.mkdir(parents=True, exist_ok=True)
-        # Not inherited by programs this process starts (O_CLOEXEC): the lock dies with rank 0.
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _take_lock(out / LOCK_FILE)
     except OSError as e:
         raise ConfigError(f"save_dir {str(out)!r} is not writable ({e.strerror}); give another --save_dir") from None
-    for _ in range(20):  # a lock_holder test holds a shared lock for microseconds
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            time.sleep(0.05)
-    else:
-        os.close(fd)
+    if fd is None:
         raise _busy(out, _describe(out / LOCK_FILE))
     info = {"host": socket.gethostname(), "pid": os.getpid(), "launcher_pid": launcher_pid, "started": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    _held.append(fd)
+    _held[fd] = (out / LOCK_FILE, made)
+
+
+def release_save_dir() -> None:
+    """As this process ends, however it ends (``main.py``): remove each lock file it holds while
+    still holding it, then drop the lock; and a save_dir it made, where nothing else is in it (a
+    run refused after it took the lock leaves nothing behind). Safe to call again, and from the
+    signal-watching thread."""
+    while _held:
+        fd, (path, made) = _held.popitem()
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()  # only an empty directory
 
 
 # --- what save_dir holds ----------------------------------------------------------------------
@@ -140,11 +178,44 @@ def _finished(out: Path, results_path: Path) -> list[str]:
     return found
 
 
+def _finished_step(out: Path, results_path: Path) -> int | None:
+    """The step the finished run in ``out`` ended at: its ``finished.json``; for a run written
+    before there was one, where its weights are there, the last step its results.json or
+    metrics.jsonl records. None when no finished run's step is known."""
+    try:
+        return int(json.loads((out / saved.FINISHED).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not any((out / name).exists() for name in MODEL_OUTPUTS):
+        return None
+    steps = []
+    try:
+        steps.append(int(json.loads(results_path.read_text())["iterations"][-1]["step"]))
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass
+    try:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steps += [int(row["step"]) for row in rows if row.get("kind") == "train"][-1:]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return max(steps, default=None)
+
+
+def _train_further(out: Path) -> str:
+    """How to go on from the finished run in ``out`` without replacing it."""
+    if (out / "adapter").is_dir():
+        return f"to train further, start from its adapter with --lora_adapter {out / 'adapter'} and another --save_dir"
+    if (out / "model").is_dir():
+        return f"to train further, start from its model with --model {out / 'model'} and another --save_dir"
+    return "write elsewhere with --save_dir"
+
+
 def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
     """save_dir can be written, no live run holds it (``test_lock``: rank 0 only, whose peers
     would see their own run's lock), and an earlier run in it is continued or replaced only as
-    asked: ``resume`` continues from a checkpoint, ``overwrite`` replaces it; ``--resume latest``
-    on a finished run with no checkpoint is refused (it would retrain and replace it)."""
+    asked: ``resume`` continues from a checkpoint, ``overwrite`` replaces it. A resume that would
+    train a finished run again over its outputs is refused: ``--resume latest`` with no
+    checkpoint (from step 1), and any checkpoint older than the step the run finished at."""
     out = Path(cfg.save_dir)
     _check_writable(out)
     holder = lock_holder(out) if test_lock else None
@@ -156,15 +227,38 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
     if not found or cfg.overwrite:
         return
     newest = saved.find_latest(out, lambda line: None)
-    if not cfg.resume:
-        advice = "continue it with --resume latest or " if newest else "it has no checkpoint to continue from; "
-        raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); {advice}write elsewhere "
-                          "with --save_dir (--overwrite would discard it)")
     finished = _finished(out, Path(cfg.results_path))
+    ended = _finished_step(out, Path(cfg.results_path)) if finished else None
+    if not cfg.resume:
+        newest_step = saved.saved_step(newest) if newest is not None else None
+        if ended is not None and newest_step is not None and newest_step < ended:  # resuming would go back
+            advice = (f"it finished at step {ended}, after its newest checkpoint (step {newest_step}), so there is "
+                      f"nothing to resume; {_train_further(out)}")
+        else:
+            advice = ("continue it with --resume latest or " if newest else
+                      "it has no checkpoint to continue from; ") + "write elsewhere with --save_dir"
+        raise ConfigError(f"save_dir {str(out)!r} holds an earlier run ({', '.join(found)}); {advice} (--overwrite "
+                          "would discard it)")
     if cfg.resume == "latest" and newest is None and finished:
         raise ConfigError(f"save_dir {str(out)!r} holds a finished run ({', '.join(finished)}) with no checkpoint to "
                           "continue from: --resume latest would train it again from step 1 and replace it; write "
                           "elsewhere with --save_dir (--overwrite would discard it)")
+    point = newest if cfg.resume == "latest" else Path(cfg.resume)
+    step = saved.saved_step(point) if point is not None else None
+    if ended is not None and step is not None and step < ended:
+        which = "its newest checkpoint" if cfg.resume == "latest" else "the checkpoint --resume names"
+        raise ConfigError(f"save_dir {str(out)!r} holds a finished run at step {ended} ({', '.join(finished)}) and "
+                          f"{which} is older (step {step}, {point}): resuming would train steps {step + 1}.. again "
+                          f"and replace it; {_train_further(out)} (--overwrite would discard the finished run)")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """The checkpoint directory ``resume`` names is there and complete ('latest', save_dir's
+    newest, is weighed by ``check_save_dir``)."""
+    if cfg.resume and cfg.resume != "latest":
+        refusal = saved.resume_refusal(cfg.resume, cfg.save_dir)
+        if refusal:
+            raise ConfigError(refusal)
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -365,8 +459,9 @@ def load_tokenizer(cfg: TrainConfig, source: ModelSource):
 
 
 def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = None) -> ModelSource | None:
-    """Checks that read files (model, tokenizer, data, save_dir): run before any process group
-    exists (``main.py``, on every rank alike, and ``--check_only``), so a bad path is one line.
+    """Checks that read files (model, tokenizer, data, save_dir, the checkpoint a resume names): run
+    before any process group exists (``main.py``, on every rank alike, and ``--check_only``), so a
+    bad path is one line.
     Returns the model read (``resolve_model``), for the run to use, not read again.
 
     ``rank0``: this process also tests save_dir's lock (the other ranks would find their own
@@ -378,6 +473,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     from data import SAMPLE_TRAIN, check_first_records, load_records
 
     check_report_to(cfg)
+    check_resume(cfg)
     pending = needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file()
     source = read_model(cfg, world_size)  # a generated model not built yet: the shape it will have
     records = None

@@ -19,6 +19,10 @@ CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 STATE_DIR = "train_state"
+# Beside a run's final outputs (model/, adapter/, params.pt, results.json), written once they are:
+# {"step": N}, the step they are at. A checkpoint of an earlier step resumed into the same save_dir
+# would train over them; the pre-launch checks refuse it.
+FINISHED = "finished.json"
 
 
 def checkpoint_dir(save_dir: Path, step: int) -> Path:
@@ -64,6 +68,14 @@ def saved_at(path: Path) -> float:
         return -1.0
 
 
+def saved_step(path: Path) -> int | None:
+    """The step a checkpoint was saved after (its COMPLETE marker's), None without a readable one."""
+    try:
+        return int(json.loads((Path(path) / MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def candidates(save_dir: Path) -> list[Path]:
     """step_N and step_N.partial directories; a step_N.old (the previous save of the same step,
     left only if a replacement was cut short) is neither offered nor counted."""
@@ -85,6 +97,22 @@ def find_latest(save_dir: Path, warn) -> Path | None:
     return max(valid, key=saved_at, default=None)
 
 
+def resume_refusal(resume: str, save_dir: str) -> str | None:
+    """Why the checkpoint directory ``resume`` names (not 'latest') cannot be resumed from, in one
+    line; None when it can. A path that is not there is taken for a typo: the line names a real
+    checkpoint of save_dir where it has one."""
+    path = Path(resume)
+    if not path.exists():
+        where = "" if path.is_absolute() else f" ({path.absolute()})"
+        example = find_latest(Path(save_dir), lambda line: None) or checkpoint_dir(Path(save_dir), 10)
+        return (f"resume {resume!r}: no such checkpoint directory{where}; resume takes 'latest' or a checkpoint "
+                f"directory such as {example}")
+    reason = validate_checkpoint(path)
+    if reason:
+        return f"resume {resume!r} is not a complete checkpoint: {reason}; give a {CHECKPOINTS}/step_N directory or 'latest'"
+    return None
+
+
 def read_trainer_state(path: Path) -> dict:
     return json.loads((Path(path) / TRAINER_STATE).read_text())
 
@@ -104,5 +132,6 @@ def saved_partition(resume: str, save_dir: str) -> list[int] | None:
         return None
 
 
-__all__ = ["CHECKPOINTS", "MARKER", "STATE_DIR", "TRAINER_STATE", "candidates", "checkpoint_dir", "find_latest", "rank_file",
-           "read_trainer_state", "saved_at", "saved_partition", "stage_file", "validate_checkpoint"]
+__all__ = ["CHECKPOINTS", "FINISHED", "MARKER", "STATE_DIR", "TRAINER_STATE", "candidates", "checkpoint_dir",
+           "find_latest", "rank_file", "read_trainer_state", "resume_refusal", "saved_at", "saved_partition", "saved_step",
+           "stage_file", "validate_checkpoint"]

@@ -16,8 +16,8 @@ import torch
 
 from pipeline.config import RESUME_FREE, ConfigError
 from pipeline.dist import DistEnv, barrier, broadcast_object, gather_objects
-from pipeline.plan.saved import (CHECKPOINTS, MARKER, STATE_DIR, TRAINER_STATE, candidates, checkpoint_dir, find_latest,
-                                 rank_file, read_trainer_state, saved_at, stage_file, validate_checkpoint)
+from pipeline.plan.saved import (CHECKPOINTS, FINISHED, MARKER, STATE_DIR, TRAINER_STATE, candidates, checkpoint_dir,
+                                 find_latest, rank_file, read_trainer_state, resume_refusal, saved_at, stage_file)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -206,6 +206,14 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
     barrier()
 
 
+def mark_finished(save_dir: Path, step: int, env: DistEnv) -> None:
+    """Rank 0, once a run's final outputs are written: ``save_dir/finished.json`` names the step
+    they are at, so that resuming an older checkpoint into save_dir is refused before launch
+    instead of training over them (``preflight.check_save_dir``)."""
+    if env.rank == 0:
+        write_json_atomic(Path(save_dir) / FINISHED, {"step": step, "finished_at": time.time()})
+
+
 def rng_state(device: torch.device) -> dict:
     """This process's RNG states, as plain types (``torch.load(weights_only=True)`` reads them)."""
     import random
@@ -328,13 +336,9 @@ def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | 
             path = find_latest(Path(save_dir), log.warn)
             if path is not None:
                 answer = ("ok", (str(path), read_trainer_state(path)))
-        else:
-            reason = validate_checkpoint(Path(resume))
-            if reason:
-                answer = ("error", f"resume {resume!r} is not a complete checkpoint: {reason}; give a "
-                                   f"{CHECKPOINTS}/step_N directory or 'latest'")
-            else:
-                answer = ("ok", (resume, read_trainer_state(Path(resume))))
+        else:  # checked before launch too (preflight.check_resume); here: damaged since
+            refusal = resume_refusal(resume, save_dir)
+            answer = ("error", refusal) if refusal else ("ok", (resume, read_trainer_state(Path(resume))))
     kind, value = broadcast_object(answer)
     if kind == "error":
         raise ConfigError(value)

@@ -251,7 +251,7 @@ class Trainer:
 
     def save(self, history: list[dict]) -> None:
         """The run's outputs: the Hugging Face model and params.pt (not after a stop: its model is
-        its last checkpoint), then results.json (collective)."""
+        its last checkpoint), then results.json (collective), then finished.json (not after a stop)."""
         cfg, r = self.cfg, self.rank
         out = Path(cfg.save_dir)
         if r.adapters is not None:
@@ -265,6 +265,8 @@ class Trainer:
             r.log.info(f"saved parameters to {out / 'params.pt'}")
         write_results(Path(cfg.results_path), cfg.to_dict(), self.env, cfg.data_parallel, history, r.loss_rank,
                       resumed_at=self.start_iteration)
+        if not self.stopped_by:  # a stopped run's outputs are its checkpoint, of its last step
+            checkpoint.mark_finished(out, history[-1]["step"] if history else self.start_iteration, self.env)
 
 
 __all__ = ["GcClock", "Trainer"]

@@ -1,9 +1,10 @@
-"""main.py --check_only run as a user runs it, and its one-line refusal."""
+"""main.py --check_only and train.sh run as a user runs them, and their one-line refusal."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
 from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 
@@ -15,6 +16,16 @@ def check_only(args, timeout: float = 180) -> subprocess.CompletedProcess:
         cmd += ["--save_dir", scratch_save_dir()]
     return subprocess.run(cmd, cwd=ROOT, env={**env_without_dist(), "WORLD_SIZE": "2"}, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def train_sh(args: list[str], extra_env: dict[str, str] | None = None,
+             timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
+    """``bash train.sh args`` as a user runs it, and the seconds it took."""
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), *args], cwd=ROOT,
+                          env={**env_without_dist(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - t0
 
 
 def one_error(proc: subprocess.CompletedProcess, needle: str) -> str:

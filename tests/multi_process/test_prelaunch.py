@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
-from tests.helpers.prelaunch import chat_file, check_only, one_error, refused_before_launch
+from tests.helpers.prelaunch import chat_file, check_only, one_error, refused_before_launch, train_sh
 
 
 @pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])
@@ -120,6 +120,30 @@ def test_save_dir_with_an_earlier_run(tiny_model_dir, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     one_error(check_only(["--model", str(tiny_model_dir), "--save_dir", str(blocked / "run")]), "is not writable")
+
+
+@pytest.mark.slow
+def test_resume_of_a_checkpoint_that_is_not_there(tiny_model_dir, tmp_path):
+    """--resume with a typo of latest: one line before any worker starts, from train.sh and from a
+    direct torchrun launch alike (every rank checks it before the process group exists), and
+    nothing is made in save_dir. A directory that is no complete checkpoint says why."""
+    from tests.helpers.runs import run_torchrun
+
+    run = tmp_path / "run"
+    base = ["--model", str(tiny_model_dir), "--num_stages", "2", "--device", "cpu", "--seq_length", "64",
+            "--save_dir", str(run)]
+    needle = (f"resume 'latset': no such checkpoint directory ({ROOT / 'latset'}); resume takes 'latest' or a "
+              f"checkpoint directory such as {run / 'checkpoints' / 'step_00000010'}")
+    proc, _ = train_sh(base + ["--resume", "latset"], {"NPROC": "2"})
+    refused_before_launch(proc, needle)
+    proc = run_torchrun(2, base + ["--resume", "latset"])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors == [f"error: {needle}"], proc.stderr[-3000:]
+    assert "run: " not in proc.stdout  # refused before the start line
+    assert not run.exists()
+    (tmp_path / "half").mkdir()
+    one_error(check_only(base + ["--resume", str(tmp_path / "half")]),
+              f"resume '{tmp_path / 'half'}' is not a complete checkpoint: no COMPLETE marker")
 
 
 @pytest.mark.slow

@@ -17,10 +17,12 @@ import torch
 
 from pipeline.config import ConfigError
 from pipeline.plan import saved
+from pipeline.plan.preflight import LOCK_FILE
 from tests.helpers.launch import Launched, alive, launch, wait_for_line, worker_pids
 from tests.helpers.paths import ROOT, env_without_dist
+from tests.helpers.prelaunch import check_only, one_error, refused_before_launch, train_sh
 from tests.helpers.reference import in_process_trainer
-from tests.helpers.runs import cli_flags, tiny_cfg
+from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
 
 ITERS = 6
 
@@ -152,6 +154,50 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
 
     with pytest.raises(ConfigError, match="not a complete checkpoint: no COMPLETE marker"):
         in_process_trainer(tiny_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_not_resumed_from_an_older_checkpoint(tiny_model_dir, tmp_path):
+    """The audit's steps: checkpoint_every 0, a stop after step 3 (its checkpoint), a resume to the
+    end (model/ at step 6, no checkpoint there). train.sh --resume latest --num_iterations 8 would go
+    back to step 3 and train over the finished model: it is refused before any worker starts, and so
+    is a new start, without offering --resume latest; model/ stays byte for byte. With a
+    checkpoint at the finished step (checkpoint_every > 0), more iterations continue the run."""
+    out = tmp_path / "run"
+    common = dict(num_stages=2, save_dir=str(out), save_model=True, save_metrics=True)
+    first = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, **common))
+    _signal_during(first, 3, signal.SIGINT)
+    first.save(first.train())
+    assert first.stopped_by and not (out / saved.FINISHED).exists()
+    resumed = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=ITERS, resume="latest", **common))
+    resumed.save(resumed.train())
+    assert json.loads((out / saved.FINISHED).read_text())["step"] == ITERS
+    assert saved.find_latest(out, print) == saved.checkpoint_dir(out, 3)
+
+    def files():
+        return {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
+
+    before = files()
+    more = cli_flags(tiny_cfg(tiny_model_dir, num_iterations=ITERS + 2, **common))
+    proc, _ = train_sh(more + ["--resume", "latest"], {"NPROC": "2"})
+    refused_before_launch(proc, f"holds a finished run at step {ITERS} (model, results.json, metrics.jsonl) and its "
+                                f"newest checkpoint is older (step 3, {saved.checkpoint_dir(out, 3)}): resuming "
+                                f"would train steps 4.. again and replace it; to train further, start from its "
+                                f"model with --model {out / 'model'} and another --save_dir")
+    line = one_error(check_only(more), f"it finished at step {ITERS}, after its newest checkpoint (step 3), so there "
+                                       "is nothing to resume")
+    assert "--resume" not in line
+    assert files() == before
+
+    # checkpoint_every > 0 saves one at the end: a finished run continues with more iterations
+    ends = tmp_path / "ends"
+    every = dict(common, save_dir=str(ends), checkpoint_every=2)
+    done = in_process_trainer(tiny_cfg(tiny_model_dir, num_iterations=4, **every))
+    done.save(done.train())
+    proc = run_torchrun(2, cli_flags(tiny_cfg(tiny_model_dir, num_iterations=6, resume="latest", **every)))
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert [r["step"] for r in json.loads((ends / "results.json").read_text())["iterations"]] == [5, 6]
+    assert json.loads((ends / saved.FINISHED).read_text())["step"] == 6
 
 
 # --- torchrun: SIGTERM, agreement across ranks, resume -------------------------------------------

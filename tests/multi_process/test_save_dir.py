@@ -1,14 +1,15 @@
 """A save_dir has one writer and keeps a finished run: a live run's lock refuses a second run
-whatever its flags (and dies with the run), ``--resume latest`` never trains a finished run
-again over its outputs, and save_dir must really be writable. Before launch, the data must give
+whatever its flags (and dies with the run), a resume never trains a finished run again over its
+outputs (from step 1, or from a checkpoint older than its last step), and save_dir must really be
+writable. Before launch, the data must give
 examples at seq_length (with the shortest one that does named)."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,27 +17,27 @@ import pytest
 
 from pipeline.config import ConfigError, make_config
 from pipeline.plan import preflight, saved
-from tests.helpers.paths import ROOT, env_without_dist
-from tests.helpers.prelaunch import chat_file, refused_before_launch
+from tests.helpers.prelaunch import chat_file, refused_before_launch, train_sh
 
 
 @pytest.fixture
 def held(monkeypatch):
-    """The lock files this test's process takes: closed (and so released) after the test."""
-    fds: list[int] = []
-    monkeypatch.setattr(preflight, "_held", fds)
+    """The lock files this test's process takes: released after the test."""
+    monkeypatch.setattr(preflight, "_held", {})
     yield
-    for fd in fds:
-        os.close(fd)
+    preflight.release_save_dir()
 
 
-def _finished_run(out: Path, checkpoint_step: int = 0) -> Path:
+def _finished_run(out: Path, checkpoint_step: int = 0, finished_step: int = 0) -> Path:
     """What a finished run leaves: model/, results.json, metrics.jsonl ending in its summary row;
-    with ``checkpoint_step``, a complete checkpoint of that step too."""
+    with ``checkpoint_step``, a complete checkpoint of that step too; with ``finished_step``, the
+    finished.json a run writes beside its outputs (without it: a run from before there was one)."""
     (out / "model").mkdir(parents=True)
     (out / "model" / "config.json").write_text("{}\n")
     (out / "results.json").write_text("{}\n")
     (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n{"kind": "summary", "num_steps": 1}\n')
+    if finished_step:
+        (out / saved.FINISHED).write_text(json.dumps({"step": finished_step}))
     if checkpoint_step:
         ckpt = saved.checkpoint_dir(out, checkpoint_step)
         ckpt.mkdir(parents=True)
@@ -71,6 +72,103 @@ def test_a_finished_run_is_continued_or_replaced_only_as_asked(tmp_path):
     crashed.mkdir()
     (crashed / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
     _check(crashed, resume="latest")
+
+
+def test_a_resume_never_goes_back_behind_a_finished_run(tmp_path):
+    """A run finished at step 6 whose newest checkpoint is step 3 (checkpoint_every 0 and a stop at
+    step 3, then a resume to the end): neither --resume latest nor that checkpoint by path trains
+    steps 4.. again over it, and the refusal of a new start does not offer --resume latest. A
+    checkpoint at the finished step (checkpoint_every > 0 writes one at the end) continues."""
+    run = _finished_run(tmp_path / "run", checkpoint_step=3, finished_step=6)
+    ckpt = saved.checkpoint_dir(run, 3)
+    with pytest.raises(ConfigError) as plain:
+        _check(run)
+    assert str(plain.value) == (
+        f"save_dir '{run}' holds an earlier run (model, metrics.jsonl, results.json, checkpoints); it finished at "
+        f"step 6, after its newest checkpoint (step 3), so there is nothing to resume; to train further, start "
+        f"from its model with --model {run / 'model'} and another --save_dir (--overwrite would discard it)")
+    for resume, which in (("latest", "its newest checkpoint"), (str(ckpt), "the checkpoint --resume names")):
+        for more in ({}, {"num_iterations": 8}):
+            with pytest.raises(ConfigError) as refused:
+                _check(run, resume=resume, **more)
+            assert str(refused.value) == (
+                f"save_dir '{run}' holds a finished run at step 6 (model, results.json, metrics.jsonl) and {which} "
+                f"is older (step 3, {ckpt}): resuming would train steps 4.. again and replace it; to train further, "
+                f"start from its model with --model {run / 'model'} and another --save_dir (--overwrite would "
+                f"discard the finished run)")
+        _check(run, resume=resume, overwrite=True)  # asked for
+
+    # A run from before finished.json: the last step its results.json records.
+    old = _finished_run(tmp_path / "old", checkpoint_step=3)
+    (old / "results.json").write_text(json.dumps({"iterations": [{"step": 5}, {"step": 6}]}))
+    with pytest.raises(ConfigError, match=r"holds a finished run at step 6 .* is older \(step 3, "):
+        _check(old, resume="latest")
+
+    at_the_end = _finished_run(tmp_path / "at_the_end", checkpoint_step=6, finished_step=6)
+    with pytest.raises(ConfigError, match="continue it with --resume latest or write elsewhere"):
+        _check(at_the_end)
+    _check(at_the_end, resume="latest", num_iterations=8)
+
+    stopped = tmp_path / "stopped"  # stopped at step 3: results.json, no model, the stop's checkpoint
+    _finished_run(stopped, checkpoint_step=3)
+    shutil.rmtree(stopped / "model")
+    (stopped / "results.json").write_text(json.dumps({"iterations": [{"step": 3}]}))
+    _check(stopped, resume="latest")
+
+
+def test_a_resume_path_must_be_a_complete_checkpoint(tmp_path):
+    """A checkpoint directory --resume names is checked before launch: one that is not there (a
+    typo of latest) names a real checkpoint of save_dir, or the form of one; an incomplete one says
+    what is wrong with it."""
+    run = _finished_run(tmp_path / "run", checkpoint_step=4, finished_step=4)
+
+    def refusal(resume: str, save_dir: Path = run) -> str:
+        with pytest.raises(ConfigError) as info:
+            preflight.check_resume(make_config({"save_dir": str(save_dir), "resume": resume}))
+        return str(info.value)
+
+    assert refusal("latset") == (f"resume 'latset': no such checkpoint directory ({Path('latset').absolute()}); "
+                                 f"resume takes 'latest' or a checkpoint directory such as "
+                                 f"{saved.checkpoint_dir(run, 4)}")
+    gone = tmp_path / "gone"
+    assert refusal(str(gone), tmp_path / "fresh") == (
+        f"resume '{gone}': no such checkpoint directory; resume takes 'latest' or a checkpoint directory such as "
+        f"{tmp_path / 'fresh' / 'checkpoints' / 'step_00000010'}")
+    (run / saved.CHECKPOINTS / "step_00000002").mkdir()
+    assert refusal(str(run / saved.CHECKPOINTS / "step_00000002")) == (
+        f"resume '{run / saved.CHECKPOINTS / 'step_00000002'}' is not a complete checkpoint: no COMPLETE marker (the "
+        "save did not finish); give a checkpoints/step_N directory or 'latest'")
+    for resume in (str(saved.checkpoint_dir(run, 4)), "latest", ""):
+        preflight.check_resume(make_config({"save_dir": str(run), "resume": resume}))
+
+
+def test_a_run_leaves_no_lock_file(tmp_path, held, monkeypatch):
+    """A run removes its lock file as it ends, and the save_dir it made where nothing else is in
+    it; the next run locks the file that is at the path, not one its holder removed as it left."""
+    out = tmp_path / "run"
+    preflight.hold_save_dir(out)
+    assert (out / preflight.LOCK_FILE).is_file()
+    preflight.release_save_dir()
+    assert not out.exists()  # made by this run, and nothing else in it
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    preflight.hold_save_dir(out)
+    preflight.release_save_dir()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+    opened, real_open = [], os.open
+
+    def holder_leaves_after_the_first_open(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if not opened:
+            os.unlink(path)  # the holder removes its lock file as it leaves, right after this open
+        opened.append(path)
+        return fd
+
+    monkeypatch.setattr(os, "open", holder_leaves_after_the_first_open)
+    preflight.hold_save_dir(out)
+    monkeypatch.undo()
+    assert len(opened) == 2 and preflight.lock_holder(out)  # the lock is on the file at the path
 
 
 def test_a_live_run_holds_its_save_dir(tmp_path, held):
@@ -140,14 +238,6 @@ def test_generated_config_is_the_generated_models(tmp_path):
 
 
 # --- several processes -----------------------------------------------------------------------
-def _train_sh(args: list[str], extra_env: dict[str, str] | None = None, timeout: float = 180):
-    t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(ROOT / "train.sh"), *args], cwd=ROOT,
-                          env={**env_without_dist(), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
-    return proc, time.monotonic() - t0
-
-
 def _metrics_rows(path: Path) -> list[dict]:
     data = path.read_bytes()
     assert b"\0" not in data
@@ -180,7 +270,7 @@ def test_a_second_run_into_a_live_save_dir_is_refused(tiny_model_dir, tmp_path):
                          r"launcher pid \d+, started ", errors[0]), errors[0]
         running.wait_for_line(r"^step +2/", timeout=240)
 
-        proc, seconds = _train_sh(cli_flags(cfg) + ["--overwrite"], {"NPROC": "2"})
+        proc, seconds = train_sh(cli_flags(cfg) + ["--overwrite"], {"NPROC": "2"})
         refused_before_launch(proc, "is in use by a run that is still going")
         assert seconds < 60
 
@@ -199,6 +289,19 @@ def test_a_second_run_into_a_live_save_dir_is_refused(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_refused_after_the_lock_leaves_nothing(tiny_model_dir, tmp_path):
+    """A refusal that only a started run can make (the memory plan of rank 0's choices), into a
+    save_dir the run made: one error line, and no save_dir with a lock file in it left behind."""
+    from tests.helpers.runs import cli_flags, run_torchrun, tiny_cfg
+
+    out = tmp_path / "run"
+    proc = run_torchrun(2, cli_flags(tiny_cfg(tiny_model_dir, num_stages=2, save_dir=str(out), host_memory_gb=0.01)))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "does not fit" in errors[0], proc.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.slow
 def test_resume_latest_on_a_finished_run_keeps_it(tiny_model_dir, tmp_path):
     """The quick start's situation: a finished run that saved no checkpoint. --resume latest is
     refused before any worker starts (with more iterations too) and model/ stays byte for byte."""
@@ -212,7 +315,7 @@ def test_resume_latest_on_a_finished_run_keeps_it(tiny_model_dir, tmp_path):
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != preflight.LOCK_FILE}
     assert any(p.parent.name == "model" for p in before)
     for more in ([], ["--num_iterations", "4"]):
-        proc, _ = _train_sh(cli_flags(cfg) + ["--resume", "latest", *more], {"NPROC": "2"})
+        proc, _ = train_sh(cli_flags(cfg) + ["--resume", "latest", *more], {"NPROC": "2"})
         refused_before_launch(proc, "holds a finished run (model, results.json, metrics.jsonl) with no checkpoint "
                                      "to continue from: --resume latest would train it again from step 1")
     # A direct torchrun launch (no --check_only first) is refused by rank 0, before the process group.
