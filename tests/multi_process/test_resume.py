@@ -196,7 +196,8 @@ def test_a_finished_run_is_not_resumed_from_an_older_checkpoint(tiny_model_dir, 
     done.save(done.train())
     proc = run_torchrun(2, cli_flags(tiny_cfg(tiny_model_dir, num_iterations=6, resume="latest", **every)))
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
-    assert [r["step"] for r in json.loads((ends / "results.json").read_text())["iterations"]] == [5, 6]
+    # results.json keeps the finished run's steps 1-4 and adds the continuation's
+    assert [r["step"] for r in json.loads((ends / "results.json").read_text())["iterations"]] == [1, 2, 3, 4, 5, 6]
     assert json.loads((ends / saved.FINISHED).read_text())["step"] == 6
 
 
