@@ -67,9 +67,10 @@ class SharedHost:
         return out
 
 
-def probe(group, index: int, num_peers: int) -> bool:
+def probe(group, index: int, num_peers: int, cuda: bool = False) -> bool:
     """Whether the peers in ``group`` can share host buffers: on one host (the same name), and each
-    can make a memory file the others map and read back (Linux, /proc readable). Collective over
+    can make a memory file the others map and read back (Linux, /proc readable) and, with ``cuda``,
+    page-lock its mapping. Collective over
     ``group``; no peer raises between its collectives, so a failure anywhere is every peer's False.
     The caller agrees over every position's peers before relying on it."""
     fd = None
@@ -83,8 +84,9 @@ def probe(group, index: int, num_peers: int) -> bool:
     ok = fd is not None and all(f is not None and host == socket.gethostname() for host, _, f in where)
     if ok:
         try:
-            seen = [int(_mapped(f"/proc/{pid}/fd/{f}", 1, torch.int64).item()) for _, pid, f in where]
-            ok = seen == list(range(1, num_peers + 1))
+            maps = [_mapped(f"/proc/{pid}/fd/{f}", 1, torch.int64) for _, pid, f in where]
+            ok = [int(m.item()) for m in maps] == list(range(1, num_peers + 1))
+            page_lock(maps[index], cuda)
         except (OSError, RuntimeError):
             ok = False
     dist.barrier(group=group)  # every peer has read every file: their makers may close them

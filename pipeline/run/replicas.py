@@ -57,7 +57,7 @@ class GradSync:
         # Sharded stages share their host buffers when every position's peers can (one node);
         # else, or with MMOC_SHARE_HOST=0, their gradients are summed and their stepped ranges
         # exchanged over gloo.
-        ok = probe(self.shard_group, layout.replica, layout.data_parallel) and SHARE_HOST
+        ok = probe(self.shard_group, layout.replica, layout.data_parallel, pin) and SHARE_HOST
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, ok)
         self.shared = all(everyone)
