@@ -29,7 +29,7 @@ def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
     whole, resolved = cfg, resolve_run(cfg, world_size, source.config)
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
     mapping = sched.round_robin(cfg.num_stages, world_size)
-    a = assess(cfg, source.config, mapping, resolved.kept)
+    a = assess(cfg, source.config, mapping, resolved.kept, replicas=(whole.data_parallel, whole.data_parallel))
     text = assessment_report(a, cfg, source.config, mapping, world_size)
     text += "".join(f"\n{line}" for line in resolved.lines)
     if device_type(cfg) == "cuda" and gpu_capacity(cfg) is not None:
@@ -41,7 +41,8 @@ def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
         text += (f"\ndata_parallel: {whole.data_parallel} replicas of this {world_size}-rank pipeline, "
                  f"{whole.data_parallel * world_size} processes; each replica runs {cfg.num_chunks} of the "
                  f"{whole.num_chunks} micro-batches of the global batch of {whole.batch_size}; per-rank memory as "
-                 f"above, host memory per node times the replicas it holds")
+                 f"above; the host line counts every replica on one host, each holding 1/{whole.data_parallel} of "
+                 f"the sharded stages' AdamW state")
     return text, a.fits
 
 
@@ -73,7 +74,9 @@ def train(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None) -> 
     # is one replica's pipeline; any mapping the placement picks gives each rank the stages of
     # some rank under round-robin, so the per-rank estimates are the same.
     replica_cfg, size = resolved.replica, resolved.pipeline_size
-    check_fits(replica_cfg, source.config, sched.round_robin(replica_cfg.num_stages, size), size, resolved.kept)
+    here = max(1, min(cfg.data_parallel, env.local_world_size // size))  # the replicas on this node
+    check_fits(replica_cfg, source.config, sched.round_robin(replica_cfg.num_stages, size), size, resolved.kept,
+               replicas=(here, cfg.data_parallel))
     trainer = Trainer(cfg, env, source, resolved)
     try:
         history = trainer.train()

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import torch
 
 import schedule as sched
+from schedule.ir import offloaded_stages, tied_stages
 from models import attn_implementation, head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.plan.lora import adapted_per_layer, adapter_numel, lora_settings
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
-from pipeline.plan.programs import program_spec, trains_tied_copies
+from pipeline.plan.layout import shard_bounds
+from pipeline.plan.programs import program_spec, tied_across_stages, trains_tied_copies
 from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
 from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
 
@@ -294,6 +296,11 @@ class Assessment:
     device: str
     gpu: int | None   # usable GPU bytes are USABLE_FRACTION of it; None: no GPU to check
     host: int | None  # available host bytes; None: unknown
+    # data_parallel: the replicas whose processes share this host, of data_parallel, and the
+    # AdamW state of one replica's sharded stages (each peer holds 1/data_parallel of it)
+    replicas: int = 1
+    data_parallel: int = 1
+    sharded_adamw: int = 0
 
     @property
     def worst(self) -> RankMemory:
@@ -301,7 +308,11 @@ class Assessment:
 
     @property
     def total_host(self) -> int:
-        return sum(r.host for r in self.ranks)
+        """Host bytes of every process on this host: each replica's ranks, the sharded AdamW state
+        split over the replicas. Counted as private to each replica (the gloo version), which the
+        shared host buffers of replicas on one node only lower (``offload.shared``)."""
+        split = self.sharded_adamw * (self.data_parallel - 1) // self.data_parallel
+        return self.replicas * (sum(r.host for r in self.ranks) - split)
 
     @property
     def gpu_fits(self) -> bool:
@@ -316,28 +327,43 @@ class Assessment:
         return self.gpu_fits and self.host_fits
 
 
-def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...] | None = None) -> Assessment:
+def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...] | None = None,
+           replicas: tuple[int, int] = (1, 1)) -> Assessment:
+    """``cfg``'s memory against this machine's (``cfg`` of one pipeline; ``replicas``: with
+    ``data_parallel``, how many replicas this host holds and of how many)."""
     device = device_type(cfg)
-    ranks, program = memory_plan(cfg, hf_config, mapping, device, kept)
-    return Assessment(ranks, program, device, gpu_capacity(cfg) if device == "cuda" else None, host_capacity(cfg))
+    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept)
+    here, D = replicas
+    return Assessment(estimate(inp, program), program, device, gpu_capacity(cfg) if device == "cuda" else None,
+                      host_capacity(cfg), here, D, _sharded_adamw(cfg, hf_config, inp, program, D))
 
 
-def advice(cfg: TrainConfig, hf_config, world_size: int) -> list[str]:
+def _sharded_adamw(cfg: TrainConfig, hf_config, inp: MemoryInputs, program: dict, D: int) -> int:
+    """AdamW bytes of the stages whose CPU step ``D`` replicas shard (``pipeline.run.build``: offloaded,
+    no tied copy, no delayed update, no LoRA, every peer's range non-empty)."""
+    if D == 1 or not cfg.use_offload or cfg.delayed_update or cfg.lora_rank:
+        return 0
+    tied = set(tied_stages(cfg.num_stages)) if tied_across_stages(cfg.num_stages, hf_config) else set()
+    return sum(8 * inp.stages[s].numel for s in offloaded_stages(program)
+               if s not in tied and all(hi > lo for lo, hi in shard_bounds(inp.stages[s].numel, D)))
+
+
+def advice(cfg: TrainConfig, hf_config, world_size: int, replicas: tuple[int, int] = (1, 1)) -> list[str]:
     """The single changes that make ``cfg`` fit, each with its estimated peak."""
     out = []
     for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
         if label.startswith("seq_chunks") and any(line.startswith("seq_chunks") for line in out):
             continue  # a larger seq_chunks than one that fits already
-        a = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size))
+        a = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size), replicas=replicas)
         if a.fits:
             out.append(f"{label} -> {gib(a.worst.device_peak)} per GPU")
     return out
 
 
 def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
-               kept: tuple[int, ...] | None = None) -> None:
+               kept: tuple[int, ...] | None = None, replicas: tuple[int, int] = (1, 1)) -> None:
     """Raise ConfigError, with advice, when the estimate exceeds the GPU (or host) memory."""
-    a = assess(cfg, hf_config, mapping, kept)
+    a = assess(cfg, hf_config, mapping, kept, replicas)
     if a.fits:
         return
     if not a.gpu_fits:
@@ -346,7 +372,7 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     else:
         need = f"needs about {gib(a.total_host)} of host memory but {gib(a.host or 0)} is " + \
             ("host_memory_gb" if cfg.host_memory_gb else "available")
-    tips = advice(cfg, hf_config, world_size)
+    tips = advice(cfg, hf_config, world_size, replicas)
     hint = "; try one of: " + "; ".join(tips) if tips else \
         "; no single change of checkpointing, offload, micro-batch size, stages, schedule or seq_chunks is enough"
     raise ConfigError(f"this configuration does not fit: it {need}{hint} (--plan shows each rank's memory)")
@@ -432,10 +458,11 @@ def assessment_report(a: Assessment, cfg: TrainConfig, hf_config, mapping: list[
     elif a.device == "cuda":
         lines.append(f"GPU: {gib(a.worst.device_peak)}, not checked (no GPU visible; gpu_memory_gb sets the card's size)")
     where = "host_memory_gb" if cfg.host_memory_gb else "available here"
-    lines.append(f"host: {gib(a.total_host)} for all ranks" +
+    whose = f"the {a.replicas} replicas on this host" if a.replicas > 1 else "all ranks"
+    lines.append(f"host: {gib(a.total_host)} for {whose}" +
                  (f" of {gib(a.host)} ({where}): {'fits' if a.host_fits else 'DOES NOT FIT'}" if a.host else ""))
     if not a.fits:
-        tips = advice(cfg, hf_config, world_size)
+        tips = advice(cfg, hf_config, world_size, (a.replicas, a.data_parallel))
         lines.append("would fit with: " + ("; ".join(tips) if tips else "no single change"))
     return "\n".join(lines)
 

@@ -52,10 +52,20 @@ def replica_config(cfg: TrainConfig) -> TrainConfig:
                                data_parallel=1)
 
 
+SHARD_ALIGN = 64  # elements: a range of a sharded step is a whole number of the fused AdamW kernel's vectors
+
+
+def shard_bounds(numel: int, peers: int) -> list[tuple[int, int]]:
+    """Each of ``peers`` replicas' range of a sharded stage's ``numel`` flat parameters, in peer
+    order (``pipeline.run.replicas.ShardPeers``); the last ones are empty for a stage too small."""
+    per = -(-numel // (peers * SHARD_ALIGN)) * SHARD_ALIGN
+    return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(peers)]
+
+
 def replica_share(items: list, lay: Layout) -> list:
     """This replica's contiguous 1/D of ``items`` (the global batch's micro-batches)."""
     n = len(items) // lay.data_parallel
     return items[lay.replica * n:(lay.replica + 1) * n]
 
 
-__all__ = ["Layout", "layout", "replica_config", "replica_share"]
+__all__ = ["Layout", "SHARD_ALIGN", "layout", "replica_config", "replica_share", "shard_bounds"]

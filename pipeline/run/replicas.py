@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from offload.shared import SharedHost, probe
-from pipeline.plan.layout import Layout
+from pipeline.plan.layout import Layout, shard_bounds
 
 
 SHARE_HOST = os.environ.get("MMOC_SHARE_HOST", "1") != "0"
@@ -88,12 +88,10 @@ class GradSync:
 class ShardPeers:
     """The D peers of a position splitting an offloaded stage's CPU AdamW step (ZeRO-1 on host
     state, ``offload.adamw.ShardPeers``): peer r (replica r) steps the r-th range of the flat
-    parameters, ranges aligned to ``ALIGN`` elements so each is a whole number of the fused
+    parameters, ranges aligned to ``SHARD_ALIGN`` elements so each is a whole number of the fused
     kernel's vectors (the same bits as one step over everything). With ``host`` the peers map the
     stage's host buffers together (``offload.shared``); one per store, which keeps the peers'
     gradient buffers here."""
-
-    ALIGN = 64
 
     def __init__(self, layout: Layout, group, host: SharedHost | None = None):
         self.index, self.peers, self.group, self.host = layout.replica, layout.peers(), group, host
@@ -104,9 +102,7 @@ class ShardPeers:
         return self.host is not None
 
     def bounds(self, numel: int) -> list[tuple[int, int]]:
-        num_peers = len(self.peers)
-        per = -(-numel // (num_peers * self.ALIGN)) * self.ALIGN
-        return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(num_peers)]
+        return shard_bounds(numel, len(self.peers))
 
     def exchange(self, flat: torch.Tensor) -> None:
         for src, (lo, hi) in zip(self.peers, self.bounds(flat.numel())):

@@ -83,6 +83,32 @@ def test_plan_describes_replicas(tiny_model_dir):
     assert "data_parallel: 2 replicas of this 2-rank pipeline, 4 processes" in proc.stdout, proc.stdout
 
 
+def test_plan_counts_every_replica_on_the_host():
+    """The host check holds the replicas on one host: each its ranks' host memory, the sharded
+    stages' AdamW state split between them (it counted one replica's, so --plan accepted a 7B
+    data_parallel 2 run on 150 GiB that needs 176). A tied copy is not sharded."""
+    from pipeline.config import make_config
+    from pipeline.plan.fit import assess
+    from pipeline.plan.layout import replica_config
+    from pipeline.plan.partition import stage_layers
+    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.plan.source import preset_config
+    from schedule import round_robin
+
+    for preset, tied in (("llama-2-7b", set()), ("tiny", {0, 3})):
+        hf = preset_config(preset)
+        hf.tie_word_embeddings = bool(tied)
+        cfg = replica_config(make_config({"model": preset, "nproc": 2, "data_parallel": 2, "num_stages": 4,
+                                          "use_offload": True, "resident_stages": 0, "device": "cuda",
+                                          "gpu_memory_gb": 80, "batch_size": 16, "num_chunks": 4}))
+        one = assess(cfg, hf, round_robin(4, 1))
+        two = assess(cfg, hf, round_robin(4, 1), replicas=(2, 2))
+        counts = stage_param_counts(hf, 4, stage_layers(cfg, hf, 1))
+        sharded = sum(8 * counts[s] for s in range(4) if s not in tied)
+        assert two.total_host == 2 * one.total_host - sharded, preset
+        assert two.total_host < 2 * one.total_host
+
+
 # --- L2: several processes ---------------------------------------------------------------------------
 def _dp_cfg(model_dir, save_dir, **kw):
     return tiny_cfg(model_dir, **{"schedule": "gpipe", "num_stages": 4, "save_dir": str(save_dir), "save_params": True,
