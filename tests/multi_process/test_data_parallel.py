@@ -83,6 +83,7 @@ def test_plan_describes_replicas(tiny_model_dir):
     assert "data_parallel: 2 replicas of this 2-rank pipeline, 4 processes" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # two plans of a 7B model: seconds
 def test_plan_counts_every_replica_on_the_host():
     """The host check holds the replicas on one host: each its ranks' host memory, the sharded
     stages' AdamW state split between them (it counted one replica's, so --plan accepted a 7B
