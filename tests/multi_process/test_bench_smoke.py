@@ -111,7 +111,8 @@ frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
 assert changed == adapters, sorted(changed ^ adapters)[:4]
 assert frozen == {torch.bfloat16} and {p.dtype for p in trainable} == {torch.float32}, (frozen,)
 assert all(p.to_local().device.type == "cpu" for p in model.parameters())  # offloaded shards
-print("ok", dist.get_rank(), len(adapters), loss, flush=True)
+sys.stdout.write(f"ok {dist.get_rank()} {len(adapters)} {loss}\\n")  # one write: print's pieces interleave between ranks
+sys.stdout.flush()
 dist.destroy_process_group()
 os._exit(0)  # as the script does: gloo's teardown at exit sometimes aborts
 """
