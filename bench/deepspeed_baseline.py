@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep  # noqa: E402
-from fsdp2_baseline import PRESETS, agree_max, any_rank, gather_floats, is_oom, llama_config  # noqa: E402
+from fsdp2_baseline import PRESETS, agree_max, gather_floats, llama_config, timed_step  # noqa: E402
 
 GIB = 2**30
 
@@ -81,6 +81,21 @@ def accum_steps(batch_size: int, world: int, micro_batch: int) -> int:
         raise ValueError(f"batch_size ({batch_size}) must split into {world} ranks of whole micro-batches "
                          f"({micro_batch}); use a divisor of {batch_size // world}")
     return per_rank // micro_batch
+
+
+def engine_step(engine, vocab: int, micro_batch: int, accum: int, seq_length: int, device: torch.device,
+                gen: torch.Generator) -> float:
+    """One optimizer step of ``accum`` micro-batches; returns the mean micro-batch loss."""
+    total = torch.zeros((), device=device)
+    for m in range(accum):
+        # The boundary is ours to mark: the engine's own counter assumes one fixed accumulation.
+        engine.set_gradient_accumulation_boundary(m == accum - 1)
+        ids = torch.randint(vocab, (micro_batch, seq_length), device=device, generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)  # scales by 1 / accumulation steps
+        total += loss.detach() / accum
+    engine.step()
+    return total.item()  # host sync; the timed step ends here anyway
 
 
 def main() -> None:
@@ -132,7 +147,6 @@ def main() -> None:
         print(f"deepspeed: built in {header['build_s']:.1f}s, optimizer {header['optimizer']}", flush=True)
 
     gen = torch.Generator(device=device)
-    oom = False
     for micro_batch, accum in zip(micro_batches, accums):
         cfg = {"zero_stage": 2, "offload_optimizer": "cpu", "pin_memory": True, "micro_batch_per_rank": micro_batch,
                "gradient_accumulation_steps": accum, "grad_clip": args.grad_clip, "bf16": True,
@@ -151,31 +165,12 @@ def main() -> None:
         steps, status = sweep.Steps(args.warmup, args.iterations, best, args.prune_factor, args.budget_s, t_start), "ok"
         for step in range(args.warmup + args.iterations):
             gen.manual_seed(1000 * step + rank)
-            try:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                total = torch.zeros((), device=device)
-                for m in range(accum):
-                    # The boundary is ours to mark: the engine's own counter assumes one fixed accumulation.
-                    engine.set_gradient_accumulation_boundary(m == accum - 1)
-                    ids = torch.randint(config.vocab_size, (micro_batch, args.seq_length), device=device,
-                                        generator=gen)
-                    loss = engine(input_ids=ids, labels=ids).loss
-                    engine.backward(loss)  # scales by 1 / accumulation steps
-                    total += loss.detach() / accum
-                engine.step()
-                loss_value = total.item()  # host sync
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                oom = True
-                torch.cuda.empty_cache()
-            if any_rank(oom, device):
-                status, oom = "OOM", False
+            timed = timed_step(lambda: engine_step(engine, config.vocab_size, micro_batch, accum, args.seq_length,
+                                                   device, gen), device)
+            if timed is None:
+                status = "OOM"
                 break
-            dt = agree_max(dt, device)
+            dt, loss_value = timed
             stop = steps.add(step, dt, loss_value, time.perf_counter())
             if stop:
                 status = stop

@@ -38,7 +38,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -178,6 +178,34 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
 
 
+def timed_step(step: Callable[[], float], device: torch.device,
+               on_oom: Callable[[], None] = lambda: None) -> tuple[float, float] | None:
+    """``step()`` (returning its loss) timed between device syncs: the slowest rank's seconds and
+    this rank's loss, or None on every rank when any rank ran out of memory (``on_oom`` first
+    frees what the step left). A rank that OOMs inside a collective leaves its peers blocked
+    there; they fall to the process-group timeout. Symmetric OOMs (same shapes on every rank) all
+    arrive here."""
+    use_cuda = device.type == "cuda"
+    oom, dt, loss = False, 0.0, float("nan")
+    try:
+        if use_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        if use_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        oom = True
+        on_oom()
+        torch.cuda.empty_cache()
+    if any_rank(oom, device):
+        return None
+    return agree_max(dt, device), loss  # a step lasts until its slowest rank finishes
+
+
 def sweep_points(micro_batches: list[int], sync_modes: list[str], per_rank: int) -> list[tuple[int, str]]:
     """The (micro-batch, sync mode) points in order; one point for a micro-batch that makes one
     micro-batch per rank (``single``: nothing to defer). Raises when a micro-batch does not divide
@@ -292,30 +320,14 @@ def run_point(model: FSDPModule, opt: torch.optim.Optimizer, trainable: list[tor
     """One point's warm-up and measured steps (into ``steps``); returns the point's status."""
     rank, per_rank = dist.get_rank(), args.batch_size // dist.get_world_size()
     gen = torch.Generator(device=device)
-    use_cuda = device.type == "cuda"
     for step in range(args.warmup + args.iterations):
         gen.manual_seed(1000 * step + rank)  # different data per rank and step
-        oom = False
-        try:
-            if use_cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = train_step(model, opt, trainable, vocab, micro_batch, per_rank // micro_batch, mode == "each",
-                              args.seq_length, device, gen, args.grad_clip)
-            if use_cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            oom = True
-            # A rank that OOMs inside a collective leaves its peers blocked there; they fall to the
-            # process-group timeout. Symmetric OOMs (same shapes on every rank) all arrive here.
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        if any_rank(oom, device):
+        timed = timed_step(lambda: train_step(model, opt, trainable, vocab, micro_batch, per_rank // micro_batch,
+                                              mode == "each", args.seq_length, device, gen, args.grad_clip),
+                           device, on_oom=lambda: opt.zero_grad(set_to_none=True))
+        if timed is None:
             return "OOM"
-        dt = agree_max(dt, device)  # a step lasts until its slowest rank finishes
+        dt, loss = timed
         stop = steps.add(step, dt, loss, time.perf_counter())
         if stop:
             return stop
