@@ -50,11 +50,16 @@ class Offloaded:
         owners.check_field_write(self.__dict__.get("_owner"), "Offloaded", name)
         object.__setattr__(self, name, value)
 
+    @staticmethod
+    def _host(store: "StageStore", dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of the stage's size (pinned on CUDA): sharded over peers that share host
+        buffers, the one copy they all map, else this process's own."""
+        shared = store.shard.host_buffer(store.numel, dtype) if store.shard is not None else None
+        return shared if shared is not None else host_empty(store.numel, dtype, store.device.type == "cuda")
+
     def master(self, store: "StageStore") -> torch.Tensor:
-        """The fp32 masters, in host memory (pinned on CUDA; sharded over peers that share host
-        buffers, one copy they all map)."""
-        shared = store.shard.host_buffer(store.numel, torch.float32) if store.shard is not None else None
-        return shared if shared is not None else host_empty(store.numel, torch.float32, store.device.type == "cuda")
+        """The fp32 masters, in host memory (``_host``)."""
+        return self._host(store, torch.float32)
 
     def master_grad(self, store: "StageStore") -> torch.Tensor:
         # pinned on CUDA: the gradients' D2H copy lands here directly
@@ -65,12 +70,7 @@ class Offloaded:
     def place(self, store: "StageStore") -> None:
         same_dtype = store.dtype == torch.float32
         own_copy = not same_dtype or self.delayed  # delayed: the masters move on while ``work`` stays
-        if own_copy:
-            shared = store.shard.host_buffer(store.numel, store.dtype) if store.shard is not None else None
-            self.work = shared if shared is not None else host_empty(store.numel, store.dtype,
-                                                                     store.device.type == "cuda")
-        else:
-            self.work = store.master
+        self.work = self._host(store, store.dtype) if own_copy else store.master
         self.work.copy_(store.master)  # shared: every peer writes the same values
         # Until its first LOAD the stage holds nothing: the module's own fp32 weights would
         # otherwise stay alive beside the masters (a 7B model's 25 GiB of host memory at start-up).
@@ -259,15 +259,13 @@ class Offloaded:
         this peer's range of ``work`` and a barrier (collective, on this thread, which alone uses the
         group: the peers run the same steps in the same order); stepped whole, ``work`` (the next
         load copies it)."""
-        if store.partial_norm:  # one copy of ``work``: each peer refreshes its range before the barrier
+        own_work = self.work is not store.master
+        if store.partial_norm and own_work:  # one copy of ``work``: each peer refreshes its range before the barrier
             lo, hi = store.shard_range
-            if self.work is not store.master:
-                self.work[lo:hi].copy_(store.master[lo:hi])
-            store.shard.stepped(store.master)
-            return
+            self.work[lo:hi].copy_(store.master[lo:hi])
         if store.shard is not None:
             store.shard.stepped(store.master)
-        if progress is None and self.work is not store.master and not self.delayed:
+        if progress is None and own_work and not self.delayed and not store.partial_norm:
             self.work.copy_(store.master)  # not chunked: the next load copies ``work``
 
     def refresh_work(self, store: "StageStore", reads: tuple = ()) -> None:

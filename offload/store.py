@@ -333,7 +333,6 @@ class StageStore:
         land) and dropped, and ``grad_sq_norm`` takes the norm of the sum instead. Shared buffers:
         OFFLOAD_GRADS queued the sum of this peer's range (``sum_over_peers``), nothing to do here."""
         if self.partial_norm:
-            self.grads_summed = True
             return
         future = self.residency.take_norm()
         if future is not None:
