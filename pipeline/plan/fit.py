@@ -16,7 +16,7 @@ from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.plan.lora import adapted_per_layer, adapter_numel, lora_settings
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
-from pipeline.plan.layout import shard_bounds
+from pipeline.plan.layout import shards_step
 from pipeline.plan.programs import program_spec, tied_across_stages, trains_tied_copies
 from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
 from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
@@ -339,13 +339,14 @@ def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...
 
 
 def _sharded_adamw(cfg: TrainConfig, hf_config, inp: MemoryInputs, program: dict, D: int) -> int:
-    """AdamW bytes of the stages whose CPU step ``D`` replicas shard (``pipeline.run.build``: offloaded,
-    no tied copy, no delayed update, no LoRA, every peer's range non-empty)."""
-    if D == 1 or not cfg.use_offload or cfg.delayed_update or cfg.lora_rank:
+    """AdamW bytes of the stages whose CPU step ``D`` replicas shard (``layout.shards_step``)."""
+    if D == 1:
         return 0
+    whole = dataclasses.replace(cfg, data_parallel=D)  # ``cfg`` is one replica's
     tied = set(tied_stages(cfg.num_stages)) if tied_across_stages(cfg.num_stages, hf_config) else set()
-    return sum(8 * inp.stages[s].numel for s in offloaded_stages(program)
-               if s not in tied and all(hi > lo for lo, hi in shard_bounds(inp.stages[s].numel, D)))
+    off = offloaded_stages(program)
+    return sum(8 * inp.stages[s].numel for s in range(cfg.num_stages)
+               if shards_step(whole, s in off, s in tied, inp.stages[s].numel))
 
 
 def advice(cfg: TrainConfig, hf_config, world_size: int, replicas: tuple[int, int] = (1, 1)) -> list[str]:

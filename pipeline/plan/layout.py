@@ -62,10 +62,20 @@ def shard_bounds(numel: int, peers: int) -> list[tuple[int, int]]:
     return [(min(r * per, numel), min((r + 1) * per, numel)) for r in range(peers)]
 
 
+def shards_step(cfg: TrainConfig, offloaded: bool, tied_copy: bool, numel: int) -> bool:
+    """Whether the ``data_parallel`` replicas split a stage's CPU AdamW step (ZeRO-1 on host state):
+    an offloaded stage of ``numel`` parameters that holds no copy of a tied matrix (both copies
+    must step alike), with no delayed update, not LoRA (its adapters step on the device), and a
+    range for every peer. The one rule for the stores (``pipeline.run.build``) and the plan."""
+    D = cfg.data_parallel
+    return (D > 1 and offloaded and not tied_copy and not cfg.delayed_update and not cfg.lora_rank
+            and all(hi > lo for lo, hi in shard_bounds(numel, D)))
+
+
 def replica_share(items: list, lay: Layout) -> list:
     """This replica's contiguous 1/D of ``items`` (the global batch's micro-batches)."""
     n = len(items) // lay.data_parallel
     return items[lay.replica * n:(lay.replica + 1) * n]
 
 
-__all__ = ["Layout", "SHARD_ALIGN", "layout", "replica_config", "replica_share", "shard_bounds"]
+__all__ = ["Layout", "SHARD_ALIGN", "layout", "replica_config", "replica_share", "shard_bounds", "shards_step"]

@@ -19,7 +19,7 @@ from offload.store import make_store
 from offload.streams import BufferPool, Streams
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
-from pipeline.plan.layout import Layout, layout
+from pipeline.plan.layout import Layout, layout, shards_step
 from pipeline.plan.lora import LoraSettings, lora_settings
 from pipeline.plan.partition import stage_layers
 from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
@@ -238,11 +238,10 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
             # coefficient rides in as its grad_scale, so every offload mode does the same arithmetic.
-            # Replicas split an offloaded stage's CPU step (ZeRO-1 on host state); not a tied
-            # copy's (both copies must step alike) nor a delayed one's.
             # LoRA: the tied matrix is frozen, both copies as loaded; the adapters step on the device.
-            sharded = s in offloaded and stage.tied_name is None and not cfg.delayed_update and adapters is None
-            shard = shard_peers(replicas, sum(p.numel() for p in stage.parameters())) if sharded else None
+            numel = sum(p.numel() for p in stage.parameters())
+            shard = shard_peers(replicas) if shards_step(cfg, s in offloaded, stage.tied_name is not None,
+                                                         numel) else None
             stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update,
                                    frozen=adapters is not None, device=device, compute_dtype=dtype,
                                    optim=optim_settings(cfg, fused=True), streams=streams, pool=pool, workers=workers,

@@ -133,15 +133,12 @@ class ShardPeers:
             self.exchange(master)
 
 
-def shard_peers(sync: "GradSync | None", numel: int) -> ShardPeers | None:
-    """The peers that shard a stage of ``numel`` parameters, or None: one replica, or a stage too
-    small to give every peer a range."""
-    if sync is None:
-        return None
+def shard_peers(sync: GradSync) -> ShardPeers:
+    """The peers of this position that shard a stage (one that ``pipeline.plan.layout.shards_step``
+    says is sharded), sharing its host buffers when ``sync`` found that they can."""
     host = SharedHost(sync.shard_group, sync.layout.replica, sync.layout.data_parallel, sync.pin) if sync.shared \
         else None
-    peers = ShardPeers(sync.layout, sync.shard_group, host)
-    return peers if all(hi > lo for lo, hi in peers.bounds(numel)) else None
+    return ShardPeers(sync.layout, sync.shard_group, host)
 
 
 __all__ = ["GradSync", "ShardPeers", "shard_peers"]
