@@ -450,8 +450,9 @@ def load_tokenizer(cfg: TrainConfig, source: ModelSource):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
-        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: "
-                          f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        from data.dataset import error_line
+
+        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: {error_line(e)}") from None
     if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{source.config.vocab_size}")

@@ -86,11 +86,7 @@ class Timeline:
         start = self._open.pop(action, None)
         if start is None:
             raise ValueError(f"rank {self.rank}: end({action}) without a matching begin({action})")
-        stop = self._mark(action)
-        if self.cuda:
-            self._pending.append((action, start, stop))
-        else:
-            self._events.append(self._event(action, start, stop))
+        self.span(action, start, self._mark(action))
 
     def span(self, action: Action, start, end) -> None:
         """An action timed elsewhere: ``start`` and ``end`` are this recorder's kind of time points
