@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
 
+from pipeline.stage.model import backward_where_needed
 from schedule.ir import Action
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def differentiate(it: Iteration, key: Key, last: bool, out: torch.Tensor, grad: 
     roots, grads = [], []
     if it.router is not None:
         roots, grads = it.router.roots(key, last, it.microbatches[key[1]].input_ids.numel(), it.loss_scale)
-    torch.autograd.backward([out] + roots, [torch.ones_like(out) if last else grad] + grads)
+    backward_where_needed([out] + roots, [torch.ones_like(out) if last else grad] + grads)
 
 
 __all__ = ["Arrival", "Iteration", "Key", "Mode", "Runner", "differentiate", "forward_done", "forward_input",

@@ -34,6 +34,15 @@ def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device, window: 
     return additive_mask(attend_mask(seq_len, device, window)[None, None], dtype)
 
 
+def backward_where_needed(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward`` over the roots that have a graph. A stage with nothing trained
+    whose input needs no gradient (LoRA: a first stage of the frozen embedding alone) has none:
+    its backward has nothing to compute."""
+    pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+    if pairs:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The eager form of a boolean mask: 0 where True (attend), the dtype's minimum elsewhere."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -178,7 +187,7 @@ class Stage(nn.Module):
             loss += chunk.detach()
         roots, grads = extra() if extra is not None else ([], [])
         # on a layerless stage h is x itself: its grad is leaf.grad
-        torch.autograd.backward([h] + roots, [leaf.grad] + grads)
+        backward_where_needed([h] + roots, [leaf.grad] + grads)
         return loss, None if self.is_first else x.grad
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -321,5 +330,5 @@ def compile_layers(stage: Stage) -> None:
         layer.compile()
 
 
-__all__ = ["Stage", "additive_mask", "attend_mask", "build_stage", "causal_mask", "compile_layers", "init_weights_",
+__all__ = ["Stage", "additive_mask", "attend_mask", "backward_where_needed", "build_stage", "causal_mask", "compile_layers", "init_weights_",
            "segment_attend_mask"]

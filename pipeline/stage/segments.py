@@ -33,7 +33,7 @@ import torch
 
 from pipeline.plan.shapes import segment_bounds
 from pipeline.stage.attention import AttnMask, attend_mask
-from pipeline.stage.model import Stage, additive_mask
+from pipeline.stage.model import Stage, additive_mask, backward_where_needed
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -227,7 +227,7 @@ class SegmentStage:
         inp, out, new = self.saved.pop((mb, seg))
         roots, grads = [out], [grad_output if grad_output is not None else torch.ones_like(out)]
         roots_kv, grads_kv = kv_gradients(new, self.carry[mb], seg)
-        torch.autograd.backward(roots + roots_kv, grads + grads_kv)
+        backward_where_needed(roots + roots_kv, grads + grads_kv)
         for kvs in self.carry[mb].values():
             kvs[seg] = None  # its gradient is consumed; the graphs that read it are gone
         self.backed[mb] = seg

@@ -82,6 +82,30 @@ def test_lora_modes_match_peft(tiny_model_dir, extra):
     assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir)))
 
 
+# More stages than decoder layers (8 for 6): the first stage holds only the embedding and the
+# last only the final norm and the head, all frozen, so neither has a trained parameter and the
+# first one's output needs no gradient; each runner on that layout.
+EDGE_LAYOUTS = {
+    "resident": dict(),
+    "offloaded": dict(use_offload=True, resident_stages=1),
+    "checkpointed": dict(use_offload=True, activation_checkpointing=True, fuse_last_stage="false"),
+    "fused_last": dict(activation_checkpointing=True, fuse_last_stage="true"),
+    "activation_offload": dict(use_offload=True, activation_offload=True),
+    "seq_chunks": dict(seq_chunks=2, use_offload=True),
+    "tiled_mlp": dict(use_offload=True, activation_offload=True, tiled_mlp="true"),
+}
+
+
+@pytest.mark.parametrize("extra", list(EDGE_LAYOUTS.values()), ids=list(EDGE_LAYOUTS))
+def test_stages_without_a_trained_parameter_match_peft(tiny_model_dir, extra):
+    cfg = lora_cfg(tiny_model_dir, num_stages=8, schedule="1f1b", **extra)
+    losses, adapters, trainer = trained(cfg)
+    layers = {s: len(getattr(st.model, "layers", ())) for s, st in trainer.stages.items()}
+    assert layers[0] == 0 and layers[7] == 0, layers
+    assert trainer.stores[0].numel == 0 and trainer.stores[7].numel == 0
+    assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir)))
+
+
 def test_lora_attention_targets_match_peft(tiny_model_dir):
     kw = dict(lora_target_modules="q_proj,k_proj,v_proj,o_proj", lora_rank=8, lora_alpha=4.0)
     losses, adapters, _ = trained(lora_cfg(tiny_model_dir, use_offload=True, **kw))
