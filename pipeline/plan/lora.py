@@ -36,12 +36,12 @@ def adapter_config(path: str | Path) -> dict:
     return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
 
 
-# Per model config (its JSON): each decoder layer's linear modules as (name, in + out features).
-# The memory plan asks for them many times while it resolves the automatic choices.
-_LINEARS: dict[str, list[list[tuple[str, int]]]] = {}
+# Per model config (its JSON): each decoder layer's linear modules as (name, in features, out
+# features). The memory plan asks for them many times while it resolves the automatic choices.
+_LINEARS: dict[str, list[list[tuple[str, int, int]]]] = {}
 
 
-def _layer_linears(hf_config) -> list[list[tuple[str, int]]]:
+def _layer_linears(hf_config) -> list[list[tuple[str, int, int]]]:
     key = hf_config.to_json_string(use_diff=False)
     if key not in _LINEARS:
         from torch import nn
@@ -49,7 +49,7 @@ def _layer_linears(hf_config) -> list[list[tuple[str, int]]]:
         from models import skeleton
 
         sk = skeleton(hf_config)
-        _LINEARS[key] = [[(n.rsplit(".", 1)[-1], m.in_features + m.out_features) for n, m in layer.named_modules()
+        _LINEARS[key] = [[(n.rsplit(".", 1)[-1], m.in_features, m.out_features) for n, m in layer.named_modules()
                           if isinstance(m, nn.Linear)] for layer in sk.model.layers]
     return _LINEARS[key]
 
@@ -57,7 +57,7 @@ def _layer_linears(hf_config) -> list[list[tuple[str, int]]]:
 def linear_names(hf_config) -> list[str]:
     """The last names of the decoder layers' linear modules (what peft's all-linear targets: every
     linear layer but the output head; stacked experts are parameters, not linear layers)."""
-    return sorted({name for layer in _layer_linears(hf_config) for name, _ in layer})
+    return sorted({name for layer in _layer_linears(hf_config) for name, _, _ in layer})
 
 
 def lora_settings(cfg: TrainConfig, hf_config) -> LoraSettings | None:
@@ -79,8 +79,14 @@ def adapter_numel(hf_config, settings: LoraSettings | None, layer_ids) -> int:
     return sum(per_layer[i] for i in layer_ids)
 
 
+def trained_adapters(cfg: TrainConfig, hf_config) -> int | None:
+    """The adapter parameters a LoRA run trains over every decoder layer; None for full fine-tuning."""
+    settings = lora_settings(cfg, hf_config)
+    return None if settings is None else adapter_numel(hf_config, settings, range(hf_config.num_hidden_layers))
+
+
 def _adapter_per_layer(hf_config, settings: LoraSettings) -> list[int]:
-    return [sum(settings.rank * width for name, width in layer if name in settings.targets)
+    return [sum(settings.rank * (fan_in + fan_out) for name, fan_in, fan_out in layer if name in settings.targets)
             for layer in _layer_linears(hf_config)]
 
 
@@ -89,9 +95,21 @@ def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
     activation per token for its backward."""
     if settings is None:
         return 0
-    return max((sum(name in settings.targets for name, _ in layer) for layer in _layer_linears(hf_config)),
+    return max((sum(name in settings.targets for name, _, _ in layer) for layer in _layer_linears(hf_config)),
                default=0)
 
 
+def adapts_mlp_width(hf_config, settings: LoraSettings | None) -> bool:
+    """Whether an adapted linear of a decoder layer makes an MLP-wide output (gate, up): peft adds
+    its adapter's output to the base output as a new tensor of that width, and a compiled layer's
+    backward then holds more MLP-wide tensors (``pipeline.plan.footprint.mlp_work``)."""
+    if settings is None:
+        return False
+    width = getattr(hf_config, "intermediate_size", 0)
+    return any(name in settings.targets and fan_out > fan_in and fan_out >= width
+               for layer in _layer_linears(hf_config) for name, fan_in, fan_out in layer)
+
+
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ALL_LINEAR", "LoraSettings", "adapted_per_layer", "adapter_config",
-           "adapter_numel", "linear_names", "lora_settings"]
+           "adapter_numel", "adapts_mlp_width", "linear_names", "lora_settings",
+           "trained_adapters"]

@@ -105,9 +105,16 @@ def forward_flops_per_token(config, num_layers: int, last: bool, seq_len: int) -
         num_layers * attention_flops_per_token(config, seq_len) / max(1, total_layers)
 
 
-def model_flops_per_token(config, num_layers: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
-    return 3 * forward_flops_per_token(config, num_layers, True, seq_len)
+def model_flops_per_token(config, num_layers: int, seq_len: int, adapters: int | None = None) -> float:
+    """Training FLOPs per token, matmuls and attention scores: forward + backward = 3x forward.
+    LoRA (``adapters``: the trained adapter parameters, None for full fine-tuning) computes no
+    gradient of a frozen weight: its backward is the input gradients (2 per parameter) and
+    attention's two passes, plus the adapters' own products (2 forward, 4 backward a parameter)."""
+    forward = forward_flops_per_token(config, num_layers, True, seq_len)
+    if adapters is None:
+        return 3 * forward
+    attention = num_layers * attention_flops_per_token(config, seq_len) / max(1, config.num_hidden_layers)
+    return 2 * forward + attention + 6 * adapters
 
 
 # One tile's intermediate tensor (tokens x intermediate_size in the compute dtype) is at most this

@@ -14,6 +14,7 @@ import torch
 from pipeline.config import TrainConfig, report_targets
 from pipeline.dist import DistEnv, gather_objects
 from pipeline.plan.layout import replica_share
+from pipeline.plan.lora import trained_adapters
 from pipeline.plan.resolve import Resolved
 from pipeline.plan.shapes import model_flops_per_token
 from pipeline.plan.source import ModelSource
@@ -85,7 +86,7 @@ class Trainer:
         self.gc_clock = GcClock()
         self.evaluated_once = False  # the first evaluation's objects are frozen after it (freeze_survivors)
         self.flops_per_token = model_flops_per_token(r.source.config, r.source.config.num_hidden_layers,
-                                                     r.cfg.seq_length)
+                                                     r.cfg.seq_length, trained_adapters(r.cfg, r.source.config))
         self.checkpoints = checkpoint.CheckpointManager(
             r.cfg, env, r.source, r.device, r.log, r.layout, stores=r.stores, stream=r.stream, scaler=r.scaler,
             parts=r.parts, mapping=r.mapping, adapters=r.adapters)
