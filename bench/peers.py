@@ -160,7 +160,8 @@ def peer_rows(peer: str, res: dict | None, run: dict | None = None) -> list[dict
                      "step_time_s": p["step_time_s"], "peak_allocated_gib": p.get("peak_allocated_gib"),
                      "tokens_per_s": p.get("tokens_per_s"), "points": n_points,
                      "tflops_per_gpu": sweep.model_tflops_per_gpu(res["num_params"], res["tokens_per_step"],
-                                                                  p["step_time_s"], res["num_gpus"])})
+                                                                  p["step_time_s"], res["num_gpus"],
+                                                                  frozen=bool(p["config"].get("lora_rank")))})
     return rows
 
 
@@ -183,7 +184,8 @@ def our_rows(rows_json: dict, gpus: int, tokens_per_step: int) -> list[dict]:
                     "config": offload_bench.describe(r) or "-", "exact": "delayed" not in r["row"],
                     "step_time_s": r["step_time_s"], "peak_allocated_gib": r.get("peak_allocated_gb"),
                     "tokens_per_s": r.get("tokens_per_s"),
-                    "tflops_per_gpu": sweep.model_tflops_per_gpu(n, tokens_per_step, r["step_time_s"], gpus)
+                    "tflops_per_gpu": sweep.model_tflops_per_gpu(n, tokens_per_step, r["step_time_s"], gpus,
+                                                                 frozen=bool(r.get("lora")))
                     if n else None, **{k: r.get(k) for k in BREAKDOWN}})
     return out
 
@@ -198,7 +200,8 @@ def results_row(spec: str) -> dict:
     if not res or len(res.get("iterations", [])) <= OURS_WARMUP:
         return {"row": name, "status": f"no result (no {path} with over {OURS_WARMUP} iterations)"}
     summary = offload_bench.summarise(res, "main", argparse.Namespace(warmup=OURS_WARMUP))
-    return {"row": name, "model": res.get("config", {}).get("model"), **summary}
+    config = res.get("config", {})
+    return {"row": name, "model": config.get("model"), "lora": bool(config.get("lora_rank")), **summary}
 
 
 def fmt(v, p: int = 2) -> str:

@@ -39,10 +39,12 @@ def model_params(name: str) -> int | None:
     return stage_num_params(config, range(config.num_hidden_layers), True, True, active=True)
 
 
-def model_tflops_per_gpu(num_params: int, tokens_per_step: int, step_s: float, num_gpus: int) -> float:
+def model_tflops_per_gpu(num_params: int, tokens_per_step: int, step_s: float, num_gpus: int,
+                         frozen: bool = False) -> float:
     """Model FLOP rate per GPU: 6 * N * tokens / step time / GPUs (no recompute, no attention term),
-    the one definition every row of the peers table uses."""
-    return 6 * num_params * tokens_per_step / step_s / num_gpus / 1e12
+    the one definition every row of the peers table uses; ``frozen`` (LoRA): 4 * N, as no frozen
+    weight gets a gradient (the adapters' own products are under 1% of it)."""
+    return (4 if frozen else 6) * num_params * tokens_per_step / step_s / num_gpus / 1e12
 
 
 def fits(elapsed_s: float, budget_s: float | None, estimate_s: float) -> bool:

@@ -364,7 +364,9 @@ def test_peers_table_takes_a_row_run_by_main_py(tmp_path):
     rows = peers.collect(tmp_path, tmp_path / "bench", ["fsdp2"], {}, 1, 32768, specs)
     assert [r["system"] for r in rows] == ["mmoc-pipe lora-8b", "mmoc-pipe gone", "fsdp2"]
     assert rows[0]["step_time_s"] == pytest.approx(5.0) and rows[0]["compute_s"] == pytest.approx(4.5)
-    assert rows[0]["tflops_per_gpu"] == pytest.approx(6 * sweep.model_params("llama-3-8b") * 32768 / 5.0 / 1e12)
+    # LoRA: 4 FLOPs a parameter and token (no frozen weight's gradient), for every system
+    assert rows[0]["tflops_per_gpu"] == pytest.approx(4 * sweep.model_params("llama-3-8b") * 32768 / 5.0 / 1e12)
+    assert rows[2]["tflops_per_gpu"] == pytest.approx(4 * 8_030_261_248 * 32768 / 8.0 / 1e12)
     assert rows[1]["status"].startswith("no result")
     assert rows[2]["config"] == "micro_batch_per_rank=16, grad_sync=deferred, lora_rank=16"
     with pytest.raises(SystemExit, match="NAME=PATH"):
