@@ -15,15 +15,16 @@ Every hand-off with the compute stream is an event, never a host sync:
   the caching allocator does not hand it out again before the copy has read it.
 * ``prefetch`` / ``restore``: the device buffer is made on the stash's stream and filled there;
   ``restore`` makes the compute stream wait for that copy and marks the buffer as used by the
-  compute stream. torch's pinned host blocks are reused only once the copies that touched them
-  are done (the caching host allocator records an event per non-blocking copy), so dropping a
-  host buffer after issuing its copy is safe.
+  compute stream. A host buffer goes back to the stash's ``HostBuffers`` once its copy back is
+  issued: only a later copy on the same stream takes it again.
 
 On the CPU there is nothing to copy: the input tensor itself is kept.
 """
 from __future__ import annotations
 
 import torch
+
+from offload.streams import HostBuffers
 
 Key = tuple[int, int, "int | None"]  # (stage, micro-batch, segment)
 
@@ -41,6 +42,7 @@ class ActivationStash:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.buffers = HostBuffers(pin=self.cuda)  # page-locked, exact sizes, for this stream's copies
         self._host: dict[Key, torch.Tensor] = {}                         # saved, not yet copied back
         self._back: dict[Key, tuple[torch.Tensor, object]] = {}          # copy back issued: (buffer, its end event)
 
@@ -62,7 +64,7 @@ class ActivationStash:
         if not self.cuda:
             self._host[key] = x
             return
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host = self.buffers.take(x.shape, x.dtype)
         produced = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(produced)  # x is written (or received) on the compute stream
@@ -84,6 +86,7 @@ class ActivationStash:
             x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             x.copy_(host, non_blocking=True)  # stream order: after the copy that filled ``host``
             done = self.stream.record_event()
+        self.buffers.give(host)  # its next user is a copy on this stream, after this one
         self._back[key] = (x, done)
 
     def restore(self, key: Key) -> torch.Tensor:
@@ -102,6 +105,9 @@ class ActivationStash:
 
     def clear(self) -> None:
         """Forget every held input (the end of an iteration that was cut short)."""
+        if self.cuda:
+            for host in self._host.values():
+                self.buffers.give(host)
         self._host.clear()
         self._back.clear()
 

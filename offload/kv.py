@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from offload.streams import HostBuffers
+
 Key = tuple  # (stage, micro-batch)
 
 
@@ -40,6 +42,7 @@ class CarriedKV:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.buffers = HostBuffers(pin=self.cuda)  # page-locked, exact sizes, for this stream's copies
         self._host: dict[Key, list[tuple[torch.Tensor, torch.Tensor]]] = {}          # (leaf, host copy)
         self._back: dict[Key, tuple[list[tuple[torch.Tensor, torch.Tensor]], object]] = {}  # (leaf, device), event
 
@@ -62,7 +65,7 @@ class CarriedKV:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(produced)  # the keys/values are written on the compute stream
                 for leaf in leaves:
-                    host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+                    host = self.buffers.take(leaf.shape, leaf.dtype)
                     host.copy_(leaf.detach(), non_blocking=True)
                     # memory release: the device copy is reused only after this copy has read it
                     leaf.data.record_stream(self.stream)
@@ -87,8 +90,8 @@ class CarriedKV:
                 dev.copy_(host, non_blocking=True)  # stream order: after the copy that filled ``host``
                 back.append((leaf, dev))
             done = self.stream.record_event()
-        # torch's pinned host blocks are reused only once the copies that touched them are done
-        # (the caching host allocator records an event per non-blocking copy): dropping ``host`` is safe
+        for _, host in pairs:
+            self.buffers.give(host)  # its next user is a copy on this stream, after the one just issued
         self._back[key] = (back, done)
 
     def restore(self, key: Key) -> None:
@@ -109,13 +112,20 @@ class CarriedKV:
 
     def forget(self, key: Key) -> None:
         """Drop ``key``'s entry wherever it is (its micro-batch ended without a backward)."""
-        self._host.pop(key, None)
+        self._give_back(self._host.pop(key, None) or [])
         self._back.pop(key, None)
 
     def clear(self) -> None:
         """Forget every entry (the end of an iteration that was cut short)."""
+        for pairs in self._host.values():
+            self._give_back(pairs)
         self._host.clear()
         self._back.clear()
+
+    def _give_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.cuda:
+            for _, host in pairs:
+                self.buffers.give(host)
 
 
 __all__ = ["CarriedKV"]

@@ -50,6 +50,38 @@ def page_lock(t: torch.Tensor, on: bool) -> torch.Tensor:
     return t
 
 
+class HostBuffers:
+    """Page-locked host buffers of exact sizes (``host_empty``), reused: what one stream's copies to
+    and from the device go through (the activation stash, the carried keys/values). torch's pinned
+    allocator would round each block up to a power of two (a 3B layer's 131072-token input of 800
+    MiB takes 1 GiB, and a host that holds every stage's input holds a quarter more).
+
+    A buffer given back is taken again only by a later copy issued on the same stream, which
+    stream order puts after the copy that last read it: so it may be given back as soon as that
+    copy is issued. One instance per stream, used from one thread."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._whole: dict[int, torch.Tensor] = {}  # data_ptr -> the registered allocation a view is of
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        free = self._free.get((numel, dtype))
+        flat = free.pop() if free else host_empty(numel, dtype, self.pin)
+        self._whole[flat.data_ptr()] = flat
+        return flat.view(shape)
+
+    def give(self, t: torch.Tensor) -> None:
+        flat = self._whole.pop(t.data_ptr())
+        self._free.setdefault((flat.numel(), flat.dtype), []).append(flat)
+
+    def held_bytes(self) -> int:
+        """Bytes of every buffer made, given back or not."""
+        return sum(t.nbytes for t in self._whole.values()) + \
+            sum(t.nbytes for free in self._free.values() for t in free)
+
+
 class Streams:
     """The compute stream plus side streams for loads and offloads (CUDA only), each with one
     producing host thread (``producer``): the thread that made them, until ``hand_to`` gives
