@@ -13,7 +13,7 @@ import schedule as sched
 from schedule.ir import offloaded_stages, tied_stages
 from models import attn_implementation, head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
-from pipeline.plan.lora import adapted_per_layer, adapter_numel, lora_settings
+from pipeline.plan.lora import adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, trained_adapters
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
 from pipeline.plan.layout import shards_step
@@ -73,7 +73,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
                        compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
                        cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
-                       lora_modules=adapted_per_layer(hf_config, adapters), delayed=cfg.delayed_update)
+                       lora_modules=adapted_per_layer(hf_config, adapters),
+                       lora_mlp=adapts_mlp_width(hf_config, adapters), delayed=cfg.delayed_update)
     return inp, program
 
 
@@ -414,9 +415,8 @@ def _lora_lines(cfg: TrainConfig, hf_config, device: str) -> list[str]:
     if adapters is None:
         return []
     S, d = cfg.num_stages, dtype_bytes(cfg, device)
-    parts = stage_layers(cfg, hf_config, 1)
-    trained = sum(adapter_numel(hf_config, adapters, p) for p in parts)
-    frozen = sum(stage_param_counts(hf_config, S, parts))
+    trained = trained_adapters(cfg, hf_config)
+    frozen = sum(stage_param_counts(hf_config, S, stage_layers(cfg, hf_config, 1)))
     return [f"lora: rank {adapters.rank} on {','.join(adapters.targets)}: {trained / 1e6:.1f}M adapter parameters "
             f"trained ({gib(trained * 16)} with their fp32 masters, gradients and AdamW state, on the GPUs); "
             f"{frozen / 1e9:.2f}B frozen base parameters, {gib(frozen * d)} in the compute dtype "

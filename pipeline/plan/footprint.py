@@ -4,7 +4,6 @@ stage saves and allocates per token (``per_token`` and its parts), what paramete
 write to. No weights, no tensors: numbers of bytes."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
 from models import LayerShape, counts, spec_for
@@ -115,7 +114,7 @@ class RankMemory:
     host: int = 0
     at: str = ""                                   # the action during which the peak occurs
     parts: dict[str, int] = field(default_factory=dict)
-    host_parts: dict[str, int] = field(default_factory=dict)  # parameters, stash, carried_kv (GPU runs)
+    host_parts: dict[str, int] = field(default_factory=dict)  # parameters; GPU runs: stash, carried_kv, process
 
 
 @dataclass(frozen=True)
@@ -143,6 +142,7 @@ class MemoryInputs:
     # LoRA: the adapters' rank (0: full fine-tuning) and the adapted linear modules of a layer
     lora_rank: int = 0
     lora_modules: int = 0
+    lora_mlp: bool = False    # an adapter on a linear with an MLP-wide output (gate, up: ``adapts_mlp_width``)
     delayed: bool = False     # delayed_update: an offloaded stage's compute copy is its own buffer in fp32 too
 
     @property
@@ -214,9 +214,11 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
         kernel_kv = 0.0 if pad == 1 and start == 0 else carried * pad * end / (end - start)
         saved += recomputed * carried + (st.num_layers - recomputed) * (carried + kernel_kv - carried * pad)
     if st.first:
-        saved += 8 + (d * h if layer_ckpt and st.num_layers else 0)  # token ids; embedding output
-    elif not recomputed and d == 4:
-        saved -= 4 * h  # fp32: the first norm saves the stage input itself, which is counted below
+        saved += 8 + (d * h if recomputed else 0)  # token ids; the embedding output a recomputed layer saves
+    elif recomputed:
+        saved -= d * h  # the first recomputed layer saves the stage input itself, which the runner holds
+    elif d == 4:
+        saved -= 4 * h  # fp32: the first norm saves the stage input itself, which the runner holds
     fwd = bwd = 0.0
     if st.num_layers:
         mlp_fwd, mlp_bwd = mlp_work(inp, tokens)
@@ -231,7 +233,7 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
         else:
             mlp_side = d * h + 4 * h + 4 + (4 * h if m.norm_fp32_out else d * h) + \
                 (0 if tiled or m.experts_per_token else 4 * d * f)
-        bwd = 4 * d * h + max(mlp_bwd, attn_bwd - mlp_side) + (layer if recomputed else 0)
+        bwd = max(4 * d * h + max(mlp_bwd, attn_bwd - mlp_side), norm_backward(inp)) + (layer if recomputed else 0)
         # forward of one layer: the MLP's intermediates where nothing keeps them (a checkpointed
         # layer, a tile), the attention kernel's padded copies (and a segment's keys concatenated)
         fwd = max(mlp_fwd if recomputed or tiled else 0, attn_fwd)
@@ -247,6 +249,19 @@ def per_token(inp: MemoryInputs, s: int, seg: int | None = None) -> tuple[float,
             saved += 4 * h + 4 + 2 * d * h + 4 * V + 8  # final norm, lm_head input, fp32 log-softmax, targets
             bwd = max(bwd, 8 * V + (d * V if d < 4 else 0))
     return saved, fwd, bwd
+
+
+def norm_backward(inp: MemoryInputs) -> float:
+    """Per token, what an eager RMSNorm's backward holds at once when it computes in float32 from
+    a 16-bit input: the output gradient and five float32 temporaries of the hidden width (the
+    cast gradient, the input's gradient in its parts, the weight's product). Measured on an H200 at
+    the peak of a layer's backward with a tiled MLP, where it is the largest part: 22 bytes a
+    token per hidden unit for Llama-3B (full fine-tuning, 128K tokens a row) and Llama-3-8B (LoRA,
+    frozen norms, 64K), where the rest of the backward came to 12 and 14. Inductor fuses it."""
+    d, h = inp.dtype_bytes, inp.shape.hidden
+    if inp.inductor or d >= 4:
+        return 0.0
+    return (5 * 4 + d) * h
 
 
 def head_pad(inp: MemoryInputs) -> float:
@@ -270,12 +285,24 @@ def mlp_work(inp: MemoryInputs, tokens: int) -> tuple[float, float]:
     buffers it no longer needs. Measured (a layer's saved tensors plus its backward's peak above
     them): 1.27x over with one f-wide gradient, 1.58x over with three, on the CPU
     (``tests/pure/test_memory.py``); on an H200 the plan with three was 37-50 KB a token over the
-    peaks of whole rows in stages of one to three layers (bench/results/2026-11-28_gpu_tests_and_tables)."""
+    peaks of whole rows in stages of one to three layers (bench/results/2026-11-28_gpu_tests_and_tables).
+
+    LoRA on gate or up (``lora_mlp``): peft's ``base(x) + B(A(x)) * scaling`` makes the sum as a
+    new tensor, one f-wide more in a forward; compiled, inductor's partition of such a layer saves
+    less and its backward holds more: saved tensors plus backward came to 3.8-7.8 f-wide tensors a
+    token over the layouts of adapters measured on the CPU (all-linear, gate, gate and up,
+    attention, down), which 3.5 f-wide gradients beside the formula's saved tensors cover
+    (``tests/pure/test_memory.py``); on an H200 a Llama-3-8B LoRA row of 32K tokens in stages of two
+    compiled layers peaked with six f-wide tensors of inductor's backward beside the recomputed
+    layers' saved ones, 0.4 GiB over the plan with 3.5 (bench/results/2026-12-01_plan_matrix): 4.5."""
     d, f = inp.dtype_bytes, inp.shape.mlp_width
+    # peft adds an adapter's output to its base output as a new tensor: one MLP-wide tensor more
+    # while gate or up is made; compiled, the backward keeps 4.5 where full fine-tuning keeps one
+    lora = 1 if inp.lora_mlp else 0
     if inp.mlp_tile_tokens <= 0 or inp.shape.experts_per_token:
-        return 4 * d * f, (d * f if inp.inductor else 3 * d * f)
+        return (4 + lora) * d * f, ((1 + 3.5 * lora) * d * f if inp.inductor else 3 * d * f)
     share = min(1.0, inp.mlp_tile_tokens / tokens)
-    return 4 * d * f * share, 6 * d * f * share
+    return (4 + lora) * d * f * share, 6 * d * f * share
 
 
 def attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, float]:
@@ -320,11 +347,13 @@ def param_bytes_host(numel: int, d: int, delayed: bool = False) -> int:
     return numel * (4 + 4 + 8 + (d if d < 4 or delayed else 0))
 
 
-def pinned(total: float, inp: MemoryInputs) -> float:
-    """Host bytes the pinned allocator takes for ``total`` bytes of carried keys/values, held as
-    one block per layer and segment (each rounded up to a power of two)."""
-    block = 2 * inp.dtype_bytes * inp.shape.kv_dim * inp.micro_batch * max(inp.segments) / 2
-    return total * 2 ** math.ceil(math.log2(block)) / block
+# Host memory a process on a GPU holds besides its stores and activations: the CUDA context,
+# the libraries' code and workspaces, the interpreter and the loaded modules (the peak resident set
+# less the stores' buffers and the stash: 2.1-2.3 GiB on an H200, torch 2.11), and compiled layers'
+# inductor and Triton state (2.9 GiB more with Llama-3-8B's layers). Page-locked buffers are part
+# of the resident set.
+PROCESS_HOST_BYTES = int(2.5 * GiB)
+COMPILED_HOST_BYTES = int(3.0 * GiB)
 
 
 def gib(n: float) -> str:
@@ -461,12 +490,12 @@ class Ledger:
             out.host += out.device_peak
             out.device_peak = 0
         else:
-            # pinned host blocks are rounded up to a power of two by torch's caching host allocator
-            out.host_parts.update(stash=int(self.stash_peak),
-                                  carried_kv=int(pinned(self.kv_host_peak, inp) if self.kv_host_peak else 0))
-            out.host += out.host_parts["stash"] + out.host_parts["carried_kv"]
+            # page-locked buffers of exact sizes (``offload.streams.HostBuffers``)
+            out.host_parts.update(stash=int(self.stash_peak), carried_kv=int(self.kv_host_peak),
+                                  process=PROCESS_HOST_BYTES + (COMPILED_HOST_BYTES if inp.compiled else 0))
+            out.host += out.host_parts["stash"] + out.host_parts["carried_kv"] + out.host_parts["process"]
         return out
 
 
 __all__ = ["GiB", "Ledger", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "attention_work", "gib",
-           "layer_saved_bytes_per_token", "mlp_work", "per_token", "weight_grad_bytes"]
+           "layer_saved_bytes_per_token", "mlp_work", "norm_backward", "per_token", "weight_grad_bytes"]

@@ -89,6 +89,8 @@ class FusedLast:
             ledger.grad_buffer(s)
             if ledger.inp.activation_offload:
                 ledger.release_sent()
+                if s > 0 and not ledger.crosses(s, s - 1):
+                    ledger.held -= io  # a recomputing stage's output, held for this forward alone
             ledger.held += io if s > 0 else 0.0  # the input's gradient (a received input freed for it)
             ledger.note_peak(a, fused_transient(ledger.inp, s, n) + weight_grad_bytes(ledger.inp, s))
         elif ledger.inp.activation_offload and s > 0 and ledger.crosses(s, s - 1):

@@ -145,8 +145,11 @@ def offloaded_compute(inp: MemoryInputs, a: Action, io: float) -> tuple[float, f
         out = io if not st.last else 0.0
         to_peer = out if not st.last and crosses(inp.mapping, s, s + 1) else 0.0
         return transient, out - to_peer - (io if local_in else 0.0), to_peer
-    transient = (full + bwd_t) * tokens + (2 * io if s > 0 else 0) + (io if not st.last else 0)
     local_grad = not st.last and not crosses(inp.mapping, s, s + 1)
+    # the input brought back and the next backward's prefetched; a received gradient (a local one
+    # is held already, counted where the next stage's backward made it)
+    received = io if not st.last and not local_grad else 0
+    transient = (full + bwd_t) * tokens + (2 * io if s > 0 else 0) + received
     grad = io if s > 0 else 0.0
     to_peer = grad if s > 0 and crosses(inp.mapping, s, s - 1) else 0.0
     return transient, grad - to_peer - (io if local_grad else 0.0), to_peer

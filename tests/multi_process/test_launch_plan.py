@@ -69,7 +69,7 @@ def test_readme_plan_example_is_what_the_code_prints(capsys):
     for line in shown:  # "..." stands for what the README leaves out
         pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
         assert any(pattern.fullmatch(p) for p in printed), (line, printed)
-    assert "host: 83.62 GiB for all ranks of 256.00 GiB (host_memory_gb): fits" in printed
+    assert "host: 67.48 GiB for all ranks of 256.00 GiB (host_memory_gb): fits" in printed
 
 
 @pytest.mark.slow  # two plans with their advice: seconds each
