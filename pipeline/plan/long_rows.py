@@ -102,38 +102,54 @@ def resolve_long_rows(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Tra
 
 
 def longest_row(cfg: TrainConfig, hf_config, world_size: int, limit: int = 2**20,
-                step: int = 1024) -> list[tuple[int, TrainConfig]]:
-    """The longest ``seq_length`` (a multiple of ``step``, at most ``limit``) whose plan fits, as
-    whole rows and with the most sequence segments ``cfg`` allows (the two ends: more segments
-    hold less), each the most frugal way ``cfg`` leaves open (the most stages, a tiled MLP where
-    allowed): (tokens, configuration) per seq_chunks tried, tokens 0 where none fits."""
+                step: int = 1024) -> tuple[int, TrainConfig | None, int]:
+    """The longest ``seq_length`` (a multiple of ``step``, at most ``limit``) that a run of ``cfg``
+    with its automatic long-row choices would accept: some configuration of those ``cfg`` leaves
+    open (``_auto_options``: stages, whole rows or segments, tiled or not) fits, as
+    ``resolve_long_rows`` and ``check_fits`` would find it (the same ``_fits_here``: on a machine
+    with a GPU, its host memory too). Returns (tokens, the configuration ``resolve_long_rows``
+    picks at that length, the longest as whole rows); (0, None, 0) when not even ``step`` fits."""
     stages, chunks, tiles = _auto_options(dataclasses.replace(cfg, seq_length=limit), hf_config, world_size)
-    out = []
-    for k in dict.fromkeys((chunks[0], chunks[-1])):
-        trial = dataclasses.replace(cfg, num_stages=stages[-1], seq_chunks=k, tiled_mlp=tiles[-1],
-                                    allow_long_sequences=True)
+    base = dataclasses.replace(cfg, allow_long_sequences=True)
 
-        def fits(n: int) -> bool:
-            t = dataclasses.replace(trial, seq_length=n * step)
-            return k <= t.seq_length and _fits_here(assess(t, hf_config, sched.round_robin(t.num_stages, world_size)))
+    def fits(n: int, ks: list[int]) -> bool:
+        # the most stages hold the least a stage; whether fewer would do is resolve_long_rows' to find
+        return any(_fits_here(assess(t, hf_config, sched.round_robin(t.num_stages, world_size)))
+                   for k in ks if k <= n * step for tiled in tiles
+                   for t in [dataclasses.replace(base, seq_length=n * step, num_stages=stages[-1], seq_chunks=k,
+                                                 tiled_mlp=tiled)])
 
+    def longest(ks: list[int]) -> int:
         lo, hi = 0, limit // step  # lo fits (0: nothing yet), hi may not
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        out.append((lo * step, dataclasses.replace(trial, seq_length=lo * step)))
-    return out
+            lo, hi = (mid, hi) if fits(mid, ks) else (lo, mid - 1)
+        return lo * step
+
+    whole = longest([1]) if 1 in chunks else 0
+    tokens = longest(chunks) if chunks != [1] else whole
+    if not tokens:
+        return 0, None, 0
+    at = dataclasses.replace(base, seq_length=tokens)
+    if cfg.num_stages != -1 and cfg.seq_chunks != -1 and cfg.tiled_mlp != "auto":
+        return tokens, at, whole
+    return tokens, resolve_long_rows(at, hf_config, world_size)[0], whole
 
 
 def longest_row_line(cfg: TrainConfig, hf_config, world_size: int) -> str:
-    """``--plan``'s line on the longest row that fits this GPU (``longest_row``)."""
+    """``--plan``'s line on the longest row that fits this GPU (``longest_row``): what a run of
+    that length would be given, and the longest as whole rows where segments go further."""
     cap = gib(gpu_capacity(cfg) or 0)
-    found = [f"{n} tokens with num_stages {c.num_stages}, seq_chunks {c.seq_chunks}, tiled_mlp {c.tiled_mlp}"
-             if n else f"none with seq_chunks {c.seq_chunks}" for n, c in longest_row(cfg, hf_config, world_size)]
-    return f"longest row that fits {cap} (the plan's estimate, in steps of 1024): " + "; ".join(found)
+    rows = cfg.batch_size // cfg.num_chunks
+    head = f"longest row that fits {cap} (micro-batches of {rows} row{'s' if rows > 1 else ''}, the plan's " \
+           f"estimate, in steps of 1024): "
+    tokens, c, whole = longest_row(cfg, hf_config, world_size)
+    if c is None:
+        return head + "none, not even 1024 tokens"
+    line = head + f"{tokens} tokens with num_stages {c.num_stages}, seq_chunks {c.seq_chunks}, tiled_mlp {c.tiled_mlp}"
+    if c.seq_chunks > 1 and whole:
+        line += f"; whole rows up to {whole} tokens"
+    return line
 
 
 __all__ = ["AUTO_SEQ_CHUNKS", "AUTO_TILED", "longest_row", "longest_row_line", "resolve_long_rows"]
