@@ -59,8 +59,8 @@ def _f(default: Any, help: str, check: Check | None = None, **kw: Any) -> Any:
 class TrainConfig:
     # --- model ----------------------------------------------------------------
     model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
-                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen3-moe-small), or 'generated' "
-                    "(small Llama made locally on first use).")
+                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen2.5-32b, "
+                    "qwen3-moe-small), or 'generated' (small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
     num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")
     embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).")

@@ -34,6 +34,11 @@ PRESETS: dict[str, dict] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=True),
+    # Qwen2.5-32B's shapes (q/k/v biases, GQA 40/8, 64 layers, a 152K vocabulary): a 32B-class LoRA base
+    "qwen2.5-32b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False),
     # A small Qwen3-MoE (Qwen3-30B-A3B's layer with 64 of its 128 experts, 12 layers): 4.3B
     # parameters, 1.0B active; the router loss on
     "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
