@@ -422,6 +422,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_pinned() -> int:
+    """Peak bytes of page-locked host blocks torch's pinned allocator held (not in the resident set:
+    the driver maps them), 0 where the build reports none."""
+    stats = torch.cuda.host_memory_stats()
+    return int(next((v for k, v in stats.items() if k.startswith("allocated_bytes") and k.endswith("peak")), 0))
+
+
 def peak_memory(device: torch.device) -> int:
     """Peak bytes of the device's allocations (CPU: the process's peak RSS)."""
     if device.type == "cuda":
@@ -434,6 +441,7 @@ def device_stats(device: torch.device, stores: dict) -> dict:
     out = {"host_rss_bytes": peak_rss()}
     if device.type == "cuda":
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        out["host_pinned_bytes"] = peak_pinned()
         totals = {"h2d": [0, 0.0], "d2h": [0, 0.0]}
         for store in stores.values():
             for kind, (nbytes, secs) in store.pop_transfer_stats().items():
