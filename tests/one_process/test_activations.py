@@ -65,3 +65,36 @@ def test_cuda_round_trip_through_pinned_memory():
     back = stash.restore((1, 0))
     torch.cuda.synchronize()
     assert back.device.type == "cuda" and torch.equal(back, want) and not torch.equal(junk, want)
+
+
+def test_host_buffers_are_exact_and_reused_once_given_back():
+    """``HostBuffers``: a buffer of exactly the bytes asked for (no power-of-two rounding), another
+    while one is held, the same one again once given back (a later copy on the same stream)."""
+    from offload.streams import HostBuffers
+
+    buffers = HostBuffers(pin=False)
+    a = buffers.take((3, 5, 7), torch.bfloat16)
+    b = buffers.take((3, 5, 7), torch.bfloat16)
+    assert a.shape == (3, 5, 7) and a.untyped_storage().nbytes() == 3 * 5 * 7 * 2
+    assert a.data_ptr() != b.data_ptr() and buffers.held_bytes() == 2 * a.nbytes
+    buffers.give(a)
+    c = buffers.take((7, 15), torch.bfloat16)  # the same size in another shape
+    assert c.data_ptr() == a.data_ptr() and buffers.held_bytes() == 2 * a.nbytes
+    d = buffers.take((3, 5, 7), torch.float32)  # another dtype: a buffer of its own
+    assert d.data_ptr() not in (a.data_ptr(), b.data_ptr())
+
+
+@pytest.mark.gpu
+def test_cuda_stash_reuses_its_page_locked_buffers():
+    """The next iteration's save of a key takes the buffer the previous restore gave back:
+    page-locked, exactly the input's size, the data of the new input."""
+    stash = ActivationStash(torch.device("cuda"))
+    for i in range(2):
+        x = torch.full((3, 1000, 7), float(i), device="cuda")
+        stash.save((1, 0), x)
+        host = stash._host[(1, 0)]
+        assert host.is_pinned() and host.untyped_storage().nbytes() == x.nbytes
+        ptr = host.data_ptr() if i == 0 else ptr
+        assert host.data_ptr() == ptr
+        assert torch.equal(stash.restore((1, 0)), x)
+    torch.cuda.synchronize()
