@@ -89,6 +89,27 @@ class ActivationStash:
         self.buffers.give(host)  # its next user is a copy on this stream, after this one
         self._back[key] = (x, done)
 
+    def peek(self, key: Key) -> torch.Tensor:
+        """``key``'s input on the device, ready for the compute stream, while the stash keeps it
+        for its own ``restore``: the copy back already issued, or a copy of its own."""
+        if key in self._back:
+            x, done = self._back[key]
+        elif key in self._host:
+            host = self._host[key]
+            if not self.cuda:
+                return host
+            with torch.cuda.stream(self.stream):
+                x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                x.copy_(host, non_blocking=True)
+                done = self.stream.record_event()
+        else:
+            raise RuntimeError(f"activation_offload: no input held for {_name(key)} to read")
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            x.record_stream(compute)  # memory release: after the compute that reads it
+        return x
+
     def restore(self, key: Key) -> torch.Tensor:
         """``key``'s input on the device, ready for the compute stream (which waits for its copy,
         device-side); it is no longer held here."""

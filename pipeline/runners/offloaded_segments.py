@@ -1,11 +1,12 @@
-"""Long rows: sequence segments with activation offload, in training. A segment's
-forward runs without a graph but keeps its keys/values as carried leaves (the later segments
-attend to them); after a micro-batch's last forward at the stage they go to pinned host memory
-(``offload.kv``) and come back before its first backward there, prefetched at the backward
-before. The backward (last segment first) restores the segment's input, recomputes it against
-the earlier segments' carried keys/values and feeds in the dK/dV the later segments left. The GPU
-then holds one segment's activations during a backward, plus the keys/values of the stages in
-their backward sweep.
+"""Long rows: sequence segments with activation offload, in training. A segment's forward runs
+without a graph but keeps its keys/values as carried leaves (the later segments attend to them);
+after a micro-batch's last forward at the stage they go to pinned host memory (``offload.kv``) and
+come back before its first backward there, prefetched at the backward before; the first layer's
+are not kept: that backward makes them again from the segments' inputs in the stash (a stage of
+one layer keeps none). The backward (last segment first) restores the segment's input, recomputes
+it against the earlier segments' carried keys/values and feeds in the dK/dV the later segments
+left. The GPU then holds one segment's activations during a backward, plus the keys/values of the
+stages in their backward sweep.
 """
 from __future__ import annotations
 
@@ -39,8 +40,17 @@ class OffloadedSegments:
 
     def begin(self, it: Iteration) -> None:
         self.it = it
-        # a segment's forward keeps only its carried keys/values; its backward recomputes it
-        self.segments = SegmentStage(self.stage, it.lengths, recompute=True, kv_host=self.host.kv)
+        # a segment's forward keeps only its carried keys/values; its backward recomputes it. The
+        # first layer's are made again from the segment's input, which waits in host memory anyway
+        self.segments = SegmentStage(self.stage, it.lengths, recompute=True, kv_host=self.host.kv,
+                                     kv_source=self._segment_input)
+
+    def _segment_input(self, mb: int, seg: int) -> torch.Tensor:
+        """Segment ``seg``'s input of micro-batch ``mb`` on the device (token ids on the first
+        stage), leaving the stash's copy for the segment's own backward."""
+        if self.stage.is_first:
+            return self.it.columns(self.it.microbatches[mb].input_ids, seg)
+        return self.host.stash.peek((self.stage.index, mb, seg))
 
     def end_iteration(self) -> None:
         self.it: Iteration | None = None
@@ -78,7 +88,8 @@ class OffloadedSegments:
         forward keeps its segment's on the device for the later segments (the last segment's
         nothing attends to); a backward brings its micro-batch's back (its own, or prefetched by
         the backward before), frees its segment's and leaves the gradients of the earlier
-        segments'. On a GPU they wait in host memory from the micro-batch's last forward here."""
+        segments'. On a GPU they wait in host memory from the micro-batch's last forward here, but
+        the first layer's, which the first backward makes again from the segments' inputs."""
         s, n, _ = ledger.compute(a)
         inp, key = ledger.inp, (s, a.mb, a.seg)
         last_segment = a.seg == len(inp.segments) - 1
@@ -88,16 +99,17 @@ class OffloadedSegments:
             ledger.saved += ledger.per_mb[key]
         else:
             for mb_key in {(s, a.mb), ledger.next_backward.get(key, (None, None))[:2]}:
-                ledger.saved += ledger.kv_host.pop(mb_key, 0.0)  # back on the device (its own, or prefetched)
+                ledger.saved += ledger.kv_host.pop(mb_key, (0.0, 0.0))[0]  # back on the device (its own, or prefetched)
             carried = ledger.per_mb.pop(key)
             ledger.saved += kv_grads_change(inp, a, ledger.per_mb)
         recomputed(a, ledger)
         ledger.saved -= carried
         if inp.kv_offload and a.op is Op.FORWARD and last_segment:
             moved = sum(v for (st_, mb_, sg), v in ledger.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
-            ledger.kv_host[(s, a.mb)] = moved
+            layers = inp.stages[s].num_layers
+            ledger.kv_host[(s, a.mb)] = (moved, moved * (layers - 1) / layers if layers else 0.0)
             ledger.saved -= moved
-            ledger.kv_host_peak = max(ledger.kv_host_peak, sum(ledger.kv_host.values()))
+            ledger.kv_host_peak = max(ledger.kv_host_peak, sum(held for _, held in ledger.kv_host.values()))
 
 
 __all__ = ["OffloadedSegments"]

@@ -57,7 +57,7 @@ def segment_attend_mask(segment_ids: torch.Tensor, window: int | None = None) ->
     return (attend_mask(segment_ids.shape[1], segment_ids.device, window) & same)[:, None]
 
 
-def _cache_keyword(layers: nn.ModuleDict) -> str:
+def cache_keyword(layers: nn.ModuleDict) -> str:
     """What a decoder layer calls its key/value cache argument: ``cache`` from transformers 5.24
     (where ``past_key_values`` is deprecated), ``past_key_values`` before."""
     import inspect
@@ -208,7 +208,7 @@ class Stage(nn.Module):
         """The stage's decoder layers on ``h``: layer i attends with ``masks[window]`` and the
         ``rope`` of its layer type; the first ``checkpointed`` layers are recomputed in the
         backward. ``cache``: the carried keys/values of a sequence segment (``pipeline.stage.segments``)."""
-        extra = {} if cache is None else {_cache_keyword(self.model.layers): cache}
+        extra = {} if cache is None else {cache_keyword(self.model.layers): cache}
         for i, (layer, kind) in enumerate(zip(self.model.layers.values(), self.kinds)):
             run = functools.partial(layer, attention_mask=masks[kind.window], position_ids=position_ids,
                                     position_embeddings=rope[kind.layer_type], **extra)
@@ -330,5 +330,6 @@ def compile_layers(stage: Stage) -> None:
         layer.compile()
 
 
-__all__ = ["Stage", "additive_mask", "attend_mask", "backward_where_needed", "build_stage", "causal_mask", "compile_layers", "init_weights_",
+__all__ = ["Stage", "additive_mask", "attend_mask", "backward_where_needed", "build_stage", "cache_keyword",
+           "causal_mask", "compile_layers", "init_weights_",
            "segment_attend_mask"]

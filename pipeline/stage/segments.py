@@ -27,13 +27,13 @@ checks the segment order the schedule guarantees (``schedule.ir.kv_predecessor``
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from pipeline.plan.shapes import segment_bounds
 from pipeline.stage.attention import AttnMask, attend_mask
-from pipeline.stage.model import Stage, additive_mask, backward_where_needed
+from pipeline.stage.model import Stage, additive_mask, backward_where_needed, cache_keyword
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -65,6 +65,21 @@ class _KVCarry:
         keys = torch.cat([k for k, _ in past] + [key_states], dim=-2)
         values = torch.cat([v for _, v in past] + [value_states], dim=-2)
         return keys, values
+
+
+class _KeysMade(Exception):
+    """Raised by ``_KVCapture`` to leave a layer's forward once its keys/values are made."""
+
+    def __init__(self, kv: KV):
+        super().__init__()
+        self.kv = kv
+
+
+class _KVCapture:
+    """``past_key_values`` that takes a layer's keys/values (after RoPE) and stops its forward there."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        raise _KeysMade((key_states, value_states))
 
 
 def segment_allowed(start: int, end: int, window: int | None, device: torch.device,
@@ -102,16 +117,22 @@ class SegmentStage:
     segment's keys/values are not carried: no later segment attends to them.
     """
 
-    def __init__(self, stage: Stage, lengths: Sequence[int], *, recompute: bool = False, kv_host=None):
+    def __init__(self, stage: Stage, lengths: Sequence[int], *, recompute: bool = False, kv_host=None,
+                 kv_source: Callable[[int, int], torch.Tensor] | None = None):
         if stage.attn_implementation not in ("eager", "sdpa"):
             raise ValueError(f"sequence segments need attn_implementation eager or sdpa (an explicit mask over "
                              f"the carried keys), got {stage.attn_implementation!r}")
         if kv_host is not None and not recompute:
             raise ValueError("carried keys/values go to host memory only with recompute (activation_offload): a "
                              "forward with a graph keeps them in its attention's saved tensors anyway")
+        if kv_source is not None and kv_host is None:
+            raise ValueError("kv_source makes the first layer's carried keys/values again instead of keeping them "
+                             "in host memory: it needs kv_host")
         self.stage = stage
         self.recompute = recompute
         self.kv_host = kv_host
+        self.kv_source = kv_source
+        self.remade: dict[int, dict] = {}  # mb -> {seg: the packed rows' arguments} of dropped first-layer keys
         self.lengths = list(lengths)
         self.bounds = segment_bounds(self.lengths)
         self.carry: dict[int, dict[int, list[KV | None]]] = {}  # mb -> layer -> per segment
@@ -153,9 +174,18 @@ class SegmentStage:
             carry.setdefault(layer, []).append(
                 None if last else (k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
         self.forwarded[mb] = seg + 1
+        if self.kv_source is not None and not last:
+            self.remade.setdefault(mb, {})[seg] = dict(position_ids=position_ids, doc_ids=doc_ids)
         if last and self.kv_host is not None:
-            # Nothing reads them until this micro-batch's backwards here: to host memory meanwhile
-            self.kv_host.offload(self._kv_key(mb), [t for kvs in carry.values() for kv in kvs if kv for t in kv])
+            # Nothing reads them until this micro-batch's backwards here: to host memory meanwhile,
+            # but the first layer's, which its input (in host memory already) makes again
+            first = min(carry) if self.kv_source is not None and carry else None
+            self.kv_host.offload(self._kv_key(mb), [t for layer, kvs in carry.items() if layer != first
+                                                    for kv in kvs if kv for t in kv])
+            if first is not None:
+                for kv in carry[first]:
+                    for t in kv or ():
+                        t.data = t.data.new_empty(0)  # the memory goes back to the allocator
         if torch.is_grad_enabled() and not self.recompute:
             self.saved[(mb, seg)] = (inp, out, new)
         elif seg == self.num_segments - 1 and not self.recompute:
@@ -252,11 +282,38 @@ class SegmentStage:
     def _restore(self, mb: int) -> None:
         if self.kv_host is not None:
             self.kv_host.restore(self._kv_key(mb))
+        for seg, packed in sorted(self.remade.pop(mb, {}).items()):
+            self._remake_first_kv(mb, seg, **packed)
+
+    def _remake_first_kv(self, mb: int, seg: int, position_ids: torch.Tensor | None, doc_ids=None) -> None:
+        """The carried keys/values of the stage's first layer for segment ``seg`` made again from the
+        segment's input (``kv_source``), as its forward made them: the embedding on the first stage,
+        the layer's norm, projections and rotary embedding, no graph. Only their data is set: the
+        leaves (and the gradients later segments left in them) stay."""
+        stage = self.stage
+        start, end = self.bounds[seg]
+        x = self.kv_source(mb, seg)
+        layer, kind = next(iter(stage.model.layers.values())), stage.kinds[0]
+        with torch.no_grad():
+            h = stage.embed(x) if stage.is_first else x
+            if position_ids is None:
+                position_ids = torch.arange(start, end, device=h.device)[None]
+            rope = self._rope(h, position_ids, start, end)[kind.layer_type]
+            try:
+                # the attention modules hand their keys/values to the cache before attending: no mask needed
+                layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=rope,
+                      **{cache_keyword(stage.model.layers): _KVCapture()})
+                raise RuntimeError(f"layer {min(self.carry[mb])} made no keys/values to carry")
+            except _KeysMade as made:
+                k, v = made.kv
+        for leaf, t in zip(self.carry[mb][min(self.carry[mb])][seg], (k, v)):
+            leaf.data = t
 
     def _kv_key(self, mb: int) -> tuple[int, int]:
         return self.stage.index, mb
 
     def _free(self, mb: int) -> None:
+        self.remade.pop(mb, None)
         if self.kv_host is not None:
             self.kv_host.forget(self._kv_key(mb))
         self.carry.pop(mb, None)

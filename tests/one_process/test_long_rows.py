@@ -360,14 +360,17 @@ def test_plan_counts_tiles_and_keys_in_host_memory():
     """A tiled MLP leaves one tile's intermediates in a backward's transient (128K tokens: the
     untiled eager layer's four saved 2.1 GiB tensors and its backward's three more are what it
     saves, less a tile's backward; the norms' float32 backward is the tiled layer's peak then);
-    with segments the carried keys/values of every stage wait in host memory, not on the device."""
+    with segments the carried keys/values of every stage but its first layer's wait in host memory,
+    not on the device."""
     untiled = _peak(_long_cfg(tiled_mlp="false", compile_layers="false"))
     tiles = _peak(_long_cfg(tiled_mlp="true"))
     assert tiles.parts["transient"] < untiled.parts["transient"] - 2 * 2**30, (tiles.parts, untiled.parts)
-    seg = _peak(_long_cfg(tiled_mlp="true", seq_chunks=8))
+    seg = _peak(_long_cfg(tiled_mlp="true", seq_chunks=8, num_stages=13))
     kv_row = 26 * 2 * 2 * 3200 * 131072  # every layer's keys and values of the whole row, bf16
-    assert 0.6 * kv_row < seg.host_parts["carried_kv"] < 2 * kv_row, seg.host_parts
+    # two layers a stage: the second's wait in host memory, the first's are made again from the inputs
+    assert 0.3 * kv_row < seg.host_parts["carried_kv"] < 0.5 * kv_row, seg.host_parts
     assert seg.parts["activations"] < 0.2 * kv_row, seg.parts  # on the device: a stage's sweep at most
+    assert _peak(_long_cfg(tiled_mlp="true", seq_chunks=8)).host_parts["carried_kv"] == 0  # one layer a stage
 
 
 def test_automatic_choice_takes_the_first_that_fits():

@@ -166,10 +166,47 @@ def test_activation_offload_detects_another_segment_input(tiny_model_dir, monkey
     original = ActivationStash.restore
 
     def swapped(self, key):
+        own = original(self, key)
         held = [k for k in [*self._host, *self._back] if k[:2] == key[:2] and k != key]
-        return original(self, held[0] if held else key)
+        return self.peek(held[0]) if held else own
 
     _expect_offload_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(ActivationStash, "restore", swapped))
+
+
+def test_first_layer_keys_are_made_again_not_kept(tiny_model_dir, monkeypatch):
+    """With activation_offload the first layer of a stage keeps no carried keys/values in host memory
+    between its forwards and backwards: its backward makes them again from the segments' inputs
+    (which wait there anyway). Stages of one layer keep none at all; training is exact."""
+    from offload.kv import CarriedKV
+
+    held = []
+    original = CarriedKV.offload
+
+    def counting(self, key, leaves):
+        held.append(sum(t.numel() for t in leaves))
+        return original(self, key, leaves)
+
+    monkeypatch.setattr(CarriedKV, "offload", counting)
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", use_offload=True, activation_offload=True, seq_chunks=4,
+                   num_stages=6)  # one layer a stage
+    assert_same_training(*train_in_process(cfg).outcome, *reference_result(str(tiny_model_dir)))
+    assert held and not any(held), held
+
+
+def test_activation_offload_detects_first_layer_keys_made_from_another_input(tiny_model_dir, monkeypatch):
+    """The first layer's carried keys/values made again from a neighbouring segment's input."""
+    original = segments.SegmentStage._remake_first_kv
+
+    def shifted(self, mb, seg, position_ids=None, doc_ids=None):
+        source = self.kv_source
+        self.kv_source = lambda m, j: source(m, j - 1 if j else j + 1)
+        try:
+            original(self, mb, seg, position_ids, doc_ids)
+        finally:
+            self.kv_source = source
+
+    _expect_offload_mismatch(tiny_model_dir, monkeypatch,
+                             lambda mp: mp.setattr(segments.SegmentStage, "_remake_first_kv", shifted))
 
 
 @pytest.mark.slow
