@@ -11,10 +11,12 @@ with its 4-bit LoRA layers (``peft.tuners.lora.bnb.Linear4bit``), as on a model 
 Streaming: the store holds each 4-bit weight's parts (``Packed4bit``: its packed bytes, absmax and
 code, with double quantization the offset and the nested absmax and code) in one byte buffer
 (``offload.frozen``) and binds views of it into the weight and its ``QuantState`` at each LOAD.
-bitsandbytes' own autograd function keeps a view of the weight bytes of the forward for its
-backward, which a DROP between the two would leave pointing at a pool buffer another stage has
-since filled; so the modules here run bitsandbytes' forward through a function whose backward
-reads the weight bound at backward time (the same kernels, the same numbers).
+bitsandbytes' own autograd function keeps a view of the weight's bytes on its context for the
+backward, out of reach of the stage's saved-tensor hooks, so after a DROP it would read a pool
+buffer another stage has since filled. The modules here run bitsandbytes' forward and backward
+kernels through a function that saves the bytes and scales with ``save_for_backward``: the
+hooks pack those views and rebuild them from the buffer loaded at backward time (eager, and in a
+compiled layer's graph, which saves them the same way).
 
 bitsandbytes is imported only here, and only for a 4-bit run."""
 from __future__ import annotations
@@ -144,30 +146,37 @@ def linear_class() -> type:
     bnb_module = bnb()
     F = bnb_module.functional
 
+    def state(meta: tuple, absmax, code, offset, nested_absmax, nested_code):
+        """The weight's ``QuantState`` from its tensors (the store's views) and its fixed fields."""
+        shape, blocksize, quant_type, dtype, nested_blocksize, nested_dtype = meta
+        nested = None if nested_absmax is None else F.QuantState(absmax=nested_absmax, code=nested_code,
+                                                                 blocksize=nested_blocksize, dtype=nested_dtype)
+        return F.QuantState(absmax=absmax, shape=shape, code=code, blocksize=blocksize, quant_type=quant_type,
+                            dtype=dtype, offset=offset, state2=nested)
+
     class _MatMul4bit(torch.autograd.Function):
-        """bitsandbytes' 4-bit product (``matmul_4bit``'s kernels); its backward dequantizes the
-        weight the module holds at backward time, not the bytes the forward read."""
+        """bitsandbytes' 4-bit product (``matmul_4bit``'s kernels); the weight's bytes and scales
+        are its inputs, saved for the backward through ``save_for_backward``, so a stage's
+        saved-tensor hooks rebuild them from the buffer loaded at backward time."""
 
         @staticmethod
-        def forward(ctx, A, weight, bias, module):
-            ctx.module = module
-            ctx.bias_dtype = None if bias is None else bias.dtype
+        def forward(ctx, A, weight, bias, meta, *tensors):
+            ctx.meta, ctx.bias_dtype = meta, None if bias is None else bias.dtype
+            ctx.save_for_backward(weight, *tensors)
             # grad mode is off in here: bitsandbytes' own forward path, the gemm its autograd
             # function runs too
-            return bnb_module.matmul_4bit(A, weight, weight.quant_state, bias=bias)
+            return bnb_module.matmul_4bit(A, weight, state(meta, *tensors), bias=bias)
 
         @staticmethod
         def backward(ctx, grad_output):
-            weight = ctx.module.weight
-            if weight.numel() == 0:
-                raise RuntimeError("backward of a 4-bit linear layer while its stage's weights are not loaded")
+            weight, *tensors = ctx.saved_tensors
             grad_a = grad_bias = None
             if ctx.needs_input_grad[2]:
                 grad_bias = grad_output.sum(0, dtype=ctx.bias_dtype)
             if ctx.needs_input_grad[0]:  # as bitsandbytes' MatMul4Bit.backward
-                grad_a = torch.matmul(grad_output, F.dequantize_4bit(weight.data, weight.quant_state)
+                grad_a = torch.matmul(grad_output, F.dequantize_4bit(weight, state(ctx.meta, *tensors))
                                       .to(grad_output.dtype))
-            return grad_a, None, grad_bias, None
+            return grad_a, None, grad_bias, None, *(None for _ in tensors)
 
     class Linear4bit(bnb_module.nn.Linear4bit):
         """bitsandbytes' Linear4bit, its compute dtype given, its product through ``_MatMul4bit``."""
@@ -175,8 +184,15 @@ def linear_class() -> type:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             # bitsandbytes' Linear4bit.forward: the input (and bias) in the compute dtype, the
             # output back in the input's
+            qs = self.weight.quant_state
+            if qs.nested:
+                nested, tensors = (qs.state2.blocksize, qs.state2.dtype), (qs.absmax, qs.code, qs.offset,
+                                                                           qs.state2.absmax, qs.state2.code)
+            else:
+                nested, tensors = (None, None), (qs.absmax, qs.code, None, None, None)
+            meta = (qs.shape, qs.blocksize, qs.quant_type, qs.dtype, *nested)
             bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-            return _MatMul4bit.apply(x.to(self.compute_dtype), self.weight, bias, self).to(x.dtype)
+            return _MatMul4bit.apply(x.to(self.compute_dtype), self.weight, bias, meta, *tensors).to(x.dtype)
 
     return Linear4bit
 

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
+from tests.helpers.qlora import streamed_grad
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train
 from tests.helpers.runs import tiny_cfg
+from tests.helpers.tolerance import assert_close
 
 # adam_eps 1e-4: test_lora.py says why (a B matrix is nothing but AdamW updates)
 QLORA = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules="all-linear", adam_eps=1e-4, load_in_4bit=True)
@@ -102,46 +104,19 @@ def test_base_is_4bit_in_the_store_as_planned(tiny_model_dir):
             assert torch.equal(store.frozen.host_packed, before[s])
 
 
-def _streamed_grad():
-    """The input gradient of an offloaded 4-bit weight whose device buffer is given back after the
-    forward and held by another stage, filled with its bytes, while the weight loads again into
-    another buffer for the backward; and the gradient bitsandbytes' own module computes."""
-    import bitsandbytes as bnb
-
-    from offload.frozen import FrozenWeights
-    from offload.streams import BufferPool, Streams
-    from pipeline.plan.lora import Base4bit
-    from pipeline.stage.quantized import Packed4bit, quantized_linear
-
-    torch.manual_seed(0)
-    w = torch.randn(32, 64)
-    cpu = torch.device("cpu")
-    q = quantized_linear(torch.nn.Linear(64, 32, bias=False), w, Base4bit(), cpu, torch.float32)
-    expected_module = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, compress_statistics=False,
-                                        quant_type="nf4")
-    expected_module.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4",
-                                               compress_statistics=False, module=expected_module).to("cpu")
-    x = torch.randn(3, 64, requires_grad=True)
-    expected_module(x).square().sum().backward()
-    expected, x.grad = x.grad, None
-    streams, pool = Streams(cpu), BufferPool(cpu)
-    frozen = FrozenWeights([], offload=True, device=cpu, dtype=torch.float32, streams=streams, pool=pool,
-                           packed=[Packed4bit(q)])
-    frozen.load()
-    frozen.wait()
-    y = q(x)
-    frozen.drop()
-    other, _ = pool.take(frozen.packed_bytes, torch.uint8)  # another stage's LOAD takes the buffer
-    other.copy_(torch.randint(0, 256, other.shape, dtype=torch.uint8))
-    frozen.load()  # into a new buffer
-    frozen.wait()
-    y.square().sum().backward()
-    return x.grad, expected
-
-
 def test_offloaded_backward_reads_the_bytes_loaded_now():
-    grad, expected = _streamed_grad()
+    grad, expected = streamed_grad(torch.device("cpu"))
     assert torch.equal(grad, expected)
+
+
+@pytest.mark.slow
+def test_compiled_offloaded_backward_reads_the_bytes_loaded_now():
+    """Through torch.compile, whose graph saves the weight's view for its backward (the store's
+    hooks rebuild it from the buffer loaded then)."""
+    torch._dynamo.reset()
+    grad, expected = streamed_grad(torch.device("cpu"), compiled=True)
+    torch._dynamo.reset()
+    assert_close(grad, expected, 1e-6)
 
 
 def test_detects_a_backward_of_the_forwards_bytes(monkeypatch):
@@ -152,7 +127,7 @@ def test_detects_a_backward_of_the_forwards_bytes(monkeypatch):
     from pipeline.stage.quantized import linear_class
 
     monkeypatch.setattr(linear_class(), "forward", bnb.nn.Linear4bit.forward)
-    grad, expected = _streamed_grad()
+    grad, expected = streamed_grad(torch.device("cpu"))
     assert not torch.allclose(grad, expected, rtol=1e-2)
 
 
@@ -182,7 +157,6 @@ def test_adapter_records_its_4bit_base_and_generates(tiny_model_dir, tmp_path, c
 
     from data import encode_generation_prompt
     from data.generation import BASE_QUANTIZATION, main as generate_main
-    from tests.helpers.tolerance import assert_close
 
     out = tmp_path / "run"
     _, adapters, trainer = trained(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
@@ -212,8 +186,6 @@ def test_merge_lora_merges_into_the_full_precision_base(tiny_model_dir, tmp_path
     peft's merge_and_unload of the adapter on the float32 model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from tests.helpers.tolerance import assert_close
 
     out = tmp_path / "run"
     _, _, trainer = trained(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
