@@ -197,6 +197,21 @@ def test_merge_lora_merges_into_the_full_precision_base(tiny_model_dir, tmp_path
     assert_close(merged, expected, 1e-6)
 
 
+def test_checkpoint_resumes_bit_for_bit(tiny_model_dir, tmp_path):
+    """A checkpoint holds the adapters (with the base's record) and their AdamW state; resumed at
+    step 2 the base is quantized again from the model, and the third step is the uninterrupted
+    run's, bit for bit."""
+    from data.generation import BASE_QUANTIZATION
+
+    save_dir = str(tmp_path / "run")
+    losses, adapters, _ = trained(qlora_cfg(tiny_model_dir, use_offload=True, checkpoint_every=2, save_dir=save_dir))
+    ckpt = Path(save_dir) / "checkpoints" / "step_00000002"
+    assert (ckpt / "adapter" / BASE_QUANTIZATION).is_file()
+    again, resumed, _ = trained(qlora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir, resume=str(ckpt)))
+    assert again == losses[2:]
+    assert sorted(resumed) == sorted(adapters) and all(torch.equal(resumed[k], adapters[k]) for k in adapters)
+
+
 # --- settings ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,words", [
     (dict(load_in_4bit=True), "load_in_4bit need lora_rank > 0"),
