@@ -21,7 +21,6 @@ compiled layer's graph, which saves them the same way).
 bitsandbytes is imported only here, and only for a 4-bit run."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import logging
@@ -36,23 +35,22 @@ INSTALL = ("python3 -m pip install bitsandbytes==0.50.2 (requirements.txt; a GPU
            "bench/bnb_wheel.sh makes its wheel)")
 
 
-@contextlib.contextmanager
-def _quiet_import():
-    """bitsandbytes' CPU backend logs a warning on import when the optional ``kernels`` package
-    is missing (it then uses its own kernels): noise on every rank, not the user's concern."""
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+def _not_the_kernels_notice(record: logging.LogRecord) -> bool:
+    return "kernels-community" not in record.getMessage()
+
+
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes' CPU backend warns on import, in every process of a CPU with AVX512-BF16, that
+    the optional ``kernels`` package is missing (it then runs its own kernels); peft imports
+    bitsandbytes whenever it is installed, so a LoRA run without 4 bits printed it too. That one
+    notice is dropped, bitsandbytes' other warnings stay. Before the first import (idempotent)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_kernels_notice)
 
 
 def bnb():
-    """The bitsandbytes module (imported quietly once)."""
-    with _quiet_import():
-        import bitsandbytes
+    """The bitsandbytes module."""
+    quiet_bitsandbytes()
+    import bitsandbytes
 
     return bitsandbytes
 
@@ -198,4 +196,4 @@ def linear_class() -> type:
 
 
 __all__ = ["INSTALL", "Packed4bit", "bnb", "linear_class", "packed_weights", "quantize_layers_", "quantized_linear",
-           "quantized_modules", "unavailable"]
+           "quantized_modules", "quiet_bitsandbytes", "unavailable"]

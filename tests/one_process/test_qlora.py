@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
+from tests.helpers.families import FAMILY_TYPES, family_cfg, family_model
 from tests.helpers.qlora import streamed_grad
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train
 from tests.helpers.runs import tiny_cfg
@@ -73,6 +74,18 @@ def test_qlora_matches_peft(tiny_model_dir, kw):
 ], ids=["checkpointed", "activation_offload", "seq_chunks", "tiled_mlp"])
 def test_qlora_runners_match_peft(tiny_model_dir, kw):
     check_against_peft(tiny_model_dir, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILY_TYPES)
+def test_every_family_trains_as_peft_on_its_4bit_model(family, tmp_path_factory):
+    """Each registered family's tiny model (norms and biases off their init; mixture-of-experts
+    routers and experts are no linear layers and stay in the compute dtype, as transformers
+    leaves them), every stage offloaded."""
+    root = str(tmp_path_factory.getbasetemp() / "qlora_families")
+    path = family_model(family, root)
+    losses, adapters, _ = trained(family_cfg(path, use_offload=True, **QLORA))
+    assert_same_training(losses, adapters, *reference_train(family_cfg(path, **QLORA), Path(path)))
 
 
 def test_base_is_4bit_in_the_store_as_planned(tiny_model_dir):
