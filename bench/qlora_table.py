@@ -3,7 +3,8 @@
 Each of this project's rows (``OUT/<row>/results.json``, main.py's ``save_results``; its first
 ``--warmup`` [1] iterations left out) beside its plan (``OUT/<row>/plan.txt``, ``--plan`` of the same
 flags): s/step, tokens/s, model TFLOP/s, the peak GPU memory measured (allocated, the largest rank)
-and planned, host memory measured (the processes' peak RSS) and planned; then the peer's best point
+and planned, host memory measured (the processes' peak RSS) and planned (a row its time limit
+cut: the steps its ``run/metrics.jsonl`` holds, without host memory); then the peer's best point
 (``OUT/peers/peft-qlora.json``, bench/peer_qlora.py). A row without a result says why (its log's
 last error line, else its last line). Writes ``OUT/table.md`` and prints it.
 """
@@ -50,6 +51,15 @@ def our_row(out: Path, row: str, warmup: int) -> dict | None:
         res = json.loads((d / "results.json").read_text())
     except (OSError, ValueError):
         res = None
+    if not res:
+        steps = [json.loads(line) for line in _read(d / "run" / "metrics.jsonl").splitlines() if line.strip()]
+        steps = [r for r in steps if r.get("kind") == "train"][warmup:]
+        if steps:  # a row its time limit cut: the steps it finished (metrics.jsonl is written as they end)
+            return {**base, "status": "ok", "model": "(cut: metrics.jsonl)", "base": "-", "rows": "-",
+                    "step_time_s": sum(r["step_time_s"] for r in steps) / len(steps),
+                    "tokens_per_s": sum(r["tokens_per_s"] for r in steps) / len(steps),
+                    "tflops": sum(r["tflops_per_gpu"] for r in steps) / len(steps),
+                    "gpu_gib": max(r["peak_mem_bytes"] for r in steps) / 2**30, "host_gib": None}
     if not res or len(res.get("iterations", [])) <= warmup:
         lines = [line for line in _read(d / "train.log").splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith(("error:", "[rank"))] or \

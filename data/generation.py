@@ -182,7 +182,14 @@ def _load_base(model_dir: Path, adapter: Path | None, device: str, dtype):
     sys.stderr.write(f"base: {model_dir} in 4 bits ({quant.bnb_4bit_quant_type}"
                      f"{', double quantization' if quant.bnb_4bit_use_double_quant else ''}; compute "
                      f"{str(dtype).removeprefix('torch.')}), as the adapter's run trained on it\n")
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, quantization_config=quant, device_map=device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, quantization_config=quant, device_map=device)
+    # On a CPU with AVX512-BF16, bitsandbytes' eval mode repacks each weight for an inference
+    # kernel that computes in bfloat16 and fails on widths it does not tile (688: "N must be
+    # divisible by block_n"); its plain path dequantizes to the compute dtype, as training did
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
 
 
 def model_directory(args: argparse.Namespace, adapter: Path | None, model_dir: ModelDir) -> Path:

@@ -23,7 +23,7 @@ from models.moe import Routing
 from pipeline.plan.lora import Base4bit
 from pipeline.plan.programs import tied_across_stages
 from pipeline.plan.shapes import loss_chunk_tokens
-from pipeline.stage import attention
+from pipeline.stage import attention, quantized
 from pipeline.stage.attention import AttnMask, attend_mask
 from pipeline.stage.tiled import tile_mlps
 from pipeline.stage.weights import load_weights_, read_weights
@@ -280,7 +280,8 @@ def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = 
     """Random init as Hugging Face does (normal(0, initializer_range); norms as their module makes
     them: 1, or 0 for a (1 + w) norm; biases 0), seeded per tensor name so every partition of the
     model gets the same weights. Drawing on a GPU is much faster for 7B-class presets (the
-    numbers then differ from a CPU draw). ``skip``: parameters drawn later (``drawn_weights``)."""
+    numbers then differ from a CPU draw). ``skip``: parameters drawn later (a 4-bit base's linear
+    weights, layer by layer: ``build_stage``)."""
     with torch.no_grad():
         for name, p in stage.named_parameters():
             if name in skip:
@@ -318,9 +319,7 @@ def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_
     stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers, mlp_tile_tokens)
     later = frozenset()
     if base_4bit is not None:
-        from pipeline.stage.quantized import quantized_modules
-
-        later = frozenset(f"{name}.weight" for name, _ in quantized_modules(stage))
+        later = frozenset(f"{name}.weight" for name, _ in quantized.quantized_modules(stage))
     materialize_(stage, "cpu", skip=later)
     stage.tie_weights()
     if model_dir is None:
@@ -328,8 +327,6 @@ def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_
     else:
         load_weights_(stage, model_dir, skip=later)
     if base_4bit is not None:
-        from pipeline.stage.quantized import quantize_layers_
-
         shapes = dict(stage.named_parameters())
         if model_dir is None:
             def weights(names):
@@ -337,7 +334,7 @@ def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_
         else:
             def weights(names):
                 return read_weights(stage, model_dir, {n: shapes[n].shape for n in names})
-        quantize_layers_(stage, base_4bit, weights, init_device, dtype)
+        quantized.quantize_layers_(stage, base_4bit, weights, init_device, dtype)
     return stage
 
 
