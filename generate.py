@@ -8,5 +8,8 @@ import sys
 if __name__ == "__main__":
     from data.generation import main
     from pipeline.plan.source import saved_model_dir  # 'generated' and the presets: main.py's model names
+    from pipeline.stage.quantized import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # before peft and transformers import bitsandbytes
 
     sys.exit(main(model_dir=saved_model_dir))

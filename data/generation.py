@@ -5,7 +5,9 @@ The prompt is built exactly as training built the records of its data format
 tokenizer's chat template with its generation prompt, or plain text after ``bos``. The format is
 the one the run trained on (read from the run's ``results.json`` beside the model directory)
 unless ``--format`` gives it. ``--adapter`` applies a LoRA run's peft adapter (``save_dir/adapter``)
-to the base model ``--model`` names (default: the one the adapter records). A model name that is
+to the base model ``--model`` names (default: the one the adapter records), loaded as the run
+trained it: in 4 bits (transformers' ``BitsAndBytesConfig``) when the adapter records a 4-bit base
+(``BASE_QUANTIZATION``, a ``load_in_4bit`` run's), and says which. A model name that is
 not a directory (``generated``) is the entry point's to resolve (``generate.py`` passes
 ``pipeline.plan.source.saved_model_dir``: this layer knows no run's model names). Greedy by
 default, sampled with ``--do_sample``; on a GPU when there is one. Bad input is one ``error:``
@@ -25,6 +27,9 @@ from data.dataset import ALPACA, CHAT, FORMATS, TEXT, XSUM, DataError, detect_fo
 
 # (--model, the run's cache_dir or None) -> the directory to load; ValueError for a name it refuses
 ModelDir = Callable[[str, "str | None"], Path]
+# In an adapter directory beside peft's files: BitsAndBytesConfig's arguments for the 4-bit base
+# the adapter was trained on (written by a load_in_4bit run, pipeline.run.checkpoint)
+BASE_QUANTIZATION = "base_quantization.json"
 
 
 class GenerateError(ValueError):
@@ -137,6 +142,56 @@ def _adapter_base(adapter: Path) -> str | None:
     return base if isinstance(base, str) and base else None
 
 
+def base_quantization(adapter: Path | None) -> dict | None:
+    """The 4-bit base an adapter records (``BitsAndBytesConfig``'s arguments), None for a base
+    in full precision (or no adapter)."""
+    if adapter is None or not (adapter / BASE_QUANTIZATION).is_file():
+        return None
+    try:
+        record = json.loads((adapter / BASE_QUANTIZATION).read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or not record.get("load_in_4bit"):
+        raise GenerateError(f"--adapter {str(adapter)!r}: {BASE_QUANTIZATION} is not a 4-bit base's record "
+                            "(a load_in_4bit run writes it)")
+    return record
+
+
+def _load_base(model_dir: Path, adapter: Path | None, device: str, dtype):
+    """The base model as the adapter's run trained on it, with the line saying which (stderr:
+    stdout holds only the continuations): in ``dtype`` on the CPU (the caller moves it), or in 4
+    bits on ``device`` where the adapter records so."""
+    from transformers import AutoModelForCausalLM
+
+    record = base_quantization(adapter)
+    if record is None:
+        if adapter is not None:
+            sys.stderr.write(f"base: {model_dir} in {str(dtype).removeprefix('torch.')} (the adapter's run trained on "
+                             "a full-precision base)\n")
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise GenerateError(f"--adapter {str(adapter)!r} was trained on a 4-bit base ({BASE_QUANTIZATION}); loading "
+                            "it so needs the bitsandbytes package: python3 -m pip install bitsandbytes==0.50.2")
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=record.get("bnb_4bit_quant_type", "nf4"),
+                               bnb_4bit_use_double_quant=bool(record.get("bnb_4bit_use_double_quant")),
+                               bnb_4bit_compute_dtype=dtype)
+    sys.stderr.write(f"base: {model_dir} in 4 bits ({quant.bnb_4bit_quant_type}"
+                     f"{', double quantization' if quant.bnb_4bit_use_double_quant else ''}; compute "
+                     f"{str(dtype).removeprefix('torch.')}), as the adapter's run trained on it\n")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, quantization_config=quant, device_map=device)
+    # On a CPU with AVX512-BF16, bitsandbytes' eval mode repacks each weight for an inference
+    # kernel that computes in bfloat16 and fails on widths it does not tile (688: "N must be
+    # divisible by block_n"); its plain path dequantizes to the compute dtype, as training did
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
 def model_directory(args: argparse.Namespace, adapter: Path | None, model_dir: ModelDir) -> Path:
     """The Hugging Face directory to load: ``--model`` as ``model_dir`` resolves it, or with
     ``--adapter`` and no ``--model`` the base model the adapter records."""
@@ -177,7 +232,7 @@ def generate(args: argparse.Namespace, model_dir: ModelDir | None = None) -> lis
         [prompt_record(fmt, args.prompt, args.input, args.system)]
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from data.tokenization import encode_generation_prompt
 
@@ -192,10 +247,12 @@ def generate(args: argparse.Namespace, model_dir: ModelDir | None = None) -> lis
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if fmt == CHAT and not getattr(tokenizer, "chat_template", None):
         raise GenerateError(f"--format chat needs a tokenizer with a chat template; {str(model_dir)!r} has none")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = _load_base(model_dir, adapter, device, dtype)
     if adapter is not None:
         model = with_adapter(model, adapter, model_dir)
-    model = model.to(device).eval()
+    if not getattr(model, "is_loaded_in_4bit", False):  # a 4-bit base is placed by its device_map
+        model = model.to(device)
+    model = model.eval()
     torch.manual_seed(args.seed)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.do_sample else \
         dict(do_sample=False)
@@ -246,5 +303,5 @@ def main(argv: list[str] | None = None, model_dir: ModelDir | None = None) -> in
     return 0
 
 
-__all__ = ["GenerateError", "ModelDir", "build_parser", "generate", "main", "model_directory", "prompt_record",
-           "read_prompts", "run_config", "training_format", "with_adapter"]
+__all__ = ["BASE_QUANTIZATION", "GenerateError", "ModelDir", "base_quantization", "build_parser", "generate", "main",
+           "model_directory", "prompt_record", "read_prompts", "run_config", "training_format", "with_adapter"]

@@ -255,13 +255,14 @@ def quiet_transformers():
         logging.set_verbosity(level)
 
 
-def materialize_(module: nn.Module, device: torch.device | str = "cpu") -> None:
+def materialize_(module: nn.Module, device: torch.device | str = "cpu", skip: frozenset[str] = frozenset()) -> None:
     """Give every meta parameter of ``module`` uninitialised storage on ``device`` (loading or a
     seeded init fills it next); buffers stay as they are. A vector its module made constant (a
-    norm's ones, a (1 + w) norm's zeros) keeps that value as ``constant_init``."""
-    for sub in module.modules():
+    norm's ones, a (1 + w) norm's zeros) keeps that value as ``constant_init``. ``skip``: names
+    (in ``module``) of parameters left on the meta device."""
+    for prefix, sub in module.named_modules():
         for name, p in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
-            if p.device.type == "meta":
+            if p.device.type == "meta" and f"{prefix}.{name}".lstrip(".") not in skip:
                 new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 if hasattr(p, "constant_init"):
                     new.constant_init = p.constant_init

@@ -59,14 +59,14 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
 
 from offload import owners
 from offload.adamw import FlatAdamW, OptimSettings, ShardPeers, squared_norm
-from offload.frozen import FrozenWeights
+from offload.frozen import FrozenWeights, PackedWeight
 from offload.loader import StepProgress, Workers, done
 from offload.offloaded import Offloaded
 from offload.resident import Resident
@@ -74,6 +74,7 @@ from offload.streams import BufferPool, Clock, Streams, flat_views
 
 _WEIGHT_VIEW = object()  # tag of a packed weight view (see StageStore.saved_tensor_hooks)
 _FROZEN_VIEW = object()  # tag of a packed view of the frozen weights' device buffer
+_PACKED_VIEW = object()  # tag of a packed view of a 4-bit base's device bytes (offload.frozen)
 
 
 class Residency(Protocol):
@@ -125,13 +126,14 @@ class Residency(Protocol):
 
 
 def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, frozen: bool = False,
-               **kw) -> "StageStore":
+               packed: Sequence[PackedWeight] = (), **kw) -> "StageStore":
     """A ``StageStore`` for ``module``: offloaded (``delayed``: delayed update) or resident; the
     other arguments as ``StageStore``'s. ``frozen`` (LoRA): the parameters that need no gradient
-    are ``FrozenWeights``, in host memory when ``offload``; the trainable ones (the adapters),
-    their gradients and AdamW state stay on the device."""
+    are ``FrozenWeights``, in host memory when ``offload``, ``packed`` (a 4-bit base's weights)
+    among them as their parts; the trainable ones (the adapters), their gradients and AdamW state
+    stay on the device."""
     if frozen:
-        return StageStore(module, Resident(), frozen_offload=offload, **kw)
+        return StageStore(module, Resident(), frozen_offload=offload, frozen_packed=packed, **kw)
     return StageStore(module, Offloaded(delayed) if offload else Resident(), **kw)
 
 
@@ -141,7 +143,7 @@ class StageStore:
     def __init__(self, module: nn.Module, residency: Residency, *, device: torch.device, compute_dtype: torch.dtype,
                  optim: OptimSettings, streams: Streams, pool: BufferPool, workers: Workers | None = None,
                  tied: str | None = None, tied_copy: bool = False, shard: ShardPeers | None = None,
-                 frozen_offload: bool | None = None):
+                 frozen_offload: bool | None = None, frozen_packed: Sequence[PackedWeight] = ()):
         """``residency``: where the stage's state lives and how it moves (``Resident``,
         ``Offloaded``; ``make_store`` picks). ``tied`` names this stage's copy of a matrix tied
         across stages (the embedding of the first stage, the head of the last,
@@ -160,7 +162,8 @@ class StageStore:
 
         ``frozen_offload`` (LoRA; None: every parameter trains): the parameters that do not
         require a gradient are left out of the flat buffers and kept as ``FrozenWeights`` (in host
-        memory when True), which LOAD, DROP and OFFLOAD_GRADS move; the rest is as above.
+        memory when True), which LOAD, DROP and OFFLOAD_GRADS move, ``frozen_packed`` (a 4-bit
+        base's weights) as their parts; the rest is as above.
 
         The calling thread owns the store: it alone writes its fields from now on (module
         docstring; checked under ``owners.CHECK_THREADS``)."""
@@ -174,8 +177,10 @@ class StageStore:
         named = list(module.named_parameters())
         self.frozen: FrozenWeights | None = None
         if frozen_offload is not None:
-            self.frozen = FrozenWeights([(n, p) for n, p in named if not p.requires_grad], offload=frozen_offload,
-                                        device=device, dtype=compute_dtype, streams=streams, pool=pool)
+            packed = {id(w.param) for w in frozen_packed}
+            self.frozen = FrozenWeights([(n, p) for n, p in named if not p.requires_grad and id(p) not in packed],
+                                        offload=frozen_offload, device=device, dtype=compute_dtype, streams=streams,
+                                        pool=pool, packed=frozen_packed)
             named = [(n, p) for n, p in named if p.requires_grad]
         if tied is not None:
             named.sort(key=lambda np_: np_[0] != tied)  # stable: the tied matrix first, the rest in order
@@ -256,7 +261,7 @@ class StageStore:
         frozen = self.frozen.load() if self.frozen is not None else None
         if frozen is not None:  # issued on this thread: its span is known now
             copy = frozen.result()
-            self.note_transfer("h2d", copy.start, copy.end, self.frozen.numel * self.frozen.dtype.itemsize)
+            self.note_transfer("h2d", copy.start, copy.end, self.frozen.nbytes)
         return frozen or span
 
     def before_compute(self, backward: bool, clock: Clock | None = None) -> None:
@@ -417,26 +422,35 @@ class StageStore:
     # --- autograd's saved tensors -----------------------------------------------------------
     def saved_tensor_hooks(self):
         """Context for a forward of this stage: autograd saves views of the weights as
-        (offset, size, stride) into the device buffer instead of the tensors, and rebuilds them
+        (dtype, size, stride, offset) into the device buffer instead of the tensors, and rebuilds them
         from whatever buffer holds the weights at backward time. Without this, a DROP could not
         free the buffer (autograd would keep it alive) and, pooled, it would be overwritten
         by another stage's weights before this stage's backward read it."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def _device_buffers(self) -> dict[object, torch.Tensor | None]:
+        """The device buffers autograd's saved views are packed against, by tag: the trained
+        weights', the frozen weights' and a 4-bit base's bytes (viewed as several dtypes)."""
+        frozen = self.frozen
+        return {_WEIGHT_VIEW: self.dev, _FROZEN_VIEW: frozen.dev if frozen else None,
+                _PACKED_VIEW: frozen.dev_packed if frozen else None}
+
     def _pack(self, t: torch.Tensor):
-        for tag, dev in ((_WEIGHT_VIEW, self.dev), (_FROZEN_VIEW, self.frozen.dev if self.frozen else None)):
-            if (dev is not None and t.device == dev.device and t.dtype == dev.dtype
+        for tag, dev in self._device_buffers().items():
+            if (dev is not None and t.device == dev.device
                     and t.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr()):
-                return (tag, t.size(), t.stride(), t.storage_offset() - dev.storage_offset())
+                offset = t.storage_offset() * t.element_size() - dev.storage_offset() * dev.element_size()
+                return (tag, t.dtype, t.size(), t.stride(), offset)  # the offset in bytes
         return t
 
     def _unpack(self, packed):
-        if isinstance(packed, tuple) and packed and packed[0] in (_WEIGHT_VIEW, _FROZEN_VIEW):
-            tag, size, stride, offset = packed
-            dev = self.dev if tag is _WEIGHT_VIEW else self.frozen.dev
+        if isinstance(packed, tuple) and packed and packed[0] in (_WEIGHT_VIEW, _FROZEN_VIEW, _PACKED_VIEW):
+            tag, dtype, size, stride, offset = packed
+            dev = self._device_buffers()[tag]
             if dev is None:
                 raise RuntimeError(f"backward of the {self._label()} while its weights are not loaded")
-            return dev.as_strided(size, stride, dev.storage_offset() + offset)
+            flat = dev if dtype == dev.dtype else dev.view(dtype)
+            return flat.as_strided(size, stride, flat.storage_offset() + offset // flat.element_size())
         return packed
 
     # --- checkpoints ----------------------------------------------------------------------

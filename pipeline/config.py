@@ -31,6 +31,7 @@ ATTN_IMPLS = ("auto", "sdpa", "eager")
 ATTN_BACKENDS = ("auto", "flash")  # pipeline.stage.attention.BACKENDS (not imported: config loads no torch)
 PARTITIONS = ("cost", "layers")
 REPORT_TO = ("tensorboard", "wandb", "none")  # report_to's names, one or several comma-separated
+QUANT_TYPES = ("nf4", "fp4")  # bitsandbytes' 4-bit data types (load_in_4bit)
 
 
 class ConfigError(ValueError):
@@ -224,7 +225,22 @@ class TrainConfig:
     lora_adapter: str = _f("", "A saved peft adapter directory (adapter_config.json, adapter_model.safetensors) to "
                            "continue training; its rank, alpha and target modules must be this run's.")
     merge_lora: bool = _f(False, "With lora_rank: also write the base model with the adapters merged into it to "
-                          "save_dir/model (save_dir/adapter is written anyway).")
+                          "save_dir/model (save_dir/adapter is written anyway). With load_in_4bit it needs "
+                          "merge_lora_base: merging into the 4-bit weights would bake their rounding into the model.")
+    merge_lora_base: str = _f("", "With merge_lora and load_in_4bit: the full-precision Hugging Face directory of "
+                              "the base model (usually model itself) whose weights the adapters are merged into.")
+    load_in_4bit: bool = _f(False, "QLoRA, with lora_rank: the decoder layers' linear weights are quantized once at "
+                            "load to 4 bits with bitsandbytes (as transformers' BitsAndBytesConfig(load_in_4bit=True) "
+                            "does, blocks of 64; the compute dtype is the run's): 0.5625 bytes a parameter with "
+                            "their scales instead of 2, in host memory with use_offload and streamed to the GPU. "
+                            "The embedding, norms and head stay in the compute dtype. Needs bitsandbytes "
+                            "(requirements.txt); the adapter records the quantization (adapter/base_quantization.json) "
+                            "and generate.py --adapter loads its base the same way.")
+    bnb_4bit_quant_type: str = _f("nf4", "With load_in_4bit: the 4-bit data type (bitsandbytes'), nf4 (normal "
+                                  "float, QLoRA's) or fp4.", choices=QUANT_TYPES)
+    bnb_4bit_use_double_quant: bool = _f(False, "With load_in_4bit: quantize the per-block scales too (8 bits in "
+                                         "blocks of 256, QLoRA's double quantization): 0.516 bytes a parameter "
+                                         "instead of 0.5625.")
     # --- output ---------------------------------------------------------------
     save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
                        "holds an earlier run is refused unless resume or overwrite is set; one that a live run "
@@ -292,7 +308,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
                   "loss_scale_window", "max_skipped_steps"),
-    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_adapter", "merge_lora"),
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_adapter", "merge_lora",
+             "merge_lora_base", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant"),
     "output": ("save_dir", "overwrite", "save_model", "save_params", "save_results", "save_metrics", "progress_bar",
                "eval_every", "timeline", "timeline_iteration", "debug_schedule", "checkpoint_every",
                "keep_checkpoints", "resume", "report_to"),
@@ -619,10 +636,20 @@ def lora_targets(cfg: TrainConfig) -> list[str]:
 
 def _lora(cfg: TrainConfig, world_size: int) -> None:
     if not cfg.lora_rank:
-        given = [k for k, on in (("lora_adapter", bool(cfg.lora_adapter)), ("merge_lora", cfg.merge_lora)) if on]
+        given = [k for k, on in (("lora_adapter", bool(cfg.lora_adapter)), ("merge_lora", cfg.merge_lora),
+                                 ("load_in_4bit", cfg.load_in_4bit)) if on]
         if given:
             raise ConfigError(f"{' and '.join(given)} need lora_rank > 0 (the adapter's rank); got lora_rank 0")
         return
+    if cfg.merge_lora_base and not (cfg.merge_lora and cfg.load_in_4bit):
+        raise ConfigError(f"merge_lora_base ({cfg.merge_lora_base!r}) is the full-precision base that merge_lora "
+                          "merges a 4-bit run's adapters into; it needs merge_lora and load_in_4bit (without "
+                          "load_in_4bit the base the run trained on is merged)")
+    if cfg.merge_lora and cfg.load_in_4bit and not cfg.merge_lora_base:
+        raise ConfigError("merge_lora with load_in_4bit would merge the adapters into the 4-bit base weights, "
+                          "baking their rounding into the model: give merge_lora_base, the full-precision Hugging "
+                          f"Face directory of the base (model: {cfg.model!r}), or drop merge_lora and use "
+                          "save_dir/adapter")
     if cfg.lora_alpha <= 0:
         raise ConfigError(f"lora_alpha ({cfg.lora_alpha}) must be > 0")
     if not 0 <= cfg.lora_dropout < 1:

@@ -13,7 +13,8 @@ import schedule as sched
 from schedule.ir import offloaded_stages, tied_stages
 from models import attn_implementation, head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
-from pipeline.plan.lora import adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, trained_adapters
+from pipeline.plan.lora import (adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, quantized,
+                                trained_adapters)
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
 from pipeline.plan.layout import shards_step
@@ -62,8 +63,9 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     parts = stage_layers(cfg, hf_config, len(set(mapping)))
     counts = stage_param_counts(hf_config, S, parts)
     adapters = lora_settings(cfg, hf_config)
-    stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1, adapter_numel(hf_config, adapters, parts[s]))
-              for s in range(S)]
+    base = adapters.base if adapters is not None else None
+    stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1, adapter_numel(hf_config, adapters, parts[s]),
+                        quantized(hf_config, base, parts[s])) for s in range(S)]
     program = program_spec(cfg, hf_config).build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
@@ -417,9 +419,13 @@ def _lora_lines(cfg: TrainConfig, hf_config, device: str) -> list[str]:
     S, d = cfg.num_stages, dtype_bytes(cfg, device)
     trained = trained_adapters(cfg, hf_config)
     frozen = sum(stage_param_counts(hf_config, S, stage_layers(cfg, hf_config, 1)))
+    q = quantized(hf_config, adapters.base, range(hf_config.num_hidden_layers))
+    held = (f"{gib((frozen - q.numel) * d + q.nbytes)}: {q.numel / 1e9:.2f}B of them in {adapters.base.describe()} "
+            f"with their scales ({gib(q.nbytes)}), the rest in the compute dtype" if adapters.base is not None
+            else f"{gib(frozen * d)} in the compute dtype")
     return [f"lora: rank {adapters.rank} on {','.join(adapters.targets)}: {trained / 1e6:.1f}M adapter parameters "
             f"trained ({gib(trained * 16)} with their fp32 masters, gradients and AdamW state, on the GPUs); "
-            f"{frozen / 1e9:.2f}B frozen base parameters, {gib(frozen * d)} in the compute dtype "
+            f"{frozen / 1e9:.2f}B frozen base parameters, {held} "
             f"({'host memory, streamed' if cfg.use_offload else 'on the GPUs'}; resident stages' on the GPUs)"]
 
 

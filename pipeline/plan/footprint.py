@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from models import LayerShape, counts, spec_for
 from offload.slices import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
+from pipeline.plan.lora import Quantized
 from pipeline.plan.shapes import loss_chunk_tokens
 from schedule.ir import RECV_OPS, Action, Op, crosses, offloaded_stages, recv_for
 
@@ -103,6 +104,7 @@ class StagePlan:
     first: bool
     last: bool
     adapter: int = 0  # LoRA: adapter elements (trained); ``numel`` is then the frozen base weights
+    quantized: Quantized = Quantized()  # load_in_4bit: the part of ``numel`` held in 4 bits
 
 
 @dataclass
@@ -340,6 +342,20 @@ def frozen_bytes(numel: int, d: int) -> int:
     return numel * d
 
 
+def stage_frozen_bytes(st: StagePlan, d: int) -> int:
+    """LoRA's base weights of a stage as its store holds them (host or device, and what a LOAD
+    copies): the compute-dtype copy, and for a 4-bit base (``load_in_4bit``) its linear weights'
+    packed bytes and scales instead of their compute-dtype copy (``offload.frozen``)."""
+    return frozen_bytes(st.numel - st.quantized.numel, d) + st.quantized.nbytes
+
+
+def dequantized_bytes(stages: list[StagePlan], d: int) -> int:
+    """A 4-bit base's transient while a stage computes: bitsandbytes dequantizes a weight whole
+    to the compute dtype for each product (forward and backward), one at a time, so the largest
+    linear weight of the rank's stages."""
+    return max((st.quantized.largest for st in stages), default=0) * d
+
+
 def param_bytes_host(numel: int, d: int, delayed: bool = False) -> int:
     # fp32 master + master grad (the offload's destination) + AdamW moments, and the pinned
     # compute copy of the weights: the master itself in fp32, except with a delayed update, whose
@@ -392,9 +408,11 @@ class Ledger:
         self.offloaded = offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
         self.lora = bool(inp.lora_rank)
         if self.lora:  # frozen base weights in host memory (offloaded) or on the device; adapters on the device
-            out.host = sum(frozen_bytes(inp.stages[s].numel, d) for s in mine if s in offloaded)
+            out.host = sum(stage_frozen_bytes(inp.stages[s], d) for s in mine if s in offloaded)
             self.params_static = sum(param_bytes_resident(inp.stages[s].adapter, d)
-                                     + (0 if s in offloaded else frozen_bytes(inp.stages[s].numel, d)) for s in mine)
+                                     + (0 if s in offloaded else stage_frozen_bytes(inp.stages[s], d)) for s in mine)
+            # counted throughout: the peaks are in the computes, where it exists
+            self.params_static += dequantized_bytes([inp.stages[s] for s in mine], d)
         else:
             out.host = sum(param_bytes_host(inp.stages[s].numel, d, inp.delayed) for s in mine if s in offloaded)
             self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
@@ -463,6 +481,12 @@ class Ledger:
     def give(self, numel: int) -> None:
         self.pool_free[numel] = self.pool_free.get(numel, 0) + 1
 
+    def loaded_numel(self, s: int) -> int:
+        """The pool elements (compute dtype) a LOAD of stage ``s`` takes for its weights: LoRA's
+        frozen bytes in those units (a 4-bit base's too)."""
+        st, d = self.inp.stages[s], self.inp.dtype_bytes
+        return -(-stage_frozen_bytes(st, d) // d) if self.lora else st.numel
+
     def parameters(self, a: Action) -> None:
         """Any action but a FORWARD or BACKWARD: a RECV's buffer is held until its compute
         (``arrive``), LOAD takes a buffer of the pool, DROP gives it back, OFFLOAD_GRADS gives back the weights' and the gradients' (through an fp32 chunk on
@@ -472,11 +496,11 @@ class Ledger:
             self.posted[a] = self.compute(a)[2]
             self.held += self.posted[a]
         elif a.op is Op.LOAD:
-            self.take(self.inp.stages[a.stage].numel)
+            self.take(self.loaded_numel(a.stage))
         elif a.op is Op.DROP:
-            self.give(self.inp.stages[a.stage].numel)
+            self.give(self.loaded_numel(a.stage))
         elif a.op is Op.OFFLOAD_GRADS and self.lora:  # the frozen weights' copy only: no gradient goes back
-            self.give(self.inp.stages[a.stage].numel)
+            self.give(self.loaded_numel(a.stage))
         elif a.op is Op.OFFLOAD_GRADS:
             numel = self.inp.stages[a.stage].numel
             self.give(numel)
@@ -499,5 +523,6 @@ class Ledger:
         return out
 
 
-__all__ = ["GiB", "Ledger", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "attention_work", "gib",
-           "layer_saved_bytes_per_token", "mlp_work", "norm_backward", "per_token", "weight_grad_bytes"]
+__all__ = ["GiB", "Ledger", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "attention_work",
+           "dequantized_bytes", "gib", "layer_saved_bytes_per_token", "mlp_work", "norm_backward", "per_token",
+           "stage_frozen_bytes", "weight_grad_bytes"]

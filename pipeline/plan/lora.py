@@ -1,6 +1,7 @@
 """LoRA's settings resolved once, before anything is built: which modules get adapters (peft's
-names, ``all-linear`` expanded against the model the way peft expands it) and how many adapter
-elements each stage holds. No weights, no peft: the counts read the model's skeleton on the meta
+names, ``all-linear`` expanded against the model the way peft expands it), how many adapter
+elements each stage holds and, with ``load_in_4bit`` (QLoRA), how the base's linear weights are
+quantized and what they then cost. No weights, no peft: the counts read the model's skeleton on the meta
 device, so ``--plan`` of a 70B-class model runs on a laptop. The combinations refused are
 checked before launch: on the settings in ``pipeline.config``, against the model in
 ``pipeline.plan.model_rules``, the saved adapter's files in ``pipeline.plan.preflight``."""
@@ -10,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from offload.slices import PACK_ALIGN
 from pipeline.config import ALL_LINEAR, TrainConfig, lora_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -18,16 +20,61 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """One run's adapters: rank, alpha, dropout and the target modules' names (expanded)."""
+    """One run's adapters: rank, alpha, dropout, the target modules' names (expanded) and the
+    base they adapt (4-bit or not)."""
 
     rank: int
     alpha: float
     dropout: float
     targets: tuple[str, ...]
+    base: Base4bit | None = None  # load_in_4bit: the base's linear weights in 4 bits (None: the compute dtype)
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class Base4bit:
+    """``load_in_4bit``: the base's linear weights in bitsandbytes' 4-bit blocks, as transformers'
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type, bnb_4bit_use_double_quant)``
+    quantizes them: blocks of ``blocksize`` elements with an fp32 absmax each (with double
+    quantization the absmax in 8 bits, in blocks of ``NESTED_BLOCKSIZE`` with an fp32 absmax and
+    one fp32 offset), the data type's 16-value code beside them; uint8 storage."""
+
+    quant_type: str = "nf4"
+    double_quant: bool = False
+    blocksize: int = 64  # bitsandbytes' Params4bit default, which transformers keeps
+
+    NESTED_BLOCKSIZE = 256  # bitsandbytes' blocks of the quantized absmax (quantize_blockwise)
+    NESTED_CODE = 256       # its dynamic map's entries (fp32)
+
+    def weight_bytes(self, numel: int) -> int:
+        """Bytes of one quantized weight of ``numel`` elements in the store's buffer: two elements
+        a byte, the scales, the code(s), each part aligned to ``PACK_ALIGN``."""
+        blocks = -(-numel // self.blocksize)
+        parts = [(numel + 1) // 2, 16 * 4]  # packed weight, code
+        if self.double_quant:
+            parts += [blocks, 4, -(-blocks // self.NESTED_BLOCKSIZE) * 4, self.NESTED_CODE * 4]
+        else:
+            parts += [blocks * 4]
+        return sum(-(-n // PACK_ALIGN) * PACK_ALIGN for n in parts)
+
+    def record(self, compute_dtype: str) -> dict:
+        """``BitsAndBytesConfig``'s arguments for this quantization (an adapter's record of its
+        base, ``data.generation.BASE_QUANTIZATION``; the reference model of the tests)."""
+        return {"load_in_4bit": True, "bnb_4bit_quant_type": self.quant_type,
+                "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": compute_dtype}
+
+    def describe(self) -> str:
+        return f"4-bit {self.quant_type}{' with double quantization' if self.double_quant else ''}"
+
+
+def base_4bit(cfg: TrainConfig) -> Base4bit | None:
+    """The run's 4-bit base (None: the base in the compute dtype)."""
+    if not (cfg.lora_rank and cfg.load_in_4bit):
+        return None
+    return Base4bit(cfg.bnb_4bit_quant_type, cfg.bnb_4bit_use_double_quant)
 
 
 def adapter_config(path: str | Path) -> dict:
@@ -60,6 +107,27 @@ def linear_names(hf_config) -> list[str]:
     return sorted({name for layer in _layer_linears(hf_config) for name, _, _ in layer})
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """What ``load_in_4bit`` does to some decoder layers: elements of their linear weights held
+    in 4 bits, those weights' bytes (``Base4bit.weight_bytes``) and the largest one's elements
+    (it is dequantized whole to the compute dtype for each product)."""
+
+    numel: int = 0
+    nbytes: int = 0
+    largest: int = 0
+
+
+def quantized(hf_config, base: Base4bit | None, layer_ids) -> Quantized:
+    """``load_in_4bit`` of the decoder layers ``layer_ids``: every linear weight of theirs, the
+    modules transformers' bitsandbytes integration converts (it keeps only the head, which is no
+    decoder layer's, and tied matrices in the compute dtype)."""
+    if base is None:
+        return Quantized()
+    weights = [i * o for layer in (_layer_linears(hf_config)[i] for i in layer_ids) for _, i, o in layer]
+    return Quantized(sum(weights), sum(base.weight_bytes(n) for n in weights), max(weights, default=0))
+
+
 def lora_settings(cfg: TrainConfig, hf_config) -> LoraSettings | None:
     """The run's adapters (None for full fine-tuning), ``all-linear`` expanded to the model's
     decoder layers' linear modules (``model_rules.adapters_fit`` checked the targets)."""
@@ -68,7 +136,7 @@ def lora_settings(cfg: TrainConfig, hf_config) -> LoraSettings | None:
     targets = lora_targets(cfg)
     if targets == [ALL_LINEAR]:
         targets = linear_names(hf_config)
-    return LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(sorted(targets)))
+    return LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(sorted(targets)), base_4bit(cfg))
 
 
 def adapter_numel(hf_config, settings: LoraSettings | None, layer_ids) -> int:
@@ -110,6 +178,6 @@ def adapts_mlp_width(hf_config, settings: LoraSettings | None) -> bool:
                for layer in _layer_linears(hf_config) for name, fan_in, fan_out in layer)
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ALL_LINEAR", "LoraSettings", "adapted_per_layer", "adapter_config",
-           "adapter_numel", "adapts_mlp_width", "linear_names", "lora_settings",
-           "trained_adapters"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ALL_LINEAR", "Base4bit", "LoraSettings", "Quantized",
+           "adapted_per_layer", "adapter_config", "adapter_numel", "adapts_mlp_width", "base_4bit", "linear_names",
+           "lora_settings", "quantized", "trained_adapters"]

@@ -432,6 +432,48 @@ def check_model_weights(cfg: TrainConfig, source: ModelSource) -> None:
         raise ConfigError(f"model {cfg.model!r}: {e}") from None
 
 
+# Config keys a full-precision base for merge_lora must share with the model it trained on
+MERGE_BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "vocab_size")
+
+
+def check_base_4bit(cfg: TrainConfig, source: ModelSource) -> None:
+    """``load_in_4bit``: bitsandbytes is there and can compute on the run's device; a
+    ``merge_lora_base`` is a full-precision Hugging Face directory of the model's shape (a
+    preset's random base has none)."""
+    if not (cfg.lora_rank and cfg.load_in_4bit):
+        return
+    from pipeline.stage.quantized import unavailable
+
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    why = unavailable(device)
+    if why:
+        raise ConfigError(why)
+    if not cfg.merge_lora_base:
+        return
+    if source.weights_dir is None:
+        raise ConfigError(f"merge_lora_base: model {cfg.model!r} is a preset, whose random weights were drawn at "
+                          "start-up and are no directory's: there is no full-precision base to merge into; drop "
+                          "merge_lora (save_dir/adapter is written)")
+    path = Path(cfg.merge_lora_base)
+    theirs = _json_field(path / "config.json", "model_type") and json.loads((path / "config.json").read_text())
+    if not theirs:
+        raise ConfigError(f"merge_lora_base {cfg.merge_lora_base!r} is not a Hugging Face model directory (no "
+                          f"readable config.json in {path}); give the full-precision base the run trains on")
+    mine = source.config.to_dict()
+    keys = [k for k in MERGE_BASE_KEYS if k in mine and not (k == "num_hidden_layers" and cfg.num_layers)]
+    differ = [f"{k} {theirs.get(k)!r} (the model's {mine.get(k)!r})" for k in keys if theirs.get(k) != mine.get(k)]
+    if differ:
+        raise ConfigError(f"merge_lora_base {cfg.merge_lora_base!r} is not the model's full-precision base: "
+                          f"{', '.join(differ)}")
+    from pipeline.plan.weight_files import check_weight_files
+
+    try:
+        check_weight_files(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"merge_lora_base {cfg.merge_lora_base!r}: {e}") from None
+
+
 # --- data and tokenizer -----------------------------------------------------------------------
 def check_eval_data(cfg: TrainConfig) -> None:
     """Validation taken from the training data needs a validation split there."""
@@ -489,6 +531,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
         build_model(cfg)
         source = read_model(cfg, world_size)
     check_model_weights(cfg, source)
+    check_base_4bit(cfg, source)
     evaluated = cfg.eval_every and eval_source(cfg)[0] != "synthetic"
     if records is not None or evaluated:
         tokenizer = load_tokenizer(cfg, source)

@@ -37,6 +37,7 @@ from pipeline.run.replicas import GradSync, shard_peers
 from pipeline.runners import RankRunners
 from pipeline.stage import attention, lora
 from pipeline.stage.model import build_stage, compile_layers
+from pipeline.stage.quantized import packed_weights
 from pipeline.stage.router_loss import RouterLoss
 
 if TYPE_CHECKING:
@@ -206,6 +207,11 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                              initargs=(cpus,)), device)
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
+    base = adapters.base if adapters is not None else None
+    if base is not None:
+        log.info(f"load_in_4bit: the decoder layers' linear weights in {base.describe()} (bitsandbytes, blocks of "
+                 f"{base.blocksize}, compute {str(dtype).removeprefix('torch.')}), quantized on {device.type} as "
+                 "each layer is read; the embedding, norms and head in the compute dtype")
     compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
     attention.use_backend(cfg.attention_backend)
     tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
@@ -225,7 +231,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing,
                                 kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device,
-                                mlp_tile_tokens=tile)
+                                mlp_tile_tokens=tile, base_4bit=base, dtype=dtype)
             if adapters is not None:
                 lora.inject(stage, adapters)
                 if adapter_dir is not None:
@@ -243,7 +249,8 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             shard = shard_peers(replicas) if shards_step(cfg, s in offloaded, stage.tied_name is not None,
                                                          numel) else None
             stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update,
-                                   frozen=adapters is not None, device=device, compute_dtype=dtype,
+                                   frozen=adapters is not None, packed=packed_weights(stage) if base else (),
+                                   device=device, compute_dtype=dtype,
                                    optim=optim_settings(cfg, fused=True), streams=streams, pool=pool, workers=workers,
                                    tied=stage.tied_name if adapters is None else None, tied_copy=s == S - 1,
                                    shard=shard)

@@ -144,12 +144,14 @@ def _write_adapter_parts(out_dir: Path, stores: dict) -> None:
         _fsync(path)
 
 
-def _merge_adapter_parts(out_dir: Path, settings, base_model: str | None) -> None:
+def _merge_adapter_parts(out_dir: Path, settings, base_model: str | None, dtype: torch.dtype) -> None:
     """Rank 0, once every part is on disk: the parts into peft's one ``adapter_model.safetensors``
     (adapters are small: LoRA rank 16 of every linear layer of a 70B model is 0.8 GB in fp32) and
-    its ``adapter_config.json``."""
+    its ``adapter_config.json``; for a 4-bit base (``settings.base``), ``BASE_QUANTIZATION``:
+    ``BitsAndBytesConfig``'s arguments for the base it was trained on (compute ``dtype``)."""
     from safetensors.torch import load_file, save_file
 
+    from data.generation import BASE_QUANTIZATION
     from pipeline.plan.lora import ADAPTER_WEIGHTS
     from pipeline.stage.lora import peft_config
 
@@ -165,11 +167,14 @@ def _merge_adapter_parts(out_dir: Path, settings, base_model: str | None) -> Non
         part.unlink()
     # The base as an absolute path: a relative one (.cache/tiny-llama) names nothing from another directory
     peft_config(settings, base_model and os.path.abspath(base_model)).save_pretrained(str(out_dir))
+    if settings.base is not None:
+        write_json_atomic(out_dir / BASE_QUANTIZATION, settings.base.record(str(dtype).removeprefix("torch.")))
 
 
-def save_adapter(out_dir: Path, stores: dict, settings, base_model: str | None, env: DistEnv) -> None:
+def save_adapter(out_dir: Path, stores: dict, settings, base_model: str | None, env: DistEnv,
+                 dtype: torch.dtype) -> None:
     """A peft adapter directory (``PeftModel.from_pretrained(base, out_dir)`` loads it), written
-    as ``<out_dir>.partial`` and renamed once complete. Collective."""
+    as ``<out_dir>.partial`` and renamed once complete (``dtype``: the run's compute dtype). Collective."""
     tmp = out_dir.with_name(out_dir.name + ".partial")
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -178,7 +183,7 @@ def save_adapter(out_dir: Path, stores: dict, settings, base_model: str | None, 
     _write_adapter_parts(tmp, stores)
     barrier()  # every part on disk before rank 0 reads them
     if env.rank == 0:
-        _merge_adapter_parts(tmp, settings, base_model)
+        _merge_adapter_parts(tmp, settings, base_model, dtype)
         _replace_dir(tmp, out_dir)
     barrier()
 
@@ -243,7 +248,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, env: DistEnv, *, num_stages: int,
                              trainer_state: dict, device: torch.device, keep: int, rank_state: bool = True,
-                             adapters=None) -> Path:
+                             adapters=None, dtype: torch.dtype = torch.float32) -> Path:
     """Write ``save_dir/checkpoints/step_{step}`` (see above); collective: every rank calls it.
 
     Every rank writes its own stages' shards and optimizer states and its RNG state; after a
@@ -252,7 +257,8 @@ def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, en
     ``rank_state=False``: this rank writes no RNG state (data parallelism: only replica 0's ranks
     write, and pass no ``stores`` in the other replicas, so those write nothing at all).
     ``adapters`` (LoRA's settings): the checkpoint holds the adapters in peft's format
-    (``adapter/``) instead of the model's shards: the base weights never change."""
+    (``adapter/``) instead of the model's shards: the base weights never change (``dtype``: the
+    compute dtype a 4-bit base's record names)."""
     final = checkpoint_dir(save_dir, step)
     tmp = final.with_name(final.name + ".partial")
     if env.rank == 0:
@@ -277,7 +283,7 @@ def save_training_checkpoint(save_dir: Path, step: int, stores: dict, source, en
     barrier()  # every rank's files are on disk before the marker vouches for them
     if env.rank == 0:
         if adapters is not None:
-            _merge_adapter_parts(adapter_dir(tmp), adapters, source.weights_dir and str(source.weights_dir))
+            _merge_adapter_parts(adapter_dir(tmp), adapters, source.weights_dir and str(source.weights_dir), dtype)
         write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
         _fsync(tmp / TRAINER_STATE)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -372,11 +378,13 @@ class CheckpointManager:
     With data parallelism replica 0 writes; every replica restores."""
 
     def __init__(self, cfg, env: DistEnv, source, device: torch.device, log, layout, *, stores: dict, stream,
-                 scaler, parts: list[range], mapping: list[int], adapters=None) -> None:
-        """``adapters``: LoRA's settings (the checkpoints hold the adapters), None for full fine-tuning."""
+                 scaler, parts: list[range], mapping: list[int], adapters=None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """``adapters``: LoRA's settings (the checkpoints hold the adapters), None for full
+        fine-tuning; ``dtype``: the compute dtype."""
         self.cfg, self.env, self.source, self.device, self.log, self.layout = cfg, env, source, device, log, layout
         self.stores, self.stream, self.scaler, self.parts, self.mapping = stores, stream, scaler, parts, mapping
-        self.adapters = adapters
+        self.adapters, self.dtype = adapters, dtype
 
     @property
     def saved_stores(self) -> dict:
@@ -404,7 +412,7 @@ class CheckpointManager:
         path = save_training_checkpoint(Path(cfg.save_dir), step, self.saved_stores, self.source, self.env,
                                         num_stages=cfg.num_stages, trainer_state=trainer_state, device=self.device,
                                         keep=cfg.keep_checkpoints, rank_state=self.layout.replica == 0,
-                                        adapters=self.adapters)
+                                        adapters=self.adapters, dtype=self.dtype)
         self.log.info(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f}s)")
         return path
 

@@ -89,7 +89,7 @@ class Trainer:
                                                      r.cfg.seq_length, trained_adapters(r.cfg, r.source.config))
         self.checkpoints = checkpoint.CheckpointManager(
             r.cfg, env, r.source, r.device, r.log, r.layout, stores=r.stores, stream=r.stream, scaler=r.scaler,
-            parts=r.parts, mapping=r.mapping, adapters=r.adapters)
+            parts=r.parts, mapping=r.mapping, adapters=r.adapters, dtype=r.dtype)
         if r.resume_point:
             self.checkpoints.restore(r.resume_point)
 
@@ -243,11 +243,11 @@ class Trainer:
             return
         stores = self.checkpoints.saved_stores
         base = str(r.source.weights_dir) if r.source.weights_dir is not None else None
-        checkpoint.save_adapter(out / checkpoint.ADAPTER_DIR, stores, r.adapters, base, self.env)
+        checkpoint.save_adapter(out / checkpoint.ADAPTER_DIR, stores, r.adapters, base, self.env, r.dtype)
         r.log.info(f"saved LoRA adapter (peft format) to {out / checkpoint.ADAPTER_DIR}")
         if cfg.merge_lora:
             checkpoint.save_hf_model(out / "model", stores, r.source, self.env, cfg.num_stages,
-                                     lambda s, store: merged_tensors(r.stages[s], store))
+                                     lambda s, store: merged_tensors(r.stages[s], store, cfg.merge_lora_base or None))
             r.log.info(f"saved the merged Hugging Face model to {out / 'model'}")
 
     def save(self, history: list[dict]) -> None:

@@ -16,6 +16,10 @@ from torch import nn
 
 from offload.streams import flat_views
 from pipeline.plan.lora import ADAPTER_WEIGHTS, LoraSettings
+from pipeline.stage.quantized import quiet_bitsandbytes
+from pipeline.stage.weights import read_weights
+
+quiet_bitsandbytes()  # before peft, which imports bitsandbytes wherever it is installed
 
 ADAPTER_NAME = "default"  # peft's own adapter name; the saved keys leave it out
 PEFT_PREFIX = "base_model.model."  # what a PeftModel's saved keys start with
@@ -100,10 +104,21 @@ def adapter_tensors(store) -> dict[str, torch.Tensor]:
     return {saved_key(n): v.to("cpu", copy=True) for n, v in store.master_state_dict().items()}
 
 
-def merged_tensors(stage: nn.Module, store) -> dict[str, torch.Tensor]:
+def merged_tensors(stage: nn.Module, store, full_base: str | Path | None = None) -> dict[str, torch.Tensor]:
     """The stage's weights with its adapters merged in (W + scaling * B @ A, in float32, as
-    peft's ``merge_and_unload``), under the Hugging Face names; a tied head's second copy left out."""
+    peft's ``merge_and_unload``), under the Hugging Face names; a tied head's second copy left out.
+    A 4-bit base's linear weights W are the full-precision ones of the Hugging Face directory
+    ``full_base`` (``merge_lora_base``), read for this stage only, not the 4-bit values trained on."""
     frozen = {n: v.to("cpu", torch.float32, copy=True) for n, v in store.frozen.state_dict().items()}
+    if store.frozen.packed:
+        names = {id(p): n for n, p in stage.named_parameters()}
+        packed = {names[id(w.param)]: w.module for w in store.frozen.packed}
+        if full_base is None:
+            raise ValueError(f"stage {stage.index}: a 4-bit base merges into its full-precision weights only; "
+                             "give merge_lora_base")
+        read = read_weights(stage, Path(full_base), {n.replace(".base_layer.", "."): torch.Size((m.out_features,
+                            m.in_features)) for n, m in packed.items()})
+        frozen.update({n: read[n.replace(".base_layer.", ".")].to(torch.float32) for n in packed})
     masters = dict(zip(store.names, flat_views(store.master.detach(), store.shapes)))
     out = {}
     for name, w in frozen.items():

@@ -20,12 +20,13 @@ from torch.utils.checkpoint import checkpoint
 from models import (attn_implementation, head_dim, kv_heads, logit_softcap, materialize_, set_attn_implementation,
                     skeleton, spec_for, tied)
 from models.moe import Routing
+from pipeline.plan.lora import Base4bit
 from pipeline.plan.programs import tied_across_stages
 from pipeline.plan.shapes import loss_chunk_tokens
-from pipeline.stage import attention
+from pipeline.stage import attention, quantized
 from pipeline.stage.attention import AttnMask, attend_mask
 from pipeline.stage.tiled import tile_mlps
-from pipeline.stage.weights import load_weights_
+from pipeline.stage.weights import load_weights_, read_weights
 
 
 def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -283,21 +284,29 @@ class Stage(nn.Module):
                                reduction="sum")
 
 
-def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu") -> None:
+def init_weights_(stage: Stage, config, seed: int, device: torch.device | str = "cpu",
+                  skip: frozenset[str] = frozenset()) -> None:
     """Random init as Hugging Face does (normal(0, initializer_range); norms as their module makes
     them: 1, or 0 for a (1 + w) norm; biases 0), seeded per tensor name so every partition of the
     model gets the same weights. Drawing on a GPU is much faster for 7B-class presets (the
-    numbers then differ from a CPU draw)."""
-    std = config.initializer_range
-    for name, p in stage.named_parameters():
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + _stable_hash(stage.source_name(name)))
-        with torch.no_grad():
+    numbers then differ from a CPU draw). ``skip``: parameters drawn later (a 4-bit base's linear
+    weights, layer by layer: ``build_stage``)."""
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            if name in skip:
+                continue
             if name.endswith("bias"):
                 p.zero_()
             elif p.ndim == 1 and hasattr(p, "constant_init"):
                 p.fill_(p.constant_init)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device) * std)
+                p.copy_(_drawn(stage, config, seed, name, p.shape, device))
+
+
+def _drawn(stage: Stage, config, seed: int, name: str, shape: torch.Size, device: torch.device | str) -> torch.Tensor:
+    """The random float32 value of matrix ``name`` (on ``device``), seeded by its source name."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + _stable_hash(stage.source_name(name)))
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * config.initializer_range
 
 
 def _stable_hash(text: str) -> int:
@@ -309,16 +318,32 @@ def _stable_hash(text: str) -> int:
 
 def build_stage(config, index: int, num_stages: int, layer_ids: range, *, model_dir: Path | None,
                 seed: int, checkpointing: bool = False, kept_layers: int = 0,
-                init_device: torch.device | str = "cpu", mlp_tile_tokens: int = 0) -> Stage:
+                init_device: torch.device | str = "cpu", mlp_tile_tokens: int = 0,
+                base_4bit: Base4bit | None = None, dtype: torch.dtype = torch.float32) -> Stage:
     """Materialise one stage in float32 on the CPU: from ``model_dir`` if given, else random;
-    ``mlp_tile_tokens`` > 0: its MLPs run in tiles of that many tokens (``pipeline.stage.tiled``)."""
+    ``mlp_tile_tokens`` > 0: its MLPs run in tiles of that many tokens (``pipeline.stage.tiled``).
+    ``base_4bit`` (QLoRA): the decoder layers' linear weights are never materialised here; layer by
+    layer they are read (or drawn on ``init_device``), cast to ``dtype`` and quantized on
+    ``init_device`` (``pipeline.stage.quantized``), where their 4-bit parts stay."""
     stage = Stage(config, index, num_stages, layer_ids, checkpointing, kept_layers, mlp_tile_tokens)
-    materialize_(stage, "cpu")
+    later = frozenset()
+    if base_4bit is not None:
+        later = frozenset(f"{name}.weight" for name, _ in quantized.quantized_modules(stage))
+    materialize_(stage, "cpu", skip=later)
     stage.tie_weights()
     if model_dir is None:
-        init_weights_(stage, config, seed, init_device)
+        init_weights_(stage, config, seed, init_device, skip=later)
     else:
-        load_weights_(stage, model_dir)
+        load_weights_(stage, model_dir, skip=later)
+    if base_4bit is not None:
+        shapes = dict(stage.named_parameters())
+        if model_dir is None:
+            def weights(names):
+                return {n: _drawn(stage, config, seed, n, shapes[n].shape, init_device) for n in names}
+        else:
+            def weights(names):
+                return read_weights(stage, model_dir, {n: shapes[n].shape for n in names})
+        quantized.quantize_layers_(stage, base_4bit, weights, init_device, dtype)
     return stage
 
 

@@ -26,7 +26,15 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
 
     torch.manual_seed(cfg.seed)
     impl = {} if cfg.attn_implementation == "auto" else {"attn_implementation": cfg.attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **impl).to(device)
+    impl.update(quantization(cfg, compute_dtype, device))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **impl)
+    if not cfg.load_in_4bit:  # a 4-bit model is placed by its device_map
+        model = model.to(device)
+    else:
+        # training mode, as a trainer sets it: in eval mode bitsandbytes on a CPU with AVX512-BF16
+        # repacks a 4-bit weight whose input needs no gradient (the first layer's) for its
+        # inference kernel, which computes in bfloat16
+        model.train()
     if cfg.num_layers:
         model.model.layers = model.model.layers[: cfg.num_layers]
         model.config.num_hidden_layers = cfg.num_layers
@@ -72,6 +80,21 @@ def reference_train(cfg: TrainConfig, model_dir: Path, device: str = "cpu",
         return losses, {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # saved once, as the embedding
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in tied}
+
+
+def quantization(cfg: TrainConfig, compute_dtype: torch.dtype, device: str) -> dict:
+    """``from_pretrained``'s arguments for ``load_in_4bit``: transformers' own 4-bit loading
+    (``BitsAndBytesConfig``, bitsandbytes' kernels; on the CPU its CPU path), the run's quantization
+    settings, placed on ``device``; none without it."""
+    from pipeline.plan.lora import base_4bit
+
+    base = base_4bit(cfg)
+    if base is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    record = base.record(str(compute_dtype).removeprefix("torch."))
+    return {"quantization_config": BitsAndBytesConfig(**record), "device_map": device}
 
 
 def _with_adapters(cfg: TrainConfig, source, model, mixed: bool):
