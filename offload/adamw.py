@@ -67,28 +67,35 @@ NORM_BLOCK = 2**14
 
 
 def squared_norm(flat: torch.Tensor) -> torch.Tensor:
-    """Sum of the squares of a flat fp32 tensor (the gradient norm that clipping needs), as fp32.
+    """Sum of the squares of a flat gradient (the gradient norm that clipping needs), as fp32.
 
     Blocks of ``NORM_BLOCK`` elements are each summed by one thread, then their sums in float64:
     the same order for any thread count (the offloaded stages' norms come from the optimizer
     thread's cores, the resident ones' from torchrun's one, and both must clip alike), and
     accurate. ``vector_norm`` over a whole stage sums serially in fp32: a core's ~12 GB/s
     (80 ms for a 250M-parameter stage, ahead of the steps that wait for clipping), and at 30M
-    elements 0.3% short of the float64 sum."""
+    elements 0.3% short of the float64 sum. A gradient in the compute dtype (a resident stage
+    that keeps no fp32 copy) is converted ``MASTER_SLICE_NUMEL`` elements at a time, in whole
+    blocks: the same blocks, so the same sum as of its fp32 copy."""
     n = flat.numel() - flat.numel() % NORM_BLOCK
-    blocks = torch.linalg.vector_norm(flat[:n].view(-1, NORM_BLOCK), dim=1)
-    tail = torch.linalg.vector_norm(flat[n:]).view(1)
-    return torch.cat([blocks, tail]).double().square().sum().float()
+    per = max(n, 1) if flat.dtype == torch.float32 else \
+        max(NORM_BLOCK, slices.MASTER_SLICE_NUMEL // NORM_BLOCK * NORM_BLOCK)
+    blocks = [torch.linalg.vector_norm(flat[lo:min(n, lo + per)].float().view(-1, NORM_BLOCK), dim=1)
+              for lo in range(0, n, per)]
+    tail = torch.linalg.vector_norm(flat[n:].float()).view(1)
+    return torch.cat([*blocks, tail]).double().square().sum().float()
 
 
 class FlatAdamW:
     """AdamW over ``master`` (flat fp32), with gradients in ``master_grad``: one group per
     (leaf ranges, weight decay) of ``group_bounds`` (the tied matrix, the decayed matrices, the
     undecayed 1-D weights), each leaf a view of the masters whose ``.grad`` is the same view of
-    the gradient. ``shard``: only this peer's range of the flat parameters is stepped (and has
-    AdamW state) here. Built, like the store, on the thread that owns the store."""
+    the gradient. Without ``master_grad`` (a resident stage that keeps no fp32 gradient) the
+    leaves have none: ``step_chunks`` is given the gradient to convert. ``shard``: only this
+    peer's range of the flat parameters is stepped (and has AdamW state) here. Built, like the
+    store, on the thread that owns the store."""
 
-    def __init__(self, master: torch.Tensor, master_grad: torch.Tensor,
+    def __init__(self, master: torch.Tensor, master_grad: torch.Tensor | None,
                  group_bounds: list[tuple[tuple[int, ...], float]], optim: OptimSettings,
                  shard: ShardPeers | None = None):
         self.master, self.master_grad, self.group_bounds, self.shard = master, master_grad, group_bounds, shard
@@ -99,12 +106,12 @@ class FlatAdamW:
             leaves = []
             for lo, hi in ranges:
                 leaf = self.master[lo:hi].requires_grad_()
-                leaf.grad = self.master_grad[lo:hi]
+                leaf.grad = self.master_grad[lo:hi] if self.master_grad is not None else None
                 leaves.append(leaf)
             groups.append({"params": leaves, "weight_decay": wd})
         if not groups:  # nothing to train here (a LoRA stage without adapters): one empty leaf
             leaf = self.master[0:0].requires_grad_()
-            leaf.grad = self.master_grad[0:0]
+            leaf.grad = self.master_grad[0:0] if self.master_grad is not None else None
             groups.append({"params": [leaf], "weight_decay": 0.0})
         self.optimizer = torch.optim.AdamW(groups, lr=0.0, betas=optim.betas, eps=optim.eps, fused=optim.fused)
         if optim.fused:
@@ -136,26 +143,31 @@ class FlatAdamW:
                 self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                            "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
-    def step_chunks(self, lr: float, grad_scale: torch.Tensor | None, progress: StepProgress) -> None:
+    def step_chunks(self, lr: float, grad_scale: torch.Tensor | None, progress: StepProgress | None = None,
+                    grad: torch.Tensor | None = None) -> None:
         """What ``optimizer.step()`` does with ``fused=True`` (the same kernel, arguments and
         state; elementwise, so the result is bit for bit the same), ``MASTER_SLICE_NUMEL``
-        elements at a time, telling ``progress`` how far the flat master is written."""
+        elements at a time, telling ``progress`` how far the flat master is written. ``grad``:
+        the flat gradient in the compute dtype, converted to fp32 a chunk at a time (a transient
+        of one chunk, the same values the fp32 copy would hold), instead of the leaves' own."""
         done = 0
         for group in self.optimizer.param_groups:
             group["lr"] = lr
             beta1, beta2 = group["betas"]
             for leaf in group["params"]:
                 state = self.optimizer.state[leaf]
-                p, g = leaf.detach(), leaf.grad
+                p, off = leaf.detach(), self.leaf_offset(leaf)
+                g = leaf.grad if grad is None else grad[off:off + p.numel()]
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 for lo in range(0, p.numel(), slices.MASTER_SLICE_NUMEL):
                     hi = min(p.numel(), lo + slices.MASTER_SLICE_NUMEL)
-                    torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
+                    torch._fused_adamw_([p[lo:hi]], [g[lo:hi].float()], [m[lo:hi]], [v[lo:hi]], [], [state["step"]],
                                         amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                                         grad_scale=grad_scale, found_inf=None)
-                    progress.advance(done + hi)
+                    if progress is not None:
+                        progress.advance(done + hi)
                 done += p.numel()
 
     def gather_state(self) -> dict:

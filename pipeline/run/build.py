@@ -243,8 +243,9 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             shard = shard_peers(replicas) if shards_step(cfg, s in offloaded, stage.tied_name is not None,
                                                          numel) else None
             stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update,
-                                   frozen=adapters is not None, device=device, compute_dtype=dtype,
-                                   optim=optim_settings(cfg, fused=True), streams=streams, pool=pool, workers=workers,
+                                   frozen=adapters is not None, summed=replicas is not None, device=device,
+                                   compute_dtype=dtype, optim=optim_settings(cfg, fused=True), streams=streams,
+                                   pool=pool, workers=workers,
                                    tied=stage.tied_name if adapters is None else None, tied_copy=s == S - 1,
                                    shard=shard)
             stages[s] = stage

@@ -60,6 +60,51 @@ def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
     assert not torch.equal(chunked.master, _store(offload=False).master)  # it did train
 
 
+def _bf16_resident_pair():
+    """Two resident bf16 stores of one module: one keeps an fp32 copy of its gradient (as with
+    replicas), the other converts its bf16 gradient a chunk at a time."""
+    optim = OptimSettings(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return [make_store(_module(), device=CPU, compute_dtype=torch.bfloat16, offload=False, summed=summed,
+                       optim=optim, streams=Streams(CPU), pool=BufferPool(CPU)) for summed in (True, False)]
+
+
+@pytest.mark.parametrize("chunk", [64, 192, 1 << 20])
+def test_resident_bf16_step_without_an_fp32_gradient_is_the_same(monkeypatch, chunk):
+    """A resident bf16 stage without an fp32 gradient (the norm and the step convert the bf16 one a
+    chunk at a time) against one with it: the same squared norm and, over several steps with
+    and without clipping, the same masters, compute copy and AdamW state, bit for bit."""
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", chunk)
+    copied, converted = _bf16_resident_pair()
+    assert copied.master_grad is not None and converted.master_grad is None
+    for i, coef in enumerate([0.37, None, 0.81]):
+        g = torch.randn(copied.numel, generator=torch.Generator().manual_seed(i)).bfloat16()
+        for st in (copied, converted):
+            st.grad.copy_(g)
+        assert torch.equal(copied.grad_sq_norm(), converted.grad_sq_norm())
+        copied.step(1e-2, coef).result()
+        converted.step(1e-2, coef).result()
+        assert not converted.grad.any()  # zeroed for the next iteration's accumulation
+    assert torch.equal(copied.master, converted.master) and torch.equal(copied.dev, converted.dev)
+    for a, b in zip(copied.optimizer.param_groups, converted.optimizer.param_groups):
+        for pa, pb in zip(a["params"], b["params"]):
+            sa, sb = copied.optimizer.state[pa], converted.optimizer.state[pb]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_resident_bf16_step_from_misplaced_chunks_is_caught(monkeypatch):
+    """Mutation: a chunked step that takes each leaf's gradient from the start of the flat
+    gradient (its offset forgotten) steps the second leaf with the first one's gradient."""
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 64)
+    copied, converted = _bf16_resident_pair()
+    g = torch.randn(copied.numel, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for st in (copied, converted):
+        st.grad.copy_(g)
+    monkeypatch.setattr(converted.adamw, "leaf_offset", lambda leaf: 0)
+    copied.step(1e-2, 0.5).result()
+    converted.step(1e-2, 0.5).result()
+    assert not torch.equal(copied.master, converted.master)
+
+
 def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
     """With the step still running, the loader thread copies chunk by chunk behind it: the
     load has copied the first chunks before the step is done, and ends with the new weights."""
@@ -324,3 +369,4 @@ def test_lora_frozen_loads_count_as_transfers_and_load_waits(monkeypatch):
     frozen_bytes = sum(p.numel() for p in module[0].parameters()) * 4
     assert st.pop_transfer_stats() == {"h2d": (frozen_bytes, 1e-3)}
     assert clock.spans == ["load_wait"] and len(streams.compute.waited) == 1
+
