@@ -370,3 +370,60 @@ def test_lora_frozen_loads_count_as_transfers_and_load_waits(monkeypatch):
     assert st.pop_transfer_stats() == {"h2d": (frozen_bytes, 1e-3)}
     assert clock.spans == ["load_wait"] and len(streams.compute.waited) == 1
 
+
+class _TimedEvent(_StubEvent):
+    """A stub event that also notes when it was recorded."""
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        self.at = time.perf_counter()
+
+
+def test_cuda_path_load_waits_for_its_own_step_only(monkeypatch):
+    """The next iteration's LOAD on the CUDA path (streams and events stubbed on the CPU): two
+    offloaded stages step one after the other on the optimizer thread (the order the next
+    forward needs them), the second slowly. The first one's load and compute go ahead while the
+    second still steps: the compute stream waits for the first's own load event and nothing
+    else. The second's load event is recorded only after its own step wrote the last chunk, and
+    its compute waits for that event: the weights it computes with are the stepped ones."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
+    monkeypatch.setattr(Streams, "on", lambda self, which: contextlib.nullcontext())
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 64)
+    streams = Streams(CPU)
+    streams.cuda = True
+    streams.compute, streams.load, streams.offload = _StubStream(), _StubStream(), _StubStream()
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    optim = OptimSettings(weight_decay=0.1, fused=True)
+    first, second = (make_store(_module(seed), device=CPU, compute_dtype=torch.float32, offload=True, optim=optim,
+                                streams=streams, pool=BufferPool(CPU), workers=workers) for seed in (0, 1))
+    gate, real_kernel, written = threading.Event(), torch._fused_adamw_, []
+    lo = second.master.data_ptr()
+    hi = lo + second.master.numel() * second.master.element_size()
+
+    def kernel(params, *args, **kw):
+        if lo <= params[0].data_ptr() < hi:  # a chunk of the second stage's masters
+            assert gate.wait(10), "the first stage's compute never went ahead"
+            real_kernel(params, *args, **kw)
+            written.append(time.perf_counter())
+            return
+        real_kernel(params, *args, **kw)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    _set_grads([first], seed=0)
+    _set_grads([second], seed=1)
+    steps = [st.step(1e-2, 0.5) for st in (first, second)]
+    spans = [st.load() for st in (first, second)]
+    first.before_compute(backward=False)
+    assert not steps[1].done(), "the first stage's compute waited for the second stage's step"
+    assert streams.compute.waited == [spans[0].result().end]
+    assert torch.equal(first.dev, first.master)
+    gate.set()
+    second.before_compute(backward=False)
+    steps[1].result()
+    end = spans[1].result().end
+    assert streams.compute.waited[-1] is end and len(written) >= 2 and end.at >= written[-1]
+    assert torch.equal(second.dev, second.master)
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()
