@@ -90,6 +90,12 @@ class Resident:
             store.master_grad.copy_(self.grad)
         return store.master_grad
 
+    def state_device(self, store: "StageStore") -> torch.device:
+        return store.device  # beside the masters
+
+    def step_here(self, store: "StageStore", lr: float, clip_coef: float | None) -> Future | None:
+        return None  # the store's step, on this thread (no workers for a resident stage)
+
     def before_step(self, store: "StageStore", fused: bool) -> "StepProgress | None":
         return None  # no load streams behind a device step
 

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from offload import owners
-from offload.adamw import FlatAdamW, OptimSettings, ShardPeers, squared_norm
+from offload.adamw import ConvertedGrad, FlatAdamW, OptimSettings, ShardPeers, squared_norm
 from offload.frozen import FrozenWeights
 from offload.loader import StepProgress, Workers, done
 from offload.offloaded import Offloaded
@@ -117,6 +117,13 @@ class Residency(Protocol):
         """The flat gradient the norm and the step read, once it is complete (fp32, or without
         ``master_grad`` the compute-dtype ``grad``)."""
 
+    def state_device(self, store: "StageStore") -> torch.device:
+        """Where the stage's AdamW moments live."""
+
+    def step_here(self, store: "StageStore", lr: float, clip_coef: float | None) -> Future | None:
+        """At STEP: a step this residency issues itself, on the store's thread, and a future of its
+        ``(start, end)``; None where the store's own step (on the optimizer thread) runs."""
+
     def before_step(self, store: "StageStore", fused: bool) -> StepProgress | None:
         """At STEP: the progress the step reports chunk by chunk, for a load to stream behind; or None."""
 
@@ -128,16 +135,17 @@ class Residency(Protocol):
     def discard(self, store: "StageStore") -> None: ...
 
 
-def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, frozen: bool = False,
-               summed: bool = False, **kw) -> "StageStore":
-    """A ``StageStore`` for ``module``: offloaded (``delayed``: delayed update) or resident
-    (``summed``: its gradient is summed over data-parallel replicas); the other arguments as
-    ``StageStore``'s. ``frozen`` (LoRA): the parameters that need no gradient are
-    ``FrozenWeights``, in host memory when ``offload``; the trainable ones (the adapters), their
-    gradients and AdamW state stay on the device."""
+def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, device_step: bool = False,
+               frozen: bool = False, summed: bool = False, **kw) -> "StageStore":
+    """A ``StageStore`` for ``module``: offloaded (``delayed``: delayed update; ``device_step``:
+    stepped by the device, its AdamW moments there) or resident (``summed``: its gradient is
+    summed over data-parallel replicas); the other arguments as ``StageStore``'s. ``frozen``
+    (LoRA): the parameters that need no gradient are ``FrozenWeights``, in host memory when
+    ``offload``; the trainable ones (the adapters), their gradients and AdamW state stay on the
+    device."""
     if frozen:
         return StageStore(module, Resident(summed), frozen_offload=offload, **kw)
-    return StageStore(module, Offloaded(delayed) if offload else Resident(summed), **kw)
+    return StageStore(module, Offloaded(delayed, device_step) if offload else Resident(summed), **kw)
 
 
 class StageStore:
@@ -206,7 +214,7 @@ class StageStore:
         self.master_grad = residency.master_grad(self)
         self.adamw = FlatAdamW(self.master, self.master_grad,
                                [((0, self.tied_numel, n_decay), optim.weight_decay), ((n_decay, self.numel), 0.0)],
-                               optim, self.shard)
+                               optim, self.shard, residency.state_device(self))
         self.optimizer, self.shard_range = self.adamw.optimizer, self.adamw.shard_range
         residency.place(self)  # work, dev, grad and the parameters' views
         self.step_future: Future | None = None  # the last STEP's; the residency's loads may wait for it
@@ -365,7 +373,12 @@ class StageStore:
         goes on; the stage's next LOAD copies the masters behind it (module docstring).
         ``clip_coef`` multiplies the gradients; the fused kernel applies it (as its
         ``grad_scale``, the inverse) instead of a separate pass over them. Returns a future of
-        the step's wall-clock ``(start, end)``."""
+        the step's wall-clock ``(start, end)``, or of its points on a stream where the residency
+        issues the step itself (``Residency.step_here``: a device-stepped offloaded stage)."""
+        here = self.residency.step_here(self, lr, clip_coef)
+        if here is not None:
+            self.step_future = here
+            return here
         fused = self.fused
         grads_event = self.residency.grads_event  # handed to the optimizer thread with the task, not read there
         # shared sharded, without a NORM to take it: the sum queued before, whose error is the step's
@@ -385,7 +398,7 @@ class StageStore:
                 if progress is not None:
                     self.adamw.step_chunks(lr, scale, progress)
                 elif self.master_grad is None:  # no fp32 copy: the kernel's gradient converted a chunk at a time
-                    self.adamw.step_chunks(lr, scale, grad=g)
+                    self.adamw.step_chunks(lr, scale, source=ConvertedGrad(self.master, g))
                 else:
                     self.optimizer.grad_scale = scale
                     for group in self.optimizer.param_groups:
@@ -478,9 +491,10 @@ class StageStore:
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Restore what ``optimizer_state_dict`` returned for the same stage (same leaf views);
-        sharded, this peer's range of it."""
+        sharded, this peer's range of it. Moments apart from the masters (a device-stepped
+        stage's) are copied into where they live: torch's loader would move them to the masters."""
         self.wait_step()
-        if self.shard is None:
+        if self.shard is None and self.adamw.state_device == self.master.device:
             self.optimizer.load_state_dict(state)
             return
         self.adamw.load_state(state)

@@ -66,7 +66,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     adapters = lora_settings(cfg, hf_config)
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1, adapter_numel(hf_config, adapters, parts[s]))
               for s in range(S)]
-    program = program_spec(cfg, hf_config).build(mapping)
+    spec = program_spec(cfg, hf_config)
+    program = spec.build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=attention(cfg, hf_config), cpu=device == "cpu",
@@ -76,7 +77,7 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
                        cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
                        lora_modules=adapted_per_layer(hf_config, adapters), delayed=cfg.delayed_update,
-                       summed=data_parallel > 1)
+                       summed=data_parallel > 1, device_stepped=spec.device_stepped(mapping))
     return inp, program
 
 
@@ -175,7 +176,7 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int, data_parallel
         cap = auto_capacity(cfg, "resident_stages", f"0..{per_rank}")
         k, why = 0, "auto: no stage fits beside the offloaded ones"
         mapping = sched.round_robin(cfg.num_stages, world_size)
-        for n in range(1, per_rank + 1):
+        for n in range(1, per_rank - cfg.device_steps + 1):  # the device-stepped stages stay offloaded
             ranks, _ = memory_plan(dataclasses.replace(cfg, resident_stages=n), hf_config, mapping, device,
                                    data_parallel=data_parallel)
             peak = max(r.device_peak for r in ranks)

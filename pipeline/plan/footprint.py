@@ -146,6 +146,8 @@ class MemoryInputs:
     delayed: bool = False     # delayed_update: an offloaded stage's compute copy is its own buffer in fp32 too
     # data_parallel: a resident stage keeps an fp32 copy of its gradient, which the replicas sum
     summed: bool = False
+    # device_steps: offloaded stages whose AdamW moments live on the device, which steps them
+    device_stepped: frozenset[int] = frozenset()
 
     @property
     def inductor(self) -> bool:
@@ -320,6 +322,17 @@ def resident_step_transient(numel: int, inp: "MemoryInputs") -> int:
     return 0 if inp.dtype_bytes == 4 or inp.summed else min(numel, MASTER_SLICE_NUMEL) * 4
 
 
+# device_steps: a stage's AdamW moments on the device, out of host memory
+DEVICE_MOMENT_BYTES = 8
+
+
+def device_step_buffers(numel: int) -> int:
+    """Device bytes of the buffers a device-stepped offloaded stage's masters and gradient cross
+    in, a chunk at a time (``offload.streams.Streams.step_buffers``: one pair per rank, the largest
+    such stage's)."""
+    return 2 * min(numel, MASTER_SLICE_NUMEL) * 4
+
+
 def frozen_bytes(numel: int, d: int) -> int:
     # LoRA's base weights: one compute-dtype copy (host or device), no gradient, master or AdamW state
     return numel * d
@@ -383,6 +396,12 @@ class Ledger:
         # the trained parameters of the stages that step on the device (LoRA: every stage's adapters)
         self.device_stepped = {s: inp.stages[s].adapter if self.lora else inp.stages[s].numel
                                for s in mine if self.lora or s not in offloaded}
+        moved = [inp.stages[s].numel for s in mine if s in inp.device_stepped and s in offloaded]
+        if moved:  # device_steps: the moments go to the device, the step's buffers are made once
+            out.host -= sum(moved) * DEVICE_MOMENT_BYTES
+            self.params_static += sum(moved) * DEVICE_MOMENT_BYTES
+            if not inp.cpu:  # as the staging buffer below: the streams', not a store's
+                self.params_static += device_step_buffers(max(moved))
         out.host_parts = {"parameters": out.host}
         if offloaded and d < 4 and not inp.cpu and not self.lora:  # the load stream's staging buffer (masters converted on the GPU)
             self.params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4

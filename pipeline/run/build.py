@@ -191,10 +191,11 @@ def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchSt
 def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
                  offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
                  replicas: GradSync | None, log: Log, adapters: LoraSettings | None = None,
-                 adapter_dir=None) -> tuple[dict, dict, Streams]:
+                 adapter_dir=None, device_stepped: frozenset[int] = frozenset()) -> tuple[dict, dict, Streams]:
     """This rank's stages (only those are ever built) and their stores. ``adapters`` (LoRA):
     peft's adapters go into every stage, from ``adapter_dir`` (a saved peft adapter) or their
-    seeded initial values; the base weights are frozen."""
+    seeded initial values; the base weights are frozen. ``device_stepped``: the offloaded stages
+    whose AdamW runs on the device (``ProgramSpec.device_stepped``)."""
     S = cfg.num_stages
     streams, pool = Streams(device), BufferPool(device)
     workers, share = None, []
@@ -243,13 +244,16 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             shard = shard_peers(replicas) if shards_step(cfg, s in offloaded, stage.tied_name is not None,
                                                          numel) else None
             stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update,
-                                   frozen=adapters is not None, summed=replicas is not None, device=device,
-                                   compute_dtype=dtype, optim=optim_settings(cfg, fused=True), streams=streams,
-                                   pool=pool, workers=workers,
+                                   device_step=s in device_stepped, frozen=adapters is not None,
+                                   summed=replicas is not None, device=device, compute_dtype=dtype,
+                                   optim=optim_settings(cfg, fused=True), streams=streams, pool=pool, workers=workers,
                                    tied=stage.tied_name if adapters is None else None, tied_copy=s == S - 1,
                                    shard=shard)
             stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
+    if device_stepped & set(stage_ids):
+        log.info(f"optimizer: stages {sorted(device_stepped & set(stage_ids))} step on the GPU (device_steps "
+                 f"{cfg.device_steps}), their AdamW moments there; the CPU steps the other offloaded stages")
     sharded = [s for s in stage_ids if stores[s].shard is not None]
     if sharded:
         mine = sum(hi - lo for lo, hi in (stores[s].shard_range for s in sharded))
@@ -331,7 +335,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     # creation is collective.
     replicas = GradSync(lay, cfg.comm_timeout_s, pin=device.type == "cuda") if cfg.data_parallel > 1 else None
     stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
-                                           device, dtype, replicas, log, adapters, adapter_dir)
+                                           device, dtype, replicas, log, adapters, adapter_dir,
+                                           spec.device_stepped(mapping))
     p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
     # How each stage's work runs, chosen once here (pipeline.runners)
     runners = RankRunners(stages, stores, device=device, num_stages=S, num_segments=cfg.seq_chunks,

@@ -125,9 +125,9 @@ def _step_before_the_norm(trainer) -> None:
     actions.insert(actions.index(Action(3, Op.OFFLOAD_GRADS)) + 1, Action(3, Op.STEP))
 
 
-def _unclipped_step(trainer) -> None:
-    """Fault: stage 2 steps with its unclipped gradients."""
-    store = trainer.stores[2]
+def _unclipped_step(trainer, stage: int = 2) -> None:
+    """Fault: ``stage`` steps with its unclipped gradients."""
+    store = trainer.stores[stage]
     real = store.step
     store.step = lambda lr, clip_coef: real(lr, None)
 
@@ -138,16 +138,18 @@ def _load_ahead_of_its_step(monkeypatch):
     monkeypatch.setattr(loader.StepProgress, "written", lambda self: (1 << 62, False))
 
 
-def _clipped_training(tiny_model_dir, overlap: bool, fault=None):
-    """Four clipped iterations of 1F1B with stage 0 resident and stages 1-3 offloaded, each
-    offloaded step made slow: the trainer as it runs (``overlap``: iteration k + 1 starts while
-    k's steps run) or in the plain order (every step of iteration k done before k + 1 starts).
-    ``fault(trainer)`` is planted first. Returns the history, the masters and whether a first
-    forward of some iteration started before the previous iteration's last step had ended."""
+def _clipped_training(tiny_model_dir, overlap: bool, fault=None, device_steps: int = 0):
+    """Four clipped iterations of 1F1B with stage 0 resident and stages 1-3 offloaded (the last
+    ``device_steps`` of them stepped on the device), each CPU step made slow: the trainer as it
+    runs (``overlap``: iteration k + 1 starts while k's steps run) or in the plain order (every
+    step of iteration k done before k + 1 starts). ``fault(trainer)`` is planted first. Returns
+    the history, the masters and whether a first forward of some iteration started before the
+    previous iteration's last CPU step had ended."""
     trainer = in_process_trainer(tiny_cfg(tiny_model_dir, schedule="1f1b", use_offload=True, use_prefetch=True,
-                                          resident_stages=1, grad_clip=CLIP, num_iterations=4))
-    offloaded = [st for st in trainer.stores.values() if st.offload]
-    assert len(offloaded) == 3
+                                          resident_stages=1, grad_clip=CLIP, num_iterations=4,
+                                          device_steps=device_steps))
+    offloaded = [st for st in trainer.stores.values() if st.offload and not st.residency.device_step]
+    assert len(offloaded) == 3 - device_steps
     step_ends, first_forwards = [], []
     for st in offloaded:
         real_step = st.adamw.step_chunks
@@ -177,7 +179,8 @@ def _clipped_training(tiny_model_dir, overlap: bool, fault=None):
     if fault is not None:
         fault(trainer)
     history = trainer.train()
-    last_step = [max(step_ends[3 * k:3 * k + 3]) for k in range(len(history))]
+    n = len(offloaded)
+    last_step = [max(step_ends[n * k:n * (k + 1)]) for k in range(len(history))]
     overlapped = any(first_forwards[k + 1] < last_step[k] for k in range(len(history) - 1))
     return history, trainer_masters(trainer), overlapped
 
@@ -187,28 +190,34 @@ def _outcome(run):
     return [h["loss"] for h in history], masters
 
 
-def test_overlapped_clipped_steps_give_the_plain_order_weights(tiny_model_dir):
+@pytest.mark.parametrize("device_steps", [0, 1])
+def test_overlapped_clipped_steps_give_the_plain_order_weights(tiny_model_dir, device_steps):
     """The clipped steps of iteration k run while iteration k + 1 computes its first stages (the
     resident stage 0 does not wait for the offloaded stages' steps), and the weights are those of
-    stepping everything before going on, bit for bit: each stage computes only after its own
-    step of the clipped gradients."""
-    plain, overlapped = (_clipped_training(tiny_model_dir, overlap) for overlap in (False, True))
+    stepping everything on the CPU before going on, bit for bit: each stage computes only after
+    its own step of the clipped gradients, also the last one stepped on the device beside the
+    CPU (``device_steps``; on the CPU the same kernel)."""
+    plain = _clipped_training(tiny_model_dir, overlap=False)
+    overlapped = _clipped_training(tiny_model_dir, overlap=True, device_steps=device_steps)
     norms = [h["grad_norm"] for h in plain[0] + overlapped[0]]
     assert all(n > 2 * CLIP for n in norms), norms  # clipping bites: every coefficient is below 1/2
     assert overlapped[2] and not plain[2], "the overlapped run did not overlap, or the plain one did"
     assert_same_training(*_outcome(overlapped), *_outcome(plain), rtol=0.0)
 
 
-@pytest.mark.parametrize("fault", ["unclipped", "before_norm", "load_ahead"])
+@pytest.mark.parametrize("fault", ["unclipped", "before_norm", "load_ahead", "device_unclipped"])
 @pytest.mark.slow
 def test_overlapped_clipped_steps_with_a_fault_are_caught(tiny_model_dir, monkeypatch, fault):
-    """Mutations: a stage stepped with its unclipped gradients, a stage stepped before the norm is
-    known (where an unclipped list steps it), and a next iteration's LOAD that does not wait for
-    its own stage's step each train other weights than the plain order, far outside any noise."""
+    """Mutations: a stage stepped with its unclipped gradients (on the CPU, or on the device with
+    ``device_steps``), a stage stepped before the norm is known (where an unclipped list steps
+    it), and a next iteration's LOAD that does not wait for its own stage's step each train
+    other weights than the plain order, far outside any noise."""
     plain = _clipped_training(tiny_model_dir, overlap=False)
     if fault == "load_ahead":
         _load_ahead_of_its_step(monkeypatch)
-    planted = {"unclipped": _unclipped_step, "before_norm": _step_before_the_norm}.get(fault)
-    faulty = _clipped_training(tiny_model_dir, overlap=True, fault=planted)
+    planted = {"unclipped": _unclipped_step, "before_norm": _step_before_the_norm,
+               "device_unclipped": lambda trainer: _unclipped_step(trainer, 3)}.get(fault)
+    faulty = _clipped_training(tiny_model_dir, overlap=True, fault=planted,
+                               device_steps=1 if fault == "device_unclipped" else 0)
     with pytest.raises(AssertionError):
         assert_same_training(*_outcome(faulty), *_outcome(plain), rtol=1e-3)

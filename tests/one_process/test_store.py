@@ -427,3 +427,106 @@ def test_cuda_path_load_waits_for_its_own_step_only(monkeypatch):
     assert torch.equal(second.dev, second.master)
     workers.optimizer.shutdown()
     workers.loader.shutdown()
+
+
+def _device_stepped_pair(dtype=torch.float32, workers=None, streams=None):
+    """Two offloaded stores of one module: the second steps through the device (``device_step``)."""
+    optim = OptimSettings(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return [make_store(_module(), device=CPU, compute_dtype=dtype, offload=True, device_step=on, optim=optim,
+                       streams=streams or Streams(CPU), pool=BufferPool(CPU), workers=workers) for on in (False, True)]
+
+
+@pytest.mark.parametrize("chunk", [64, 192, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_step_is_the_host_step(monkeypatch, chunk, dtype):
+    """An offloaded stage stepped through the device (its masters and gradient a chunk at a time
+    into the step buffers, AdamW against its moments there, the masters back) against the same
+    stage stepped on the host: masters, AdamW state and the next loads' weights (from the
+    masters, then from the refreshed ``work``), bit for bit on the CPU, over several steps with
+    and without clipping."""
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", chunk)
+    host, device = _device_stepped_pair(dtype)
+    assert device.residency.device_step and not host.residency.device_step
+    for i, coef in enumerate([0.37, None, 0.81]):
+        _set_grads([host, device], seed=i)
+        host.step(1e-2, coef).result()
+        device.step(1e-2, coef).result()
+        for _ in range(2):  # the first load after the step copies the masters, the second ``work``
+            for st in (host, device):
+                st.load().result()
+                st.before_compute(backward=False)
+            assert torch.equal(host.dev, device.dev) and torch.equal(device.dev, device.master.to(dtype))
+            for st in (host, device):
+                st.drop()
+    assert torch.equal(host.master, device.master)
+    for a, b in zip(host.optimizer.param_groups, device.optimizer.param_groups):
+        for pa, pb in zip(a["params"], b["params"]):
+            sa, sb = host.optimizer.state[pa], device.optimizer.state[pb]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert not torch.equal(host.master, _store(offload=True).master)  # it did train
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_device_step_state_resumes(apart):
+    """A device-stepped stage's AdamW state saved and loaded into a fresh store steps on like the
+    original; ``apart``: with the moments on another device than the masters (as on a GPU, here
+    another CPU index), copied into where they live, not moved to the masters by torch's loader."""
+    import copy
+
+    a, b = (_device_stepped_pair()[1] for _ in range(2))
+    if apart:
+        b.adamw.state_device = torch.device("cpu", 0)  # != the masters' torch.device("cpu")
+    _set_grads([a], seed=0)
+    a.step(1e-2, 0.5).result()
+    b.master.copy_(a.master)
+    b.load_optimizer_state_dict(copy.deepcopy(a.optimizer_state_dict()))  # as a checkpoint holds it
+    _set_grads([a, b], seed=1)
+    a.step(1e-2, None).result()
+    b.step(1e-2, None).result()
+    assert torch.equal(a.master, b.master)
+
+
+def test_cuda_path_device_step_hands_its_end_to_the_load_and_the_refresh(monkeypatch):
+    """A device step on the CUDA path (streams and events stubbed on the CPU): issued on the step
+    stream by the main thread, after the gradient's copy to the host and without a host wait;
+    the next LOAD's copy waits for its end on the load stream, the next OFFLOAD_GRADS's on the
+    offload stream, the bf16 ``work`` refresh (optimizer thread) and the checkpoint's read of the
+    masters (``wait_step``) on the host; a later step's LOAD waits for that step's end."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
+    monkeypatch.setattr(Streams, "on", lambda self, which: contextlib.nullcontext())
+    synced = []
+    monkeypatch.setattr(_TimedEvent, "synchronize", lambda self: synced.append((self, threading.current_thread())))
+    streams = Streams(CPU)
+    streams.cuda = True
+    streams.compute, streams.load, streams.offload, streams.step = (_StubStream() for _ in range(4))
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    st = _device_stepped_pair(torch.bfloat16, workers, streams)[1]
+    st.load().result()
+    st.before_compute(backward=True)
+    for i in range(2):
+        st.offload_grads(norm=True)
+        st.grad_sq_norm()
+        grads = st.residency.grads_event
+        _set_grads([st], seed=i)
+        synced.clear()
+        start, end = st.step(1e-2, 0.5).result()
+        assert streams.step.waited[-1] is grads and start.stream is end.stream is streams.step and not synced
+        st.load().result()
+        st.before_compute(backward=True)
+        assert streams.load.waited[-1] is end, "the load's copy did not wait for the device step"
+        assert torch.equal(st.dev, st.master.bfloat16())
+        if i == 0:  # the next gradients' copy out waits for the step that read the last ones
+            st.offload_grads(norm=True)
+            assert streams.offload.waited[-1] is end
+            st.grad_sq_norm()
+            st.load().result()
+            st.before_compute(backward=True)
+        st.wait_step()  # the refresh of ``work`` queued by the load, and the masters' copies back
+        # once on the optimizer thread (before the refresh), once here (before the masters are read)
+        assert [e for e, _ in synced if e is end] == [end, end]
+        assert sorted(t is threading.current_thread() for e, t in synced if e is end) == [False, True]
+        assert torch.equal(st.work, st.master.bfloat16())
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()

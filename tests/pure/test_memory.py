@@ -216,6 +216,27 @@ def test_resident_stages_move_their_state_from_host_to_gpu():
         assert summed[r].parts["parameters"] - resident[r].parts["parameters"] == params[r] * 4
 
 
+def test_device_steps_move_the_last_offloaded_stages_moments_to_the_gpu():
+    """device_steps 1: each rank's last offloaded stage keeps its AdamW moments (8 bytes a
+    parameter) on the GPU instead of in host memory, beside the step's two chunk buffers."""
+    from pipeline.plan.fit import memory_plan
+    from pipeline.plan.footprint import device_step_buffers
+    from pipeline.plan.shapes import stage_param_counts
+
+    hf = preset_config("llama-2-7b")
+    base = dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512, use_offload=True,
+                activation_checkpointing=True, device="cuda", resident_stages=1)
+    mapping = sched.round_robin(8, 4)
+    host_stepped, _ = memory_plan(make_config(base), hf, mapping, "cuda")
+    device_stepped, _ = memory_plan(make_config({**base, "device_steps": 1}), hf, mapping, "cuda")
+    params = stage_param_counts(hf, 8)
+    for r in range(4):  # rank r: stage r resident, stage r + 4 offloaded, stepped on the GPU
+        n = params[r + 4]
+        assert host_stepped[r].host - device_stepped[r].host == n * 8
+        assert device_stepped[r].parts["parameters"] - host_stepped[r].parts["parameters"] == \
+            n * 8 + device_step_buffers(n)
+
+
 def test_auto_resident_stages_use_the_spare_gpu_memory():
     from pipeline.plan import fit as plan
 
