@@ -230,7 +230,7 @@ def test_device_steps_are_refused_where_they_cannot_step_exactly(values, message
                               "resident_stages": 2}), 2)
 
 
-@pytest.mark.parametrize("mode", ["resident", "prefetch", "noprefetch", "hybrid", "actoff"])
+@pytest.mark.parametrize("mode", ["resident", "prefetch", "noprefetch", "hybrid", "actoff", "device"])
 def test_the_gpu_tests_flags_parse_to_their_settings(mode):
     """The GPU tests build main.py's flags from settings (``tests.helpers.runs.flags``): each mode's
     flags parse back to exactly its settings, so a GPU run cannot die on a misspelt flag before
