@@ -2,7 +2,17 @@
 gradient and AdamW state in host memory, a compute-dtype copy ``work`` in pinned host memory, and
 on the device only between LOAD and DROP/OFFLOAD_GRADS its weights and gradients, in buffers of
 the rank's pool. The host side runs on the rank's ``Workers`` (``offload.store``'s docstring:
-loads streamed behind the optimizer step, the ``work`` refresh, the squared norm)."""
+loads streamed behind the optimizer step, the ``work`` refresh, the squared norm).
+
+A device-stepped one (``device_steps``) keeps its AdamW moments on the device instead, and its
+STEP runs there: on the step stream, once its gradient's copy to the host has landed, each
+chunk of the pinned fp32 masters and gradient comes in, the fused CUDA AdamW updates it against
+the moments, the masters go back out (``ThroughDevice``). Nothing waits on the host for it: the
+next LOAD's copy waits on the load stream for the step's end, the next OFFLOAD_GRADS's on the
+offload stream (it overwrites the gradient the step read), the ``work`` refresh (optimizer
+thread) and the checkpoints (``wait_refresh``) on the host. With clipping the CPU then has fewer
+steps to finish between the norm and the next forward's need of them, while the GPU's copy
+engines do this one."""
 from __future__ import annotations
 
 import threading
@@ -29,11 +39,14 @@ class Offloaded:
 
     offload = True
 
-    def __init__(self, delayed: bool = False):
+    def __init__(self, delayed: bool = False, device_step: bool = False):
         self._owner = threading.current_thread()
         # delayed update: ``work`` keeps the weights from before the last step, so the next
         # iteration computes with them while that step runs (``before_step``)
         self.delayed = delayed
+        self.device_step = device_step  # AdamW on the device, its moments there (module docstring)
+        self._fresh_masters = False  # a device step changed the masters since ``work`` was refreshed
+        self._device_end = None  # step stream: the last device step's end (CUDA), not yet waited for on the host
         self.work: torch.Tensor | None = None  # from ``place`` on: the copy a later LOAD copies
         self.dev: torch.Tensor | None = None   # between LOAD and DROP/OFFLOAD_GRADS: the weights
         self.grad: torch.Tensor | None = None  # from the first backward to OFFLOAD_GRADS
@@ -67,6 +80,9 @@ class Offloaded:
         return shared if shared is not None else host_empty(store.numel, torch.float32,
                                                             store.device.type == "cuda").zero_()
 
+    def state_device(self, store: "StageStore") -> torch.device:
+        return store.device if self.device_step else store.master.device
+
     def place(self, store: "StageStore") -> None:
         same_dtype = store.dtype == torch.float32
         own_copy = not same_dtype or self.delayed  # delayed: the masters move on while ``work`` stays
@@ -85,16 +101,19 @@ class Offloaded:
         store.bind(self.dev, self.grad)
         self.loaded = True
         progress, self._progress = self._progress, None
-        if progress is not None:  # first load since a step: from the masters, chunk by chunk behind the step
-            src, after = store.master, store.step_future
+        fresh, self._fresh_masters = self._fresh_masters, False
+        stepped = self._device_end if fresh else None  # the load stream waits for the device step's end
+        if progress is not None or fresh:  # first load since a step: from the masters (behind a CPU step, by chunks)
+            src, after = store.master, store.step_future if progress is not None else None
             if self.work is not store.master:
-                self._refresh_future = store.run_on_optimizer(self.refresh_work, store)
+                self._refresh_future = store.run_on_optimizer(self.refresh_work, store,
+                                                              (stepped,) if stepped is not None else ())
         else:
             src, after = self.work, self._refresh_future
             if store.shard is not None and after is None:
                 after = store.step_future  # sharded: ``work`` is written by the step, after the exchange
         behind = after is not None and not after.done()  # the optimizer still writes ``src``
-        job = self.copy_in(store, src, dev, ready, after, progress, behind)
+        job = self.copy_in(store, src, dev, ready, after, progress, behind, stepped)
         if store.workers is None:
             self._load_future = loader.done(loader.run_through(job))
         else:
@@ -104,12 +123,13 @@ class Offloaded:
         return self._load_future
 
     def copy_in(self, store: "StageStore", src: torch.Tensor, dev: torch.Tensor, ready, after: Future | None,
-                progress: StepProgress | None, behind: bool) -> Generator[None, None, LoadSpan]:
+                progress: StepProgress | None, behind: bool, stepped=None) -> Generator[None, None, LoadSpan]:
         """A job for the load stream's producer (``Loader``): the copy of ``src`` into ``dev``,
         chunk by chunk, each once the optimizer has written it (``after``, the step or refresh
-        that writes ``src``, is done; with the step's ``progress``, its chunk is). It yields
-        where it must wait and returns the ``LoadSpan``; ``behind`` (the optimizer still wrote
-        ``src`` at LOAD time) puts in it when the wait was over."""
+        that writes ``src``, is done; with the step's ``progress``, its chunk is; ``stepped``, a
+        device step's end event, the load stream waits for). It yields where it must wait and
+        returns the ``LoadSpan``; ``behind`` (the optimizer still wrote ``src`` at LOAD time)
+        puts in it when the wait was over."""
         step_done = None
         if progress is None and after is not None:
             while not after.done():
@@ -117,6 +137,7 @@ class Offloaded:
             after.result()  # re-raises an optimizer error at the compute that needs it
             step_done = time.perf_counter() if behind else None
         store.streams.wait("load", ready)  # the buffer's previous user is done with it
+        store.streams.wait("load", stepped)  # a device step's copies of the masters back have landed
         start = store.streams.mark("load")
         for lo in range(0, store.numel, slices.MASTER_SLICE_NUMEL):
             hi = min(store.numel, lo + slices.MASTER_SLICE_NUMEL)
@@ -201,6 +222,7 @@ class Offloaded:
         done = store.streams.event("compute")
         with store.streams.on("offload"):
             store.streams.wait("offload", done)  # the backward that wrote the grads is done
+            store.streams.wait("offload", self._device_end)  # the last device step read the old ones
             start = store.streams.event("offload", timing=True)
             self.copy_out(store)
         self.grads_event = store.streams.event("offload", timing=True)
@@ -238,6 +260,22 @@ class Offloaded:
             grads_event.synchronize()  # host sync (optimizer or main thread): the CPU reads the D2H copy
         return store.master_grad
 
+    def step_here(self, store: "StageStore", lr: float, clip_coef: float | None) -> Future | None:
+        """A device-stepped stage's STEP, issued by this thread (the step stream's producer) on the
+        step stream (module docstring); None for the others, whose step the optimizer thread runs."""
+        if not self.device_step:
+            return None
+        with store.streams.on("step"):
+            store.streams.wait("step", self.grads_event)  # the gradient's copy to the host has landed
+            start = store.streams.mark("step")
+            # a fill kernel, not a copy: no host sync
+            scale = torch.full((), 1.0 / clip_coef, device=store.device) if clip_coef is not None else None
+            store.adamw.step_chunks(lr, scale, source=ThroughDevice(store))
+            end = store.streams.mark("step")
+        self._fresh_masters = True
+        self._device_end = end if store.streams.cuda else None  # on the CPU the copies are done
+        return loader.done((start, end))
+
     def before_step(self, store: "StageStore", fused: bool) -> StepProgress | None:
         """At STEP, on the store's thread: how far the step will have written, for the next LOAD to
         stream behind it (returned for the step's task, kept for that LOAD): with the fused kernel
@@ -270,14 +308,19 @@ class Offloaded:
 
     def refresh_work(self, store: "StageStore", reads: tuple = ()) -> None:
         """``work`` from the masters (fp32 -> compute dtype), for the loads after the first;
-        first the copies out of ``work`` that ``reads`` end (load-stream events) must be done."""
+        first what the events ``reads`` end must be done: the copies out of ``work`` (load
+        stream; delayed update), or a device step's copies into the masters (step stream)."""
         for end in reads:
             if hasattr(end, "synchronize"):
-                end.synchronize()  # host sync (optimizer thread): a load still reads the old ``work``
+                end.synchronize()  # host sync (optimizer thread): ``work`` or the masters are still in use
         self.work.copy_(store.master)
 
     def wait_refresh(self) -> None:
-        """Host wait for the queued refresh of ``work``; re-raises its error here."""
+        """Host wait for the queued refresh of ``work`` (re-raising its error here) and for the
+        last device step's copies of the masters back."""
+        if self._device_end is not None:
+            self._device_end.synchronize()  # host sync: the masters are read next (a checkpoint)
+            self._device_end = None
         if self._refresh_future is not None:
             self._refresh_future.result()
             self._refresh_future = None
@@ -288,4 +331,24 @@ class Offloaded:
         self._norm_future = None
 
 
-__all__ = ["Offloaded"]
+class ThroughDevice:
+    """The ``ChunkSource`` of a device step (``Offloaded.step_here``), used on the step stream:
+    each chunk of the pinned fp32 masters and gradient copied into the rank's two step buffers
+    (``Streams.step_buffers``), which the kernel updates; the masters' chunk copied back. One
+    stream, so a chunk's copies in wait for the last one's copy out of the same buffers."""
+
+    def __init__(self, store: "StageStore"):
+        self.store = store
+        self.master, self.grad = store.streams.step_buffers(store.numel)
+
+    def take(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        master, grad = self.master[:hi - lo], self.grad[:hi - lo]
+        master.copy_(self.store.master[lo:hi], non_blocking=True)
+        grad.copy_(self.store.master_grad[lo:hi], non_blocking=True)
+        return master, grad
+
+    def put(self, lo: int, hi: int, master: torch.Tensor) -> None:
+        self.store.master[lo:hi].copy_(master, non_blocking=True)
+
+
+__all__ = ["Offloaded", "ThroughDevice"]

@@ -11,7 +11,8 @@ Per stage, everything is kept in flat buffers so that a transfer is one large co
 * ``grad``    device gradient buffer (parameter ``.grad`` views into it, so autograd
   accumulates micro-batches in place); with offload its fp32 values are copied into
   ``master_grad`` (pinned) in chunks of ``GRAD_SLICE_NUMEL`` elements, converted on the device,
-  so the host reads fp32 gradients without converting them.
+  so the host reads fp32 gradients without converting them. A resident stage in 16-bit compute
+  has no ``master_grad``: its norm and step convert ``grad`` a chunk at a time.
 
 One ``StageStore`` class is what the executor, the runners and the checkpoints talk to; where a
 stage's state lives and how it moves is its ``Residency``, chosen when the store is made
@@ -65,7 +66,7 @@ import torch
 from torch import nn
 
 from offload import owners
-from offload.adamw import FlatAdamW, OptimSettings, ShardPeers, squared_norm
+from offload.adamw import ConvertedGrad, FlatAdamW, OptimSettings, ShardPeers, squared_norm
 from offload.frozen import FrozenWeights, PackedWeight
 from offload.loader import StepProgress, Workers, done
 from offload.offloaded import Offloaded
@@ -95,7 +96,8 @@ class Residency(Protocol):
 
     def master(self, store: "StageStore") -> torch.Tensor: ...
 
-    def master_grad(self, store: "StageStore") -> torch.Tensor: ...
+    def master_grad(self, store: "StageStore") -> torch.Tensor | None:
+        """The fp32 gradient AdamW steps from; None where the step converts ``grad`` itself."""
 
     def place(self, store: "StageStore") -> None:
         """``work``, ``dev``, ``grad`` and the module's parameter views, once the masters hold its weights."""
@@ -112,7 +114,16 @@ class Residency(Protocol):
     def take_norm(self) -> Future | None:
         """The squared norm OFFLOAD_GRADS queued, once; None if none was."""
 
-    def grads_ready(self, store: "StageStore", grads_event=None) -> torch.Tensor: ...
+    def grads_ready(self, store: "StageStore", grads_event=None) -> torch.Tensor:
+        """The flat gradient the norm and the step read, once it is complete (fp32, or without
+        ``master_grad`` the compute-dtype ``grad``)."""
+
+    def state_device(self, store: "StageStore") -> torch.device:
+        """Where the stage's AdamW moments live."""
+
+    def step_here(self, store: "StageStore", lr: float, clip_coef: float | None) -> Future | None:
+        """At STEP: a step this residency issues itself, on the store's thread, and a future of its
+        ``(start, end)``; None where the store's own step (on the optimizer thread) runs."""
 
     def before_step(self, store: "StageStore", fused: bool) -> StepProgress | None:
         """At STEP: the progress the step reports chunk by chunk, for a load to stream behind; or None."""
@@ -125,16 +136,17 @@ class Residency(Protocol):
     def discard(self, store: "StageStore") -> None: ...
 
 
-def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, frozen: bool = False,
-               packed: Sequence[PackedWeight] = (), **kw) -> "StageStore":
-    """A ``StageStore`` for ``module``: offloaded (``delayed``: delayed update) or resident; the
-    other arguments as ``StageStore``'s. ``frozen`` (LoRA): the parameters that need no gradient
-    are ``FrozenWeights``, in host memory when ``offload``, ``packed`` (a 4-bit base's weights)
-    among them as their parts; the trainable ones (the adapters), their gradients and AdamW state
-    stay on the device."""
+def make_store(module: nn.Module, *, offload: bool, delayed: bool = False, device_step: bool = False,
+               frozen: bool = False, summed: bool = False, packed: Sequence[PackedWeight] = (), **kw) -> "StageStore":
+    """A ``StageStore`` for ``module``: offloaded (``delayed``: delayed update; ``device_step``:
+    stepped by the device, its AdamW moments there) or resident (``summed``: its gradient is
+    summed over data-parallel replicas); the other arguments as ``StageStore``'s. ``frozen``
+    (LoRA): the parameters that need no gradient are ``FrozenWeights``, in host memory when
+    ``offload``, ``packed`` (a 4-bit base's weights) among them as their parts; the trainable ones
+    (the adapters), their gradients and AdamW state stay on the device."""
     if frozen:
-        return StageStore(module, Resident(), frozen_offload=offload, frozen_packed=packed, **kw)
-    return StageStore(module, Offloaded(delayed) if offload else Resident(), **kw)
+        return StageStore(module, Resident(summed), frozen_offload=offload, frozen_packed=packed, **kw)
+    return StageStore(module, Offloaded(delayed, device_step) if offload else Resident(summed), **kw)
 
 
 class StageStore:
@@ -198,6 +210,7 @@ class StageStore:
         self.tied_copy = tied is not None and tied_copy
 
         self.shard = shard if residency.offload else None  # ZeRO-1 for offloaded stages only (their buffers too)
+        self.fused = bool(optim.fused)  # the fused kernel, which the step can run a chunk at a time
         self.master = residency.master(self)
         with torch.no_grad():
             for p, view in zip(self.params, flat_views(self.master, self.shapes)):
@@ -205,7 +218,7 @@ class StageStore:
         self.master_grad = residency.master_grad(self)
         self.adamw = FlatAdamW(self.master, self.master_grad,
                                [((0, self.tied_numel, n_decay), optim.weight_decay), ((n_decay, self.numel), 0.0)],
-                               optim, self.shard)
+                               optim, self.shard, residency.state_device(self))
         self.optimizer, self.shard_range = self.adamw.optimizer, self.adamw.shard_range
         residency.place(self)  # work, dev, grad and the parameters' views
         self.step_future: Future | None = None  # the last STEP's; the residency's loads may wait for it
@@ -291,7 +304,7 @@ class StageStore:
             self.frozen.drop()
 
     def squared_grad_norm(self, grads_event=None) -> torch.Tensor:
-        """The squared norm of this stage's fp32 gradient (the tied matrix's counted by its first
+        """The squared norm of this stage's gradient, in fp32 (the tied matrix's counted by its first
         copy). On the optimizer thread (offload, the rank's share of the cores) or the main thread
         (resident, torchrun's one): ``squared_norm`` sums the same way for any thread count, where
         ``torch.dot`` (MKL) splits the sum by thread and offload and resident clip differently.
@@ -364,8 +377,13 @@ class StageStore:
         goes on; the stage's next LOAD copies the masters behind it (module docstring).
         ``clip_coef`` multiplies the gradients; the fused kernel applies it (as its
         ``grad_scale``, the inverse) instead of a separate pass over them. Returns a future of
-        the step's wall-clock ``(start, end)``."""
-        fused = self.optimizer.defaults.get("fused")
+        the step's wall-clock ``(start, end)``, or of its points on a stream where the residency
+        issues the step itself (``Residency.step_here``: a device-stepped offloaded stage)."""
+        here = self.residency.step_here(self, lr, clip_coef)
+        if here is not None:
+            self.step_future = here
+            return here
+        fused = self.fused
         grads_event = self.residency.grads_event  # handed to the optimizer thread with the task, not read there
         # shared sharded, without a NORM to take it: the sum queued before, whose error is the step's
         summed = self.residency.take_norm() if self.partial_norm else None
@@ -383,6 +401,8 @@ class StageStore:
                 scale = torch.full((), 1.0 / clip_coef, device=g.device) if clip_coef is not None and fused else None
                 if progress is not None:
                     self.adamw.step_chunks(lr, scale, progress)
+                elif self.master_grad is None:  # no fp32 copy: the kernel's gradient converted a chunk at a time
+                    self.adamw.step_chunks(lr, scale, source=ConvertedGrad(self.master, g))
                 else:
                     self.optimizer.grad_scale = scale
                     for group in self.optimizer.param_groups:
@@ -484,9 +504,10 @@ class StageStore:
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Restore what ``optimizer_state_dict`` returned for the same stage (same leaf views);
-        sharded, this peer's range of it."""
+        sharded, this peer's range of it. Moments apart from the masters (a device-stepped
+        stage's) are copied into where they live: torch's loader would move them to the masters."""
         self.wait_step()
-        if self.shard is None:
+        if self.shard is None and self.adamw.state_device == self.master.device:
             self.optimizer.load_state_dict(state)
             return
         self.adamw.load_state(state)

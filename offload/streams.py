@@ -83,10 +83,10 @@ class HostBuffers:
 
 
 class Streams:
-    """The compute stream plus side streams for loads and offloads (CUDA only), each with one
-    producing host thread (``producer``): the thread that made them, until ``hand_to`` gives
-    one to another. Every method that enqueues on a stream checks it under ``CHECK_THREADS``,
-    on the CPU too, where the streams are no-ops."""
+    """The compute stream plus side streams for loads, gradient offloads and device steps of
+    offloaded stages (CUDA only), each with one producing host thread (``producer``): the thread
+    that made them, until ``hand_to`` gives one to another. Every method that enqueues on a
+    stream checks it under ``CHECK_THREADS``, on the CPU too, where the streams are no-ops."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -95,10 +95,13 @@ class Streams:
             # Loads gate the next compute: give them priority over gradient offloads.
             self.load = torch.cuda.Stream(device, priority=-1)
             self.offload = torch.cuda.Stream(device, priority=0)
+            # a device step's copies and kernels (``offload.offloaded``), apart from the offloads:
+            # without clipping it runs during the backward, whose later offloads must not queue behind it
+            self.step = torch.cuda.Stream(device, priority=0)
         self.device = device
-        self._staging: torch.Tensor | None = None
+        self._chunks: dict[str, list[torch.Tensor]] = {}  # stream -> its fp32 chunk buffers (``_chunk_buffers``)
         me = threading.current_thread()
-        self.producer: dict[str, threading.Thread] = {"compute": me, "load": me, "offload": me}
+        self.producer: dict[str, threading.Thread] = {"compute": me, "load": me, "offload": me, "step": me}
         self._handed: set[str] = set()
 
     def hand_to(self, which: str, thread: threading.Thread) -> None:
@@ -115,16 +118,29 @@ class Streams:
             owners.assert_owner(self.producer[which], f"the {which} stream")
 
     def staging(self, numel: int) -> torch.Tensor:
-        """The load stream's fp32 buffer (one per rank, ``min(MASTER_SLICE_NUMEL, numel)``
-        elements for the largest stage it served): a master chunk lands here and is converted
-        into the stage's device buffer. Made, used and replaced only by the load stream's
-        producer, on the load stream, so stream order alone keeps one chunk's use before the next."""
-        self._use("load")
+        """The load stream's fp32 buffer: a master chunk lands here and is converted into the
+        stage's device buffer (``_chunk_buffers``)."""
+        return self._chunk_buffers("load", numel, 1)[0]
+
+    def step_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step stream's two fp32 buffers for a device-stepped stage: a chunk of its masters
+        and of its gradient lands in them, AdamW updates the first, which goes back out
+        (``_chunk_buffers``)."""
+        first, second = self._chunk_buffers("step", numel, 2)
+        return first, second
+
+    def _chunk_buffers(self, which: str, numel: int, count: int) -> list[torch.Tensor]:
+        """``count`` fp32 buffers of stream ``which`` (one set per rank, ``min(MASTER_SLICE_NUMEL,
+        numel)`` elements for the largest stage served). Made, used and replaced only by the
+        stream's producer, on the stream, so stream order alone keeps one chunk's use before the next."""
+        self._use(which)
         want = min(slices.MASTER_SLICE_NUMEL, numel)
-        if self._staging is None or self._staging.numel() < want:
-            with self.on("load"):
-                self._staging = torch.empty(want, dtype=torch.float32, device=self.device)
-        return self._staging
+        have = self._chunks.get(which)
+        if have is None or have[0].numel() < want:
+            with self.on(which):
+                have = self._chunks[which] = [torch.empty(want, dtype=torch.float32, device=self.device)
+                                              for _ in range(count)]
+        return have
 
     def on(self, which: str):
         """Context: torch work of the calling thread goes to ``which`` (its producer's only)."""

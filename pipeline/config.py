@@ -177,6 +177,13 @@ class TrainConfig:
                               "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
                               "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
                               "90% of the GPU (0 without a GPU).")
+    device_steps: int = _f(0, "With use_offload: offloaded stages per GPU whose AdamW step runs on the GPU beside "
+                           "the CPU's, the last ones its forward needs; their AdamW moments stay on the GPU (8 bytes "
+                           "a parameter, which --plan counts) and their fp32 masters and gradients cross PCIe at "
+                           "the step. With clipping, the CPU then has fewer steps to finish between the norm and "
+                           "the next forward's need of them. Not with data_parallel, delayed_update, lora_rank or "
+                           "embeddings tied across stages.",
+                           check=at_least(0, " (0: every offloaded stage steps on the CPU)"))
     gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap). "
                               "With --plan on a machine without a GPU (device auto): plan for GPUs of this size.",
                               check=at_least(0))
@@ -303,7 +310,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                     "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
                     "topology",
                     "plan_tflops", "stagger_loads", "device", "receive_ahead", "comm_timeout_s"),
-    "offload": ("use_offload", "use_prefetch", "resident_stages", "gpu_memory_gb", "host_memory_gb",
+    "offload": ("use_offload", "use_prefetch", "resident_stages", "device_steps", "gpu_memory_gb", "host_memory_gb",
                 "optimizer_threads", "delayed_update"),
     "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
@@ -612,6 +619,18 @@ def _offload(cfg: TrainConfig, world_size: int) -> None:
     if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
         raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
                           f"(the stages per process)")
+    if cfg.device_steps:
+        # the replicas' sharded steps are collective on the CPU; a delayed step must not touch the
+        # masters the next iteration's loads read while it runs
+        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
+                                       ("delayed_update", cfg.delayed_update),
+                                       (f"data_parallel {cfg.data_parallel}", cfg.data_parallel > 1)) if on]
+        if clash:
+            raise ConfigError(f"device_steps ({cfg.device_steps}) needs use_offload without delayed_update or "
+                              f"data_parallel; got {', '.join(clash)}")
+        if cfg.num_stages != -1 and cfg.device_steps + max(cfg.resident_stages, 0) > per_rank:
+            raise ConfigError(f"device_steps ({cfg.device_steps}) and resident_stages ({cfg.resident_stages}) "
+                              f"together must be at most the {per_rank} stages per process")
     if cfg.activation_offload and cfg.keep_layers > 0:
         # the backward recomputes each stage whole: there is no layer whose activations could be kept
         raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
@@ -667,9 +686,10 @@ def _lora(cfg: TrainConfig, world_size: int) -> None:
     if frozen:
         raise ConfigError(f"lora_target_modules: {', '.join(frozen)} cannot take adapters here (the embedding and "
                           "head stay frozen); target the decoder layers' modules")
-    if cfg.delayed_update:
-        raise ConfigError("delayed_update does not apply to lora_rank > 0: the adapters step on the GPU, no CPU "
-                          "AdamW step is left to overlap; drop delayed_update")
+    if cfg.delayed_update or cfg.device_steps:
+        what = "delayed_update" if cfg.delayed_update else f"device_steps ({cfg.device_steps})"
+        raise ConfigError(f"{what} does not apply to lora_rank > 0: the adapters step on the GPU, no CPU "
+                          f"AdamW step is left to overlap or move; drop it")
 
 
 # The rules between fields, in the order they are checked (each field's own rule comes first).

@@ -85,7 +85,7 @@ def train(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None) -> 
 
         raise TrainingError(out_of_memory_line(e, replica_cfg, source.config,
                                                sched.round_robin(replica_cfg.num_stages, size), size,
-                                               resolved.kept)) from None
+                                               resolved.kept, (here, cfg.data_parallel))) from None
     cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already

@@ -92,6 +92,21 @@ def resident_stages(mapping: list[int], per_rank: int) -> frozenset[int]:
     return frozenset(s for r in set(mapping) for s in stages_of(r, mapping)[:per_rank])
 
 
+def device_stepped_stages(mapping: list[int], resident: frozenset[int], per_rank: int) -> frozenset[int]:
+    """The offloaded stages whose AdamW step runs on their GPU (``device_steps``): each rank's last
+    ``per_rank`` stages that are not ``resident``, in ascending order, which is the order every
+    schedule here first computes them. These are the steps the next iteration needs last: with
+    clipping every step waits for the norm after the last backward, and the CPU steps the rest in
+    the order the next forward needs them while the GPU steps these beside it."""
+    if per_rank < 0:
+        raise ValueError(f"device-stepped stages per rank must be >= 0, got {per_rank}")
+    out: set[int] = set()
+    for r in set(mapping):
+        offloaded = [s for s in stages_of(r, mapping) if s not in resident]
+        out.update(offloaded[len(offloaded) - min(per_rank, len(offloaded)):])
+    return frozenset(out)
+
+
 class Interval(NamedTuple):
     """A span of one stage's compute on a rank; first/last index its compute actions."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedule.ir import Schedule
-from schedule.lower import build, build_forward
+from schedule.lower import build, build_forward, device_stepped_stages, resident_stages
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class ProgramSpec:
         tied: the first and last stage hold copies of one tied matrix (a TIE before the steps).
         num_segments: sequence segments per micro-batch's rows (1: whole sequences).
         receive_ahead: computes by which a receive is posted before the compute that takes it.
+        device_steps: with ``offload``, offloaded stages per rank whose AdamW step runs on the
+            device (``device_stepped``); the program is the same, only where its STEP runs differs.
     """
 
     schedule: str
@@ -39,6 +41,13 @@ class ProgramSpec:
     tied: bool = False
     num_segments: int = 1
     receive_ahead: int = 0
+    device_steps: int = 0
+
+    def device_stepped(self, mapping: list[int]) -> frozenset[int]:
+        """The offloaded stages whose STEP runs on their GPU (``schedule.lower.device_stepped_stages``)."""
+        if not self.offload or not self.device_steps:
+            return frozenset()
+        return device_stepped_stages(mapping, resident_stages(mapping, self.resident), self.device_steps)
 
     def build(self, mapping: list[int]) -> Schedule:
         """Every rank's training program, validated."""

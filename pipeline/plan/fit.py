@@ -50,15 +50,17 @@ def dtype_bytes(cfg: TrainConfig, device: str) -> int:
 
 
 def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
-                kept: tuple[int, ...] | None = None) -> tuple[list[RankMemory], dict]:
+                kept: tuple[int, ...] | None = None, data_parallel: int = 1) -> tuple[list[RankMemory], dict]:
     """Per-rank memory estimate of ``cfg`` and the schedule it runs (``resident_stages`` as
-    resolved by ``resolve_resident``, ``kept`` by ``resolve_kept``; unresolved, -1 counts as 0)."""
-    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept)
+    resolved by ``resolve_resident``, ``kept`` by ``resolve_kept``; unresolved, -1 counts as 0).
+    ``cfg`` is one replica's pipeline; ``data_parallel``: of how many (the replicas' gradient sum
+    keeps an fp32 copy of each resident stage's gradient)."""
+    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept, data_parallel)
     return estimate(inp, program), program
 
 
 def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
-                   kept: tuple[int, ...] | None = None) -> tuple[MemoryInputs, dict]:
+                   kept: tuple[int, ...] | None = None, data_parallel: int = 1) -> tuple[MemoryInputs, dict]:
     S = cfg.num_stages
     parts = stage_layers(cfg, hf_config, len(set(mapping)))
     counts = stage_param_counts(hf_config, S, parts)
@@ -66,7 +68,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     base = adapters.base if adapters is not None else None
     stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1, adapter_numel(hf_config, adapters, parts[s]),
                         quantized(hf_config, base, parts[s])) for s in range(S)]
-    program = program_spec(cfg, hf_config).build(mapping)
+    spec = program_spec(cfg, hf_config)
+    program = spec.build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
                        dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
                        attn=attention(cfg, hf_config), cpu=device == "cpu",
@@ -76,7 +79,8 @@ def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
                        compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
                        cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
                        lora_modules=adapted_per_layer(hf_config, adapters),
-                       lora_mlp=adapts_mlp_width(hf_config, adapters), delayed=cfg.delayed_update)
+                       lora_mlp=adapts_mlp_width(hf_config, adapters), delayed=cfg.delayed_update,
+                       summed=data_parallel > 1, device_stepped=spec.device_stepped(mapping))
     return inp, program
 
 
@@ -154,8 +158,9 @@ def host_available() -> int | None:
     return None
 
 
-def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[TrainConfig, str]:
-    """``cfg`` with ``resident_stages`` decided, and a log line saying what was kept resident.
+def resolve_resident(cfg: TrainConfig, hf_config, world_size: int, data_parallel: int = 1) -> tuple[TrainConfig, str]:
+    """``cfg`` (one replica's pipeline, of ``data_parallel``) with ``resident_stages`` decided,
+    and a log line saying what was kept resident.
 
     Auto (-1) keeps the most stages per GPU whose estimate stays within
     ``AUTO_RESIDENT_FRACTION`` of the GPU: every resident stage is one optimizer step less on
@@ -174,8 +179,9 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
         cap = auto_capacity(cfg, "resident_stages", f"0..{per_rank}")
         k, why = 0, "auto: no stage fits beside the offloaded ones"
         mapping = sched.round_robin(cfg.num_stages, world_size)
-        for n in range(1, per_rank + 1):
-            ranks, _ = memory_plan(dataclasses.replace(cfg, resident_stages=n), hf_config, mapping, device)
+        for n in range(1, per_rank - cfg.device_steps + 1):  # the device-stepped stages stay offloaded
+            ranks, _ = memory_plan(dataclasses.replace(cfg, resident_stages=n), hf_config, mapping, device,
+                                   data_parallel=data_parallel)
             peak = max(r.device_peak for r in ranks)
             if peak > AUTO_RESIDENT_FRACTION * cap:
                 break
@@ -188,8 +194,9 @@ def resolve_resident(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Trai
     return dataclasses.replace(cfg, resident_stages=k), line
 
 
-def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[int, ...], str]:
-    """Per stage, the decoder layers that keep their activations under checkpointing
+def resolve_kept(cfg: TrainConfig, hf_config, world_size: int, data_parallel: int = 1) -> tuple[tuple[int, ...], str]:
+    """Per stage (``cfg``: one replica's pipeline, of ``data_parallel``), the decoder layers that
+    keep their activations under checkpointing
     (``keep_layers`` resolved), and a log line saying so; every layer of a stage is recomputed
     at 0, and nothing is without ``activation_checkpointing``.
 
@@ -216,7 +223,7 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int) -> tuple[tuple[in
     else:
         cap = auto_capacity(cfg, "keep_layers", "0 or more (layers per stage)")
         limit, mapping = AUTO_RESIDENT_FRACTION * cap, sched.round_robin(S, world_size)
-        inp, program = _memory_inputs(cfg, hf_config, mapping, device, (0,) * S)
+        inp, program = _memory_inputs(cfg, hf_config, mapping, device, (0,) * S, data_parallel)
         kept = [0] * (S - 1) + [layers[-1] if fused else 0]
 
         def peak_with(s: int) -> int:
@@ -335,8 +342,8 @@ def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...
     """``cfg``'s memory against this machine's (``cfg`` of one pipeline; ``replicas``: with
     ``data_parallel``, how many replicas this host holds and of how many)."""
     device = device_type(cfg)
-    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept)
     here, D = replicas
+    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept, D)
     return Assessment(estimate(inp, program), program, device, gpu_capacity(cfg) if device == "cuda" else None,
                       host_capacity(cfg), here, D, _sharded_adamw(cfg, hf_config, inp, program, D))
 
@@ -383,11 +390,11 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
 
 
 def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
-                       kept: tuple[int, ...] | None = None) -> str:
+                       kept: tuple[int, ...] | None = None, replicas: tuple[int, int] = (1, 1)) -> str:
     """One line for a run that ran out of GPU memory although the plan accepted it: the action
     and what it asked for (``executor.OutOfMemory``), the plan's peak for that rank, and the single
-    changes whose plans leave the margin the run lacked."""
-    a = assess(cfg, hf_config, mapping, kept)
+    changes whose plans leave the margin the run lacked (``replicas`` as for ``assess``)."""
+    a = assess(cfg, hf_config, mapping, kept, replicas)
     rank = next((r for r in a.ranks if r.rank == err.rank), a.worst)
     tried = err.tried or 0
     need = err.allocated + tried
@@ -403,7 +410,8 @@ def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], wor
     limit = USABLE_FRACTION * a.gpu - short if a.gpu else None
     tips = []
     for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
-        peak = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size)).worst.device_peak
+        peak = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size),
+                      replicas=replicas).worst.device_peak
         if limit is not None and peak <= limit:
             tips.append((peak, f"{label} (plan {gib(peak)})"))
     tips = [t for _, t in sorted(tips, reverse=True)[:3]]  # the ones that change least first

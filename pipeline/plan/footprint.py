@@ -146,6 +146,10 @@ class MemoryInputs:
     lora_modules: int = 0
     lora_mlp: bool = False    # an adapter on a linear with an MLP-wide output (gate, up: ``adapts_mlp_width``)
     delayed: bool = False     # delayed_update: an offloaded stage's compute copy is its own buffer in fp32 too
+    # data_parallel: a resident stage keeps an fp32 copy of its gradient, which the replicas sum
+    summed: bool = False
+    # device_steps: offloaded stages whose AdamW moments live on the device, which steps them
+    device_stepped: frozenset[int] = frozenset()
 
     @property
     def inductor(self) -> bool:
@@ -332,9 +336,30 @@ def attention_work(inp: MemoryInputs, start: int, end: int) -> tuple[float, floa
     return fwd, bwd
 
 
-def param_bytes_resident(numel: int, d: int) -> int:
-    # compute copy + its grad + fp32 master + master grad + AdamW moments; fp32 compute aliases
-    return numel * (d + d + 4 + 4 + 8 - (8 if d == 4 else 0))
+def param_bytes_resident(numel: int, d: int, summed: bool = False) -> int:
+    # compute copy + its grad + fp32 master + AdamW moments; fp32 compute: the compute copy is the
+    # master and the grad fp32. In 16-bit an fp32 copy of the grad only to sum it over replicas
+    # (``summed``): else the norm and the step convert it a chunk at a time (``offload/resident.py``)
+    if d == 4:
+        return numel * 16
+    return numel * (d + d + 4 + 8 + (4 if summed else 0))
+
+
+def resident_step_transient(numel: int, inp: "MemoryInputs") -> int:
+    """Device bytes a resident stage's norm or step holds for a moment: one chunk of its gradient
+    converted to fp32 (16-bit compute, no fp32 copy kept; ``offload/resident.py``)."""
+    return 0 if inp.dtype_bytes == 4 or inp.summed else min(numel, MASTER_SLICE_NUMEL) * 4
+
+
+# device_steps: a stage's AdamW moments on the device, out of host memory
+DEVICE_MOMENT_BYTES = 8
+
+
+def device_step_buffers(numel: int) -> int:
+    """Device bytes of the buffers a device-stepped offloaded stage's masters and gradient cross
+    in, a chunk at a time (``offload.streams.Streams.step_buffers``: one pair per rank, the largest
+    such stage's)."""
+    return 2 * min(numel, MASTER_SLICE_NUMEL) * 4
 
 
 def frozen_bytes(numel: int, d: int) -> int:
@@ -409,13 +434,23 @@ class Ledger:
         self.lora = bool(inp.lora_rank)
         if self.lora:  # frozen base weights in host memory (offloaded) or on the device; adapters on the device
             out.host = sum(stage_frozen_bytes(inp.stages[s], d) for s in mine if s in offloaded)
-            self.params_static = sum(param_bytes_resident(inp.stages[s].adapter, d)
+            self.params_static = sum(param_bytes_resident(inp.stages[s].adapter, d, inp.summed)
                                      + (0 if s in offloaded else stage_frozen_bytes(inp.stages[s], d)) for s in mine)
             # counted throughout: the peaks are in the computes, where it exists
             self.params_static += dequantized_bytes([inp.stages[s] for s in mine], d)
         else:
             out.host = sum(param_bytes_host(inp.stages[s].numel, d, inp.delayed) for s in mine if s in offloaded)
-            self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d) for s in mine if s not in offloaded)
+            self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d, inp.summed)
+                                     for s in mine if s not in offloaded)
+        # the trained parameters of the stages that step on the device (LoRA: every stage's adapters)
+        self.device_stepped = {s: inp.stages[s].adapter if self.lora else inp.stages[s].numel
+                               for s in mine if self.lora or s not in offloaded}
+        moved = [inp.stages[s].numel for s in mine if s in inp.device_stepped and s in offloaded]
+        if moved:  # device_steps: the moments go to the device, the step's buffers are made once
+            out.host -= sum(moved) * DEVICE_MOMENT_BYTES
+            self.params_static += sum(moved) * DEVICE_MOMENT_BYTES
+            if not inp.cpu:  # as the staging buffer below: the streams', not a store's
+                self.params_static += device_step_buffers(max(moved))
         out.host_parts = {"parameters": out.host}
         if offloaded and d < 4 and not inp.cpu and not self.lora:  # the load stream's staging buffer (masters converted on the GPU)
             self.params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
@@ -490,7 +525,8 @@ class Ledger:
     def parameters(self, a: Action) -> None:
         """Any action but a FORWARD or BACKWARD: a RECV's buffer is held until its compute
         (``arrive``), LOAD takes a buffer of the pool, DROP gives it back, OFFLOAD_GRADS gives back the weights' and the gradients' (through an fp32 chunk on
-        its way to the host); the rest move no parameter."""
+        its way to the host); NORM and STEP convert a device-stepped stage's gradient a chunk at
+        a time; the rest move no parameter."""
         transient = 0.0
         if a.op in RECV_OPS:  # its buffer exists from the post on (the executor allocates it there)
             self.posted[a] = self.compute(a)[2]
@@ -508,6 +544,9 @@ class Ledger:
             self.has_grad.discard(a.stage)
             if self.inp.dtype_bytes < 4:  # the fp32 chunk the gradients go through on their way to the host
                 transient = min(numel, GRAD_SLICE_NUMEL) * 4 / self.tokens
+        elif a.op in (Op.NORM, Op.STEP):  # a device-stepped stage's gradient chunk in fp32
+            numel = [self.device_stepped.get(a.stage, 0)] if a.op is Op.STEP else self.device_stepped.values()
+            transient = max((resident_step_transient(n, self.inp) for n in numel), default=0) / self.tokens
         self.note_peak(a, transient * self.tokens)
 
     def finish(self) -> RankMemory:

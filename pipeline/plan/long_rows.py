@@ -38,12 +38,14 @@ def _auto_options(cfg: TrainConfig, hf_config, size: int) -> tuple[list[int], li
     return stages, chunks, tiles
 
 
-def _fewest_stages(cfg: TrainConfig, hf_config, size: int, stages: list[int]) -> TrainConfig | None:
+def _fewest_stages(cfg: TrainConfig, hf_config, size: int, stages: list[int], data_parallel: int = 1
+                   ) -> TrainConfig | None:
     """``cfg`` with the fewest of ``stages`` whose plan fits (``_fits_here``; found by bisection: a stage's memory
-    falls as the stages grow), None when even the most do not fit."""
+    falls as the stages grow), None when even the most do not fit. ``cfg``: one replica's pipeline, of
+    ``data_parallel``."""
     def fits(S: int) -> bool:
         trial = dataclasses.replace(cfg, num_stages=S)
-        return _fits_here(assess(trial, hf_config, sched.round_robin(S, size)))
+        return _fits_here(assess(trial, hf_config, sched.round_robin(S, size), replicas=(1, data_parallel)))
 
     if not fits(stages[-1]):
         return None
@@ -64,9 +66,11 @@ def _fits_here(a: "Assessment") -> bool:
     return a.fits if torch.cuda.is_available() else a.gpu_fits
 
 
-def resolve_long_rows(cfg: TrainConfig, hf_config, world_size: int) -> tuple[TrainConfig, str]:
-    """``cfg`` with ``num_stages``, ``seq_chunks`` and ``tiled_mlp`` decided where they are auto
-    (-1, -1, auto), and a log line saying what was chosen; unchanged (and no line) when none is.
+def resolve_long_rows(cfg: TrainConfig, hf_config, world_size: int, data_parallel: int = 1
+                      ) -> tuple[TrainConfig, str]:
+    """``cfg`` (one replica's pipeline, of ``data_parallel``) with ``num_stages``, ``seq_chunks``
+    and ``tiled_mlp`` decided where they are auto (-1, -1, auto), and a log line saying what was
+    chosen; unchanged (and no line) when none is.
 
     The first of whole rows, then 2, 4, 8 ... segments; untiled, then tiled; the fewest stages
     whose memory plan fits (``AUTO_SEQ_CHUNKS``, ``AUTO_TILED``). Without a GPU: the first of
@@ -90,11 +94,12 @@ def resolve_long_rows(cfg: TrainConfig, hf_config, world_size: int) -> tuple[Tra
     for k in chunks:
         for tiled in tiles:
             chosen = _fewest_stages(dataclasses.replace(cfg, seq_chunks=k, tiled_mlp=tiled), hf_config,
-                                    world_size, stages)
+                                    world_size, stages, data_parallel)
             if chosen is not None:
                 if quiet and chosen.tiled_mlp == "false":
                     return chosen, ""
-                peak = assess(chosen, hf_config, sched.round_robin(chosen.num_stages, world_size)).worst.device_peak
+                peak = assess(chosen, hf_config, sched.round_robin(chosen.num_stages, world_size),
+                              replicas=(1, data_parallel)).worst.device_peak
                 return chosen, line(chosen, f"the first that fits, estimated peak {gib(peak)} within "
                                             f"{USABLE_FRACTION:.0%} of {gib(cap)}")
     frugal = dataclasses.replace(cfg, num_stages=stages[-1], seq_chunks=chunks[-1], tiled_mlp=tiles[-1])

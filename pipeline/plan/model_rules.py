@@ -179,6 +179,10 @@ def tied_copies_step_alike(m: ModelView) -> None:
     cfg, P = m.cfg, m.pipeline_size
     if P is None or cfg.num_stages < 1 or not cfg.use_offload or not trains_tied_copies(cfg, m.kept):
         return
+    if cfg.device_steps:  # the last stage is its process's last offloaded one: it would step on the GPU
+        raise ConfigError(f"tied embeddings: device_steps {cfg.device_steps} steps stage {cfg.num_stages - 1}'s "
+                          f"copy of the tied matrix on the GPU and stage 0's elsewhere, with different AdamW "
+                          f"kernels; use device_steps 0")
     per_rank, k = cfg.num_stages // P, cfg.resident_stages  # -1: resolve picks 0 or all
     if 0 < k < per_rank:
         raise ConfigError(f"tied embeddings: resident_stages {k} keeps stage 0 on the GPU "

@@ -32,7 +32,7 @@ def program_spec(cfg: TrainConfig, hf_config) -> ProgramSpec:
     return ProgramSpec(cfg.schedule, cfg.num_stages, cfg.num_chunks, offload=cfg.use_offload,
                        prefetch=cfg.use_prefetch, clip=needs_norm(cfg), resident=max(cfg.resident_stages, 0),
                        tied=trains_tied_copies(cfg, hf_config), num_segments=cfg.seq_chunks,
-                       receive_ahead=cfg.receive_ahead)
+                       receive_ahead=cfg.receive_ahead, device_steps=cfg.device_steps)
 
 
 def build_programs(spec: ProgramSpec, mapping: list[int], position: int, *, evaluate: bool,

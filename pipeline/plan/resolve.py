@@ -55,12 +55,12 @@ def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int]
     size = world_size // cfg.data_parallel
     long_rows = ""
     if -1 in (cfg.num_stages, cfg.seq_chunks) or cfg.tiled_mlp == "auto":
-        chosen, long_rows = resolve_long_rows(replica_config(cfg), hf_config, size)
+        chosen, long_rows = resolve_long_rows(replica_config(cfg), hf_config, size, cfg.data_parallel)
         cfg = dataclasses.replace(cfg, num_stages=chosen.num_stages, seq_chunks=chosen.seq_chunks,
                                   tiled_mlp=chosen.tiled_mlp)
     cfg, partition = resume_partition(cfg, hf_config, size, saved_parts)
-    replica_cfg, resident = resolve_resident(replica_config(cfg), hf_config, size)
-    kept, recompute = resolve_kept(replica_cfg, hf_config, size)
+    replica_cfg, resident = resolve_resident(replica_config(cfg), hf_config, size, cfg.data_parallel)
+    kept, recompute = resolve_kept(replica_cfg, hf_config, size, cfg.data_parallel)
     cfg = dataclasses.replace(cfg, resident_stages=replica_cfg.resident_stages)
     check_choices(cfg, hf_config, size)
     return Resolved(cfg, kept, size, tuple(line for line in (generic_path_line(hf_config), long_rows, partition,

@@ -189,13 +189,28 @@ def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchSt
     return stream, build_eval_batches(cfg, source) if cfg.eval_every else []
 
 
+def _log_layers(log: Log, cfg: TrainConfig, base, dtype: torch.dtype, device: torch.device, tile: int,
+                compiled: bool) -> None:
+    """How the stages' decoder layers hold their weights and compute: 4-bit, tiled, compiled."""
+    if base is not None:
+        log.info(f"load_in_4bit: the decoder layers' linear weights in {base.describe()} (bitsandbytes, blocks of "
+                 f"{base.blocksize}, compute {str(dtype).removeprefix('torch.')}), quantized on {device.type} as "
+                 "each layer is read; the embedding, norms and head in the compute dtype")
+    if tile:
+        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
+    if compiled:
+        log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
+                 "compiles them)")
+
+
 def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
                  offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
                  replicas: GradSync | None, log: Log, adapters: LoraSettings | None = None,
-                 adapter_dir=None) -> tuple[dict, dict, Streams]:
+                 adapter_dir=None, device_stepped: frozenset[int] = frozenset()) -> tuple[dict, dict, Streams]:
     """This rank's stages (only those are ever built) and their stores. ``adapters`` (LoRA):
     peft's adapters go into every stage, from ``adapter_dir`` (a saved peft adapter) or their
-    seeded initial values; the base weights are frozen."""
+    seeded initial values; the base weights are frozen. ``device_stepped``: the offloaded stages
+    whose AdamW runs on the device (``ProgramSpec.device_stepped``)."""
     S = cfg.num_stages
     streams, pool = Streams(device), BufferPool(device)
     workers, share = None, []
@@ -208,18 +223,10 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
     base = adapters.base if adapters is not None else None
-    if base is not None:
-        log.info(f"load_in_4bit: the decoder layers' linear weights in {base.describe()} (bitsandbytes, blocks of "
-                 f"{base.blocksize}, compute {str(dtype).removeprefix('torch.')}), quantized on {device.type} as "
-                 "each layer is read; the embedding, norms and head in the compute dtype")
     compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
     attention.use_backend(cfg.attention_backend)
     tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
-    if tile:
-        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
-    if compiled:
-        log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
-                 "compiles them)")
+    _log_layers(log, cfg, base, dtype, device, tile, compiled)
     built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
     # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
     # not torchrun's one thread.
@@ -249,13 +256,17 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             shard = shard_peers(replicas) if shards_step(cfg, s in offloaded, stage.tied_name is not None,
                                                          numel) else None
             stores[s] = make_store(stage, offload=s in offloaded, delayed=cfg.delayed_update,
-                                   frozen=adapters is not None, packed=packed_weights(stage) if base else (),
+                                   device_step=s in device_stepped, frozen=adapters is not None,
+                                   packed=packed_weights(stage) if base else (), summed=replicas is not None,
                                    device=device, compute_dtype=dtype,
                                    optim=optim_settings(cfg, fused=True), streams=streams, pool=pool, workers=workers,
                                    tied=stage.tied_name if adapters is None else None, tied_copy=s == S - 1,
                                    shard=shard)
             stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
+    if device_stepped & set(stage_ids):
+        log.info(f"optimizer: stages {sorted(device_stepped & set(stage_ids))} step on the GPU (device_steps "
+                 f"{cfg.device_steps}), their AdamW moments there; the CPU steps the other offloaded stages")
     sharded = [s for s in stage_ids if stores[s].shard is not None]
     if sharded:
         mine = sum(hi - lo for lo, hi in (stores[s].shard_range for s in sharded))
@@ -337,7 +348,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     # creation is collective.
     replicas = GradSync(lay, cfg.comm_timeout_s, pin=device.type == "cuda") if cfg.data_parallel > 1 else None
     stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
-                                           device, dtype, replicas, log, adapters, adapter_dir)
+                                           device, dtype, replicas, log, adapters, adapter_dir,
+                                           spec.device_stepped(mapping))
     p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
     # How each stage's work runs, chosen once here (pipeline.runners)
     runners = RankRunners(stages, stores, device=device, num_stages=S, num_segments=cfg.seq_chunks,

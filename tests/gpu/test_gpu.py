@@ -21,8 +21,9 @@ def _settings(nproc: int, mode: str) -> dict:
     return {"model": "tiny", "dataset": "synthetic", "device": "cuda", "dtype": "bfloat16", "seq_length": 128,
             "batch_size": 16, "num_chunks": 4, "num_stages": 2 * nproc, "num_iterations": 6, "lr": 1e-3,
             "schedule": "gpipe", "use_offload": mode != "resident",
-            "use_prefetch": mode in ("prefetch", "hybrid", "actoff"), "resident_stages": 1 if mode == "hybrid" else 0,
-            "activation_offload": mode == "actoff"}
+            "use_prefetch": mode in ("prefetch", "hybrid", "actoff", "device"),
+            "resident_stages": 1 if mode in ("hybrid", "device") else 0,
+            "device_steps": 1 if mode == "device" else 0, "activation_offload": mode == "actoff"}
 
 
 def _run(tmp_path, nproc: int, mode: str) -> dict:
@@ -55,7 +56,7 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
     norm (measured on 2 H200s: 2.4e-3 for the embedding). Exact equivalence of the offload
     logic is what the float32 CPU tests check."""
     resident = _run(tmp_path, nproc, "resident")
-    for mode in ("prefetch", "noprefetch", "hybrid", "actoff"):
+    for mode in ("prefetch", "noprefetch", "hybrid", "actoff", "device"):
         run = _run(tmp_path, nproc, mode)
         for a, b in zip(run["losses"], resident["losses"]):
             assert abs(a - b) <= 1e-3 * abs(b), (mode, run["losses"], resident["losses"])
@@ -73,7 +74,7 @@ def test_offload_prefetch_matches_resident(tmp_path, nproc):
         assert all(p <= b for p, b in zip(run["peaks"], bound)), (mode, run["peaks"], bound)
 
 
-@pytest.mark.parametrize("mode", ["prefetch", "hybrid", "resident", "actoff"])
+@pytest.mark.parametrize("mode", ["prefetch", "hybrid", "resident", "actoff", "device"])
 def test_step_has_no_host_sync(tmp_path, mode):
     """No clipping; every stage offloaded (with prefetch), one kept resident, or none offloaded:
     inside an iteration the host waits for the device only where the executor documents it

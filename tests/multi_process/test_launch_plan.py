@@ -79,9 +79,9 @@ def test_plan_exit_status_says_whether_it_fits(capsys):
 
     argv, _ = _readme_plan_example()
     at = argv.index("--host_memory_gb")
-    assert main.main(argv[:at] + ["--host_memory_gb", "64"] + argv[at + 2:]) == main.PLAN_DOES_NOT_FIT == 1
+    assert main.main(argv[:at] + ["--host_memory_gb", "48"] + argv[at + 2:]) == main.PLAN_DOES_NOT_FIT == 1
     out = capsys.readouterr().out
-    assert "of 64.00 GiB (host_memory_gb): DOES NOT FIT" in out and "would fit with:" in out
+    assert "of 48.00 GiB (host_memory_gb): DOES NOT FIT" in out and "would fit with:" in out
     at = argv.index("--gpu_memory_gb")
     assert main.main(argv[:at] + ["--gpu_memory_gb", "16", "--resident_stages", "0"] + argv[at + 2:]) == 1
     assert "GPU: " in capsys.readouterr().out

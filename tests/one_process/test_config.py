@@ -206,7 +206,31 @@ def test_activation_offload_refuses_what_it_does_not_make_exact():
     check_config(make_config({"activation_offload": True, "seq_chunks": 2, "device": "cpu"}), 2)
 
 
-@pytest.mark.parametrize("mode", ["resident", "prefetch", "noprefetch", "hybrid", "actoff"])
+@pytest.mark.parametrize("values,message", [
+    ({"device_steps": 1}, r"^device_steps \(1\) needs use_offload without delayed_update or data_parallel; got "
+                          r"use_offload off$"),
+    ({"use_offload": True, "device_steps": 1, "delayed_update": True, "resident_stages": 0},
+     r"got delayed_update$"),
+    ({"use_offload": True, "device_steps": 1, "data_parallel": 2, "num_chunks": 4},
+     r"got data_parallel 2$"),
+    ({"use_offload": True, "device_steps": 3, "resident_stages": 2},
+     r"^device_steps \(3\) and resident_stages \(2\) together must be at most the 4 stages per process$"),
+    ({"use_offload": True, "device_steps": 1, "lora_rank": 4}, r"^device_steps \(1\) does not apply to lora_rank"),
+    ({"device_steps": -1}, r"device_steps.*>= 0"),
+])
+def test_device_steps_are_refused_where_they_cannot_step_exactly(values, message):
+    """device_steps moves an offloaded stage's step to the GPU: nothing to move without offload,
+    the replicas' sharded steps and the delayed update stay on the CPU, LoRA's adapters step
+    on the GPU already, and there are only so many stages per process."""
+    from pipeline.plan.preflight import check_config
+
+    with pytest.raises(ConfigError, match=message):
+        check_config(make_config({"num_stages": 8, "device": "cpu", **values}), 2 * values.get("data_parallel", 1))
+    check_config(make_config({"num_stages": 8, "device": "cpu", "use_offload": True, "device_steps": 2,
+                              "resident_stages": 2}), 2)
+
+
+@pytest.mark.parametrize("mode", ["resident", "prefetch", "noprefetch", "hybrid", "actoff", "device"])
 def test_the_gpu_tests_flags_parse_to_their_settings(mode):
     """The GPU tests build main.py's flags from settings (``tests.helpers.runs.flags``): each mode's
     flags parse back to exactly its settings, so a GPU run cannot die on a misspelt flag before

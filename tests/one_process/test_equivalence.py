@@ -37,6 +37,24 @@ def test_resident_stages_match_reference(tiny_model_dir, schedule, resident, gra
     assert_same_training(*run.outcome, *ref)
 
 
+@pytest.mark.parametrize("schedule,resident,device_steps", [("interleaved", 1, 2), ("gpipe", 0, 1)])
+@pytest.mark.parametrize("grad_clip", [1.0, pytest.param(0.0, marks=pytest.mark.slow)])
+def test_device_steps_match_reference(tiny_model_dir, schedule, resident, device_steps, grad_clip):
+    """Offload with the last offloaded stages of each process stepped on the device
+    (``device_steps``; the same kernel on the CPU) beside the others' CPU steps: the training is
+    the same, with the clipping norm and without it (then each device step follows its
+    stage's gradient offload during the backward)."""
+    cfg = tiny_cfg(tiny_model_dir, schedule=schedule, use_offload=True, resident_stages=resident,
+                   device_steps=device_steps, grad_clip=grad_clip)
+    trainer = in_process_trainer(cfg)
+    stepped = sorted(s for s, st in trainer.stores.items() if st.offload and st.residency.device_step)
+    assert stepped == list(range(cfg.num_stages - device_steps, cfg.num_stages))
+    run = trained(trainer)
+    ref = reference_train(tiny_cfg(tiny_model_dir, grad_clip=grad_clip), str(tiny_model_dir)) if grad_clip == 0.0 \
+        else reference_result(str(tiny_model_dir))
+    assert_same_training(*run.outcome, *ref)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
 @pytest.mark.slow
 def test_checkpointing_matches_reference(tiny_model_dir, schedule):

@@ -51,9 +51,12 @@ def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
         assert (half.masters[k] - v).norm() <= 1e-2 * v.norm(), k
 
 
-def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("stores", [{}, dict(use_offload=True, resident_stages=1, device_steps=1)])
+def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path, stores):
+    """An overflow skips every stage's step: resident (float16 gradients, no fp32 copy), offloaded
+    on the CPU and offloaded stepped on the device alike; the weights stay as they were."""
     cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
-               num_iterations=1)
+               num_iterations=1, **stores)
     trainer = in_process_trainer(cfg)
     before = trainer_masters(trainer)
     run = trained(trainer)

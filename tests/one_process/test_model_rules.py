@@ -26,6 +26,10 @@ def test_tied_copies_stepping_apart_are_refused_before_launch(models_root):
     for ok in (dict(resident_stages=0), dict(resident_stages=2), dict(resident_stages=-1), dict(use_offload=False),
                dict(lora_rank=4)):
         resolve_model(dataclasses.replace(cfg, **ok), world_size=2)
+    # device_steps: the head's copy (the process's last offloaded stage) would step on the GPU
+    with pytest.raises(ConfigError, match=r"^tied embeddings: device_steps 1 steps stage 3's copy .* use "
+                                          r"device_steps 0$"):
+        resolve_model(dataclasses.replace(cfg, resident_stages=0, device_steps=1), world_size=2)
 
 
 def test_resolve_checks_the_choices_it_made(models_root):

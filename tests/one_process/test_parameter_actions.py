@@ -22,7 +22,9 @@ from tests.helpers.runs import tiny_cfg
 
 # one per way a stage's parameters can live: offloaded (float32: the compute copy is the master;
 # bfloat16 or a delayed update: a pinned copy of its own), resident beside offloaded, LoRA's frozen
-# weights offloaded and resident, the fused last stage (its forward takes the gradient buffer)
+# weights offloaded and resident, the fused last stage (its forward takes the gradient buffer),
+# resident in bfloat16 (no fp32 copy of the gradient: the norm and the step convert it), an
+# offloaded stage stepped on the device (its AdamW moments there)
 CASES = {
     "offloaded": dict(use_offload=True, resident_stages=0, schedule="gpipe"),
     "offloaded-bf16": dict(use_offload=True, resident_stages=0, dtype="bfloat16", schedule="1f1b"),
@@ -31,6 +33,10 @@ CASES = {
     "fused-last": dict(use_offload=True, resident_stages=0, fuse_last_stage="true", schedule="1f1b"),
     "lora-offloaded": dict(use_offload=True, resident_stages=1, lora_rank=4, num_stages=3, schedule="gpipe"),
     "resident": dict(use_offload=False, schedule="gpipe"),
+    "resident-bf16": dict(use_offload=False, dtype="bfloat16", schedule="1f1b"),
+    "lora-bf16": dict(use_offload=True, resident_stages=1, lora_rank=4, num_stages=3, dtype="bfloat16",
+                      schedule="gpipe"),
+    "device-step": dict(use_offload=True, resident_stages=1, device_steps=1, schedule="1f1b"),
 }
 
 
@@ -152,7 +158,9 @@ def _static(store) -> tuple[int, int]:
     few bytes the plan leaves out); the frozen weights (LoRA) where they live."""
     moments = [state[k] for state in store.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     flat = [store.master, store.master_grad, *moments]
-    if store.offload:
+    if store.offload and store.residency.device_step:
+        host, device = _storages([store.master, store.master_grad, store.work]), _storages(moments)
+    elif store.offload:
         host, device = _storages(flat + [store.work]), 0
     else:
         host, device = 0, _storages(flat + [store.dev, store.grad])
@@ -185,7 +193,7 @@ def assert_plan_moves_what_runs(case: str, trainer, measured: ActionRecorder, pl
 def test_plan_moves_the_parameters_the_stores_move(tiny_model_dir, monkeypatch, case):
     trainer = _trainer(tiny_model_dir, case)
     measured = _measured(trainer)
-    assert any(measured.moves) == (case != "resident")
+    assert any(measured.moves) == (case not in ("resident", "resident-bf16"))
     assert_plan_moves_what_runs(case, trainer, measured, _planned(monkeypatch, trainer))
 
 

@@ -60,6 +60,51 @@ def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
     assert not torch.equal(chunked.master, _store(offload=False).master)  # it did train
 
 
+def _bf16_resident_pair():
+    """Two resident bf16 stores of one module: one keeps an fp32 copy of its gradient (as with
+    replicas), the other converts its bf16 gradient a chunk at a time."""
+    optim = OptimSettings(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return [make_store(_module(), device=CPU, compute_dtype=torch.bfloat16, offload=False, summed=summed,
+                       optim=optim, streams=Streams(CPU), pool=BufferPool(CPU)) for summed in (True, False)]
+
+
+@pytest.mark.parametrize("chunk", [64, 192, 1 << 20])
+def test_resident_bf16_step_without_an_fp32_gradient_is_the_same(monkeypatch, chunk):
+    """A resident bf16 stage without an fp32 gradient (the norm and the step convert the bf16 one a
+    chunk at a time) against one with it: the same squared norm and, over several steps with
+    and without clipping, the same masters, compute copy and AdamW state, bit for bit."""
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", chunk)
+    copied, converted = _bf16_resident_pair()
+    assert copied.master_grad is not None and converted.master_grad is None
+    for i, coef in enumerate([0.37, None, 0.81]):
+        g = torch.randn(copied.numel, generator=torch.Generator().manual_seed(i)).bfloat16()
+        for st in (copied, converted):
+            st.grad.copy_(g)
+        assert torch.equal(copied.grad_sq_norm(), converted.grad_sq_norm())
+        copied.step(1e-2, coef).result()
+        converted.step(1e-2, coef).result()
+        assert not converted.grad.any()  # zeroed for the next iteration's accumulation
+    assert torch.equal(copied.master, converted.master) and torch.equal(copied.dev, converted.dev)
+    for a, b in zip(copied.optimizer.param_groups, converted.optimizer.param_groups):
+        for pa, pb in zip(a["params"], b["params"]):
+            sa, sb = copied.optimizer.state[pa], converted.optimizer.state[pb]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_resident_bf16_step_from_misplaced_chunks_is_caught(monkeypatch):
+    """Mutation: a chunked step that takes each leaf's gradient from the start of the flat
+    gradient (its offset forgotten) steps the second leaf with the first one's gradient."""
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 64)
+    copied, converted = _bf16_resident_pair()
+    g = torch.randn(copied.numel, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for st in (copied, converted):
+        st.grad.copy_(g)
+    monkeypatch.setattr(converted.adamw, "leaf_offset", lambda leaf: 0)
+    copied.step(1e-2, 0.5).result()
+    converted.step(1e-2, 0.5).result()
+    assert not torch.equal(copied.master, converted.master)
+
+
 def test_load_copies_each_chunk_as_the_step_writes_it(monkeypatch):
     """With the step still running, the loader thread copies chunk by chunk behind it: the
     load has copied the first chunks before the step is done, and ends with the new weights."""
@@ -324,3 +369,164 @@ def test_lora_frozen_loads_count_as_transfers_and_load_waits(monkeypatch):
     frozen_bytes = sum(p.numel() for p in module[0].parameters()) * 4
     assert st.pop_transfer_stats() == {"h2d": (frozen_bytes, 1e-3)}
     assert clock.spans == ["load_wait"] and len(streams.compute.waited) == 1
+
+
+class _TimedEvent(_StubEvent):
+    """A stub event that also notes when it was recorded."""
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        self.at = time.perf_counter()
+
+
+def test_cuda_path_load_waits_for_its_own_step_only(monkeypatch):
+    """The next iteration's LOAD on the CUDA path (streams and events stubbed on the CPU): two
+    offloaded stages step one after the other on the optimizer thread (the order the next
+    forward needs them), the second slowly. The first one's load and compute go ahead while the
+    second still steps: the compute stream waits for the first's own load event and nothing
+    else. The second's load event is recorded only after its own step wrote the last chunk, and
+    its compute waits for that event: the weights it computes with are the stepped ones."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
+    monkeypatch.setattr(Streams, "on", lambda self, which: contextlib.nullcontext())
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", 64)
+    streams = Streams(CPU)
+    streams.cuda = True
+    streams.compute, streams.load, streams.offload = _StubStream(), _StubStream(), _StubStream()
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    optim = OptimSettings(weight_decay=0.1, fused=True)
+    first, second = (make_store(_module(seed), device=CPU, compute_dtype=torch.float32, offload=True, optim=optim,
+                                streams=streams, pool=BufferPool(CPU), workers=workers) for seed in (0, 1))
+    gate, real_kernel, written = threading.Event(), torch._fused_adamw_, []
+    lo = second.master.data_ptr()
+    hi = lo + second.master.numel() * second.master.element_size()
+
+    def kernel(params, *args, **kw):
+        if lo <= params[0].data_ptr() < hi:  # a chunk of the second stage's masters
+            assert gate.wait(10), "the first stage's compute never went ahead"
+            real_kernel(params, *args, **kw)
+            written.append(time.perf_counter())
+            return
+        real_kernel(params, *args, **kw)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    _set_grads([first], seed=0)
+    _set_grads([second], seed=1)
+    steps = [st.step(1e-2, 0.5) for st in (first, second)]
+    spans = [st.load() for st in (first, second)]
+    first.before_compute(backward=False)
+    assert not steps[1].done(), "the first stage's compute waited for the second stage's step"
+    assert streams.compute.waited == [spans[0].result().end]
+    assert torch.equal(first.dev, first.master)
+    gate.set()
+    second.before_compute(backward=False)
+    steps[1].result()
+    end = spans[1].result().end
+    assert streams.compute.waited[-1] is end and len(written) >= 2 and end.at >= written[-1]
+    assert torch.equal(second.dev, second.master)
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()
+
+
+def _device_stepped_pair(dtype=torch.float32, workers=None, streams=None):
+    """Two offloaded stores of one module: the second steps through the device (``device_step``)."""
+    optim = OptimSettings(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    return [make_store(_module(), device=CPU, compute_dtype=dtype, offload=True, device_step=on, optim=optim,
+                       streams=streams or Streams(CPU), pool=BufferPool(CPU), workers=workers) for on in (False, True)]
+
+
+@pytest.mark.parametrize("chunk", [64, 192, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_step_is_the_host_step(monkeypatch, chunk, dtype):
+    """An offloaded stage stepped through the device (its masters and gradient a chunk at a time
+    into the step buffers, AdamW against its moments there, the masters back) against the same
+    stage stepped on the host: masters, AdamW state and the next loads' weights (from the
+    masters, then from the refreshed ``work``), bit for bit on the CPU, over several steps with
+    and without clipping."""
+    monkeypatch.setattr(slices, "MASTER_SLICE_NUMEL", chunk)
+    host, device = _device_stepped_pair(dtype)
+    assert device.residency.device_step and not host.residency.device_step
+    for i, coef in enumerate([0.37, None, 0.81]):
+        _set_grads([host, device], seed=i)
+        host.step(1e-2, coef).result()
+        device.step(1e-2, coef).result()
+        for _ in range(2):  # the first load after the step copies the masters, the second ``work``
+            for st in (host, device):
+                st.load().result()
+                st.before_compute(backward=False)
+            assert torch.equal(host.dev, device.dev) and torch.equal(device.dev, device.master.to(dtype))
+            for st in (host, device):
+                st.drop()
+    assert torch.equal(host.master, device.master)
+    for a, b in zip(host.optimizer.param_groups, device.optimizer.param_groups):
+        for pa, pb in zip(a["params"], b["params"]):
+            sa, sb = host.optimizer.state[pa], device.optimizer.state[pb]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert not torch.equal(host.master, _store(offload=True).master)  # it did train
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_device_step_state_resumes(apart):
+    """A device-stepped stage's AdamW state saved and loaded into a fresh store steps on like the
+    original; ``apart``: with the moments on another device than the masters (as on a GPU, here
+    another CPU index), copied into where they live, not moved to the masters by torch's loader."""
+    import copy
+
+    a, b = (_device_stepped_pair()[1] for _ in range(2))
+    if apart:
+        b.adamw.state_device = torch.device("cpu", 0)  # != the masters' torch.device("cpu")
+    _set_grads([a], seed=0)
+    a.step(1e-2, 0.5).result()
+    b.master.copy_(a.master)
+    b.load_optimizer_state_dict(copy.deepcopy(a.optimizer_state_dict()))  # as a checkpoint holds it
+    _set_grads([a, b], seed=1)
+    a.step(1e-2, None).result()
+    b.step(1e-2, None).result()
+    assert torch.equal(a.master, b.master)
+
+
+def test_cuda_path_device_step_hands_its_end_to_the_load_and_the_refresh(monkeypatch):
+    """A device step on the CUDA path (streams and events stubbed on the CPU): issued on the step
+    stream by the main thread, after the gradient's copy to the host and without a host wait;
+    the next LOAD's copy waits for its end on the load stream, the next OFFLOAD_GRADS's on the
+    offload stream, the bf16 ``work`` refresh (optimizer thread) and the checkpoint's read of the
+    masters (``wait_step``) on the host; a later step's LOAD waits for that step's end."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
+    monkeypatch.setattr(Streams, "on", lambda self, which: contextlib.nullcontext())
+    synced = []
+    monkeypatch.setattr(_TimedEvent, "synchronize", lambda self: synced.append((self, threading.current_thread())))
+    streams = Streams(CPU)
+    streams.cuda = True
+    streams.compute, streams.load, streams.offload, streams.step = (_StubStream() for _ in range(4))
+    workers = Workers(ThreadPoolExecutor(1), CPU)
+    st = _device_stepped_pair(torch.bfloat16, workers, streams)[1]
+    st.load().result()
+    st.before_compute(backward=True)
+    for i in range(2):
+        st.offload_grads(norm=True)
+        st.grad_sq_norm()
+        grads = st.residency.grads_event
+        _set_grads([st], seed=i)
+        synced.clear()
+        start, end = st.step(1e-2, 0.5).result()
+        assert streams.step.waited[-1] is grads and start.stream is end.stream is streams.step and not synced
+        st.load().result()
+        st.before_compute(backward=True)
+        assert streams.load.waited[-1] is end, "the load's copy did not wait for the device step"
+        assert torch.equal(st.dev, st.master.bfloat16())
+        if i == 0:  # the next gradients' copy out waits for the step that read the last ones
+            st.offload_grads(norm=True)
+            assert streams.offload.waited[-1] is end
+            st.grad_sq_norm()
+            st.load().result()
+            st.before_compute(backward=True)
+        st.wait_step()  # the refresh of ``work`` queued by the load, and the masters' copies back
+        # once on the optimizer thread (before the refresh), once here (before the masters are read)
+        assert [e for e, _ in synced if e is end] == [end, end]
+        assert sorted(t is threading.current_thread() for e, t in synced if e is end) == [False, True]
+        assert torch.equal(st.work, st.master.bfloat16())
+    workers.optimizer.shutdown()
+    workers.loader.shutdown()

@@ -312,6 +312,20 @@ def test_resident_stages_are_each_ranks_first():
         resident_stages(round_robin(4, 2), -1)
 
 
+def test_device_stepped_stages_are_each_ranks_last_offloaded():
+    from schedule.lower import device_stepped_stages
+
+    mapping = round_robin(12, 2)  # rank 0: 0 2 4 6 8 10; rank 1: 1 3 5 7 9 11
+    resident = resident_stages(mapping, 2)
+    assert device_stepped_stages(mapping, resident, 1) == {10, 11}
+    assert device_stepped_stages(mapping, resident, 2) == {8, 9, 10, 11}
+    assert device_stepped_stages(mapping, resident, 0) == frozenset()
+    assert device_stepped_stages(mapping, resident, 9) == set(range(4, 12))  # at most the offloaded ones
+    assert device_stepped_stages([1, 0, 1, 0], frozenset(), 1) == {2, 3}
+    with pytest.raises(ValueError):
+        device_stepped_stages(mapping, resident, -1)
+
+
 @pytest.mark.parametrize("clip", [False, True])
 def test_offload_with_resident_stages(clip):
     """Resident stages get no LOAD/DROP/OFFLOAD and step at the end of the list; the offloaded
