@@ -21,10 +21,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from data.dataset import ALPACA, CHAT, FORMATS, TEXT, XSUM, DataError, detect_format
+from inputs import InputError, NumberParser, read_json, read_json_lines, read_text
 
 
 # (--model, the run's cache_dir or None) -> the directory to load; ValueError for a name it refuses
 ModelDir = Callable[[str, "str | None"], Path]
+# (--adapter, the base model's directory) -> what in the adapter does not fit that base (empty: it fits)
+AdapterCheck = Callable[[Path, Path], "list[str]"]
+# A checkpoint's settings (pipeline.plan.saved.TRAINER_STATE), and where a run's relative paths
+# start when it ran through train.sh: the repository root.
+TRAINER_STATE = "trainer_state.json"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class GenerateError(ValueError):
@@ -77,25 +84,21 @@ def read_prompts(path: Path, fmt: str, system: str = "") -> list[dict[str, Any]]
     (``document``; ``instruction`` and ``input``; ``messages``; ``text``), any other file one
     prompt a line (blank lines skipped)."""
     try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    except OSError as e:
-        raise GenerateError(f"cannot read --prompts {str(path)!r}: {e.strerror}") from None
-    if Path(path).suffix != ".jsonl":
-        return [prompt_record(fmt, line, system=system) for line in lines]
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            raise GenerateError(f"--prompts {str(path)!r} line {i} is not JSON (a .jsonl file holds one record "
-                                f"a line)") from None
-        need = {XSUM: "document", ALPACA: "instruction", CHAT: "messages", TEXT: TEXT}[fmt]
-        if not isinstance(out[-1], dict) or need not in out[-1]:
-            raise GenerateError(f"--prompts {str(path)!r} line {i} has no {need!r} field, which a {fmt} prompt needs")
-    return out
+        if Path(path).suffix != ".jsonl":
+            lines = [line for line in read_text(path, "--prompts file").splitlines() if line.strip()]
+            return [prompt_record(fmt, line, system=system) for line in lines]
+        records = read_json_lines(path, "--prompts file")
+    except InputError as e:
+        raise GenerateError(str(e)) from None
+    need = {XSUM: "document", ALPACA: "instruction", CHAT: "messages", TEXT: TEXT}[fmt]
+    for line, record in records:
+        if need not in record:
+            raise GenerateError(f"--prompts {str(path)!r} line {line} has no {need!r} field, which a {fmt} prompt "
+                                "needs")
+    return [record for _, record in records]
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(NumberParser):
     def error(self, message: str):  # one line, as every refusal here, not argparse's usage block
         raise GenerateError(f"{message}; --help lists the flags")
 
@@ -131,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _adapter_base(adapter: Path) -> str | None:
     """The base model a peft adapter records (``base_model_name_or_path``; None for none)."""
     try:
-        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
+        base = read_json(adapter / "adapter_config.json", "adapter config").get("base_model_name_or_path")
+    except (InputError, AttributeError):
         return None
     return base if isinstance(base, str) and base else None
 

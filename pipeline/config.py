@@ -13,13 +13,11 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import yaml
-
+from inputs import InputError, NumberParser, join_negative_values, read_yaml
 from schedule.generate import SCHEDULE_NAMES
 from schedule.mapping import MAPPING_MODES, RENAMED_MAPPING_MODES
 
@@ -428,33 +426,12 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
     return "" if value is None else str(value)
 
 
-class YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader reading numbers as YAML 1.2 and Python do: YAML 1.1 wants a dot in a
-    float, so ``3e-4`` or ``1E5`` would otherwise come back as strings (a config file's ``lr``, a
-    topology file's ``bandwidth_gbps``, and ``--help``'s shown values)."""
-
-
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
 def load_yaml(path: str) -> dict[str, Any]:
+    """The keys of the config file ``path`` (``inputs.read_yaml``: UTF-8, valid YAML, no key twice)."""
     try:
-        with open(path) as fh:
-            data = yaml.load(fh, Loader=YamlLoader)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}") from None
+        data = read_yaml(path, "config file")
+    except InputError as e:
+        raise ConfigError(str(e)) from None
     if data is None:  # silently the built-in defaults, not the shipped fine_tune.yaml's: refused
         raise ConfigError(f"config file {path!r} is empty (no key: value); give its keys, or --config '' for the "
                           "built-in defaults")

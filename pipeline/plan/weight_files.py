@@ -5,10 +5,11 @@ them (``check_files``); the stages read their own tensors through ``read_tensors
 (``pipeline.stage.weights``); nothing else of the plan reads a tensor."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from inputs import read_json
 
 
 # Weight files a Hugging Face directory may hold, in the order transformers prefers them.
@@ -29,9 +30,10 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     for name in _INDEXES:
         index = model_dir / name
         if index.exists():
+            weight_map = read_json(index, "weight index")  # InputError (a ValueError): not UTF-8, not JSON
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                weight_map = weight_map["weight_map"]
+            except (KeyError, TypeError) as e:
                 raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e})") from None
             missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
             if missing:

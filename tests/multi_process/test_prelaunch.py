@@ -97,7 +97,7 @@ def test_data_file_errors(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = json.dumps({"document": "a text", "summary": "short"})
     bad.write_text(f"{good}\n{good}\n{{\"document\": broken\n{good}\n")
-    one_error(check_only(base + ["--dataset", str(bad)]), f"{bad} line 3 is not valid JSON")
+    one_error(check_only(base + ["--dataset", str(bad)]), f"'{bad}' line 3 is not valid JSON")
     nulls = tmp_path / "nulls.jsonl"
     nulls.write_text(json.dumps({"document": None, "summary": None}) + "\n")
     one_error(check_only(base + ["--dataset", str(nulls)]), "none of the first 1 records has document and summary")
