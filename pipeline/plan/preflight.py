@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from inputs import InputError
 from models import supported_types, tied
 from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
@@ -322,7 +323,8 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
 
 
 def check_adapter(cfg: TrainConfig) -> None:
-    """``lora_adapter`` is a saved peft LoRA adapter of this run's rank and alpha."""
+    """``lora_adapter`` is a saved peft LoRA adapter (how it fits the run and the model is the
+    model's rule, ``model_rules.adapters_fit``: every difference in one line)."""
     if not cfg.lora_rank or not cfg.lora_adapter:
         return
     d = Path(cfg.lora_adapter)
@@ -330,16 +332,13 @@ def check_adapter(cfg: TrainConfig) -> None:
     if missing:
         raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} is not a peft adapter directory: {', '.join(missing)} "
                           "missing")
-    adapter = adapter_config(d)
+    try:
+        adapter = adapter_config(d)
+    except InputError as e:
+        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r}: {e}") from None
     if adapter.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} is a {adapter.get('peft_type')} adapter; only LORA "
                           "trains here")
-    mine = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha}
-    theirs = {"r": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha")}
-    if any(float(theirs[k] or 0) != float(v) for k, v in mine.items()):
-        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} has r {theirs['r']}, lora_alpha "
-                          f"{theirs['lora_alpha']}; this run lora_rank {cfg.lora_rank}, lora_alpha "
-                          f"{cfg.lora_alpha}: set them to the adapter's")
 
 
 # report_to's names -> the package each needs, and how to get it.

@@ -59,17 +59,30 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 def _tensor_names(path: Path) -> list[str]:
+    if path.suffix == ".safetensors":
+        return list(tensor_shapes(path))
     try:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
         return list(_load_bin(path))
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged archive
+        raise _unreadable(path, e) from None
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in the safetensors file ``path``, from its header (no tensor is read);
+    ValueError naming the file where it cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError derives from Exception only
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"weight file {path} cannot be read ({reason}): truncated or corrupt, as an interrupted "
-                         f"download leaves it; download it again") from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ValueError(f"weight file {path} cannot be read ({reason}): truncated or corrupt, as an interrupted "
+                      f"download leaves it; download it again")
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -106,4 +119,4 @@ def read_tensors(path: Path, keys: list[str]):
             yield k, tensors[k]
 
 
-__all__ = ["check_tied_checkpoint", "check_weight_files", "read_tensors", "weight_files"]
+__all__ = ["check_tied_checkpoint", "check_weight_files", "read_tensors", "tensor_shapes", "weight_files"]
