@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import socket
@@ -32,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from inputs import InputError
+from inputs import InputError, read_json
 from models import supported_types, tied
 from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
+from pipeline.plan.fit import device_type
 from pipeline.plan.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from pipeline.plan.settings import eval_source, lacks_validation_split
 from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, generated_model_dir, model_dir,
@@ -255,18 +257,54 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
 
 def check_resume(cfg: TrainConfig) -> None:
     """The checkpoint directory ``resume`` names is there and complete ('latest', save_dir's
-    newest, is weighed by ``check_save_dir``)."""
+    newest, is weighed by ``check_save_dir``), and was saved by a run this one can continue."""
     if cfg.resume and cfg.resume != "latest":
         refusal = saved.resume_refusal(cfg.resume, cfg.save_dir)
         if refusal:
             raise ConfigError(refusal)
+    point = saved.find_latest(Path(cfg.save_dir), lambda line: None) if cfg.resume == "latest" else \
+        Path(cfg.resume) if cfg.resume else None
+    if point is not None:
+        check_resume_settings(cfg, point)
+
+
+def check_resume_settings(cfg: TrainConfig, point: Path) -> None:
+    """The checkpoint ``point`` continues under this run's settings: its batch stream's (seed,
+    batch_size, packing: the position it saved counts their batches) and its adapters' (LoRA's
+    rank and targets: the AdamW state it saved is theirs). Every difference in one line."""
+    from data.batching import stream_mismatches
+
+    try:
+        state = read_json(Path(point) / saved.TRAINER_STATE, "checkpoint state")
+        then = state["config"]
+        differ = stream_mismatches(state["data"], {"seed": cfg.seed, "batch_size": cfg.batch_size,
+                                                    "packing": int(cfg.packing)})
+    except (InputError, KeyError, TypeError):
+        return  # a damaged checkpoint: find_resume says what is wrong with it
+    defaults = TrainConfig()
+    for key in ("lora_rank", "lora_target_modules"):
+        if then.get(key, getattr(defaults, key)) != getattr(cfg, key):
+            differ.append(f"{key}={then.get(key, getattr(defaults, key))!r} (this run {key}={getattr(cfg, key)!r})")
+    if differ:
+        keys = [d.split("=")[0] for d in differ]
+        flags = " ".join(_flag(k, then.get(k, getattr(defaults, k))) for k in keys)
+        raise ConfigError(f"resume: {point} was saved by a run with {', '.join(differ)}; its data position and "
+                          f"AdamW state hold only for those: resume with {flags}, or start afresh with --overwrite")
+
+
+def _flag(key: str, value) -> str:
+    """The command line's words that set ``key`` to ``value``."""
+    if isinstance(value, bool):
+        return f"--{key}" if value else f"--no_{key}"
+    return f"--{key} {value}"
 
 
 # --- the data ---------------------------------------------------------------------------------
-def check_examples(records, tokenizer, seq_length: int, source: str, count: int = 64) -> None:
+def check_examples(records, tokenizer, seq_length: int, source: str, count: int = 64) -> list:
     """The first ``count`` records tokenize to examples with a trainable token at ``seq_length``:
     a chat template the records need, and a seq_length long enough for the prompts, are found
-    here, before launch. A seq_length too short names the shortest that trains a record."""
+    here, before launch. A seq_length too short names the shortest that trains a record.
+    Returns the examples of those records."""
     from transformers.utils import logging as hf_logging
 
     from data import DataError, tokenize_records
@@ -277,8 +315,7 @@ def check_examples(records, tokenizer, seq_length: int, source: str, count: int 
     hf_logging.set_verbosity_error()
     try:
         try:
-            tokenize_records(first, tokenizer, seq_length)
-            return
+            return tokenize_records(first, tokenizer, seq_length)[0]
         except DataError as e:
             error = e
         lo, hi = seq_length, 1 << 17  # lo fails; find the shortest that does not
@@ -291,6 +328,20 @@ def check_examples(records, tokenizer, seq_length: int, source: str, count: int 
         hf_logging.set_verbosity(level)
     raise DataError(f"seq_length ({seq_length}) leaves no trainable token in any of the first {len(first)} records "
                     f"of {source!r} (their prompts fill it); the shortest seq_length that trains one of them is {hi}")
+
+
+def check_batches(records, cfg: TrainConfig, source: str, examples: list | None = None) -> None:
+    """The training data gives one batch at least: ``batch_size`` records (each trains one row at
+    most), and where ``examples`` are the examples of all of them (a small dataset, which
+    ``check_examples`` tokenized whole), the batch the run's own stream would build (packing too)."""
+    from data import BatchStream, DataError
+
+    if len(records) < cfg.batch_size:
+        raise DataError(f"data source {source!r} has {len(records)} records, fewer than one batch (batch_size "
+                        f"{cfg.batch_size}); lower batch_size or add data")
+    if examples is not None:  # BatchStream refuses what its first epoch cannot fill, as the run would
+        BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed,
+                    packing=cfg.packing)
 
 
 def _trains(records, tokenizer, seq_length: int) -> bool:
@@ -318,7 +369,7 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         try:
             load_topology_file(cfg.topology)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"topology: {e}") from None
+            raise ConfigError(str(e)) from None
     check_adapter(cfg)
 
 
@@ -341,23 +392,63 @@ def check_adapter(cfg: TrainConfig) -> None:
                           "trains here")
 
 
-# report_to's names -> the package each needs, and how to get it.
-REPORT_PACKAGES = {"tensorboard": ("tensorboard", "python3 -m pip install tensorboard (requirements.txt lists it)"),
-                   "wandb": ("wandb", "python3 -m pip install wandb (not a requirement)")}
+# --- packages a setting needs ---------------------------------------------------------------
+# The packages beyond torch and transformers that some settings need, as pip installs them
+# (requirements-gpu.txt lists all but wandb).
+PACKAGES = {"peft": "'peft>=0.21,<0.22'", "tensorboard": "tensorboard", "wandb": "wandb", "matplotlib": "matplotlib"}
 
 
-def check_report_to(cfg: TrainConfig) -> None:
-    """Every place ``report_to`` names can be written to: its package is installed (found, not
-    imported: wandb imports in seconds)."""
-    import importlib.util
+def installed(package: str) -> bool:
+    """``package`` can be imported: found, not imported (wandb imports in seconds)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or a finder that refuses it
+        return False
 
-    if not cfg.save_metrics:
+
+def needed_packages(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(package, the setting that needs it) for every package the run cannot go without."""
+    needs = [("peft", f"lora_rank {cfg.lora_rank}")] if cfg.lora_rank else []
+    if cfg.save_metrics:
+        needs += [(name, f"report_to {name}") for name in report_targets(cfg.report_to)]
+    return needs
+
+
+def check_packages(cfg: TrainConfig) -> None:
+    """Every package a setting needs is installed: all that are not, in one line."""
+    missing = [(package, why) for package, why in needed_packages(cfg) if not installed(package)]
+    if not missing:
         return
-    for name in report_targets(cfg.report_to):
-        package, install = REPORT_PACKAGES[name]
-        if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"report_to {name} needs the {package} package, which is not installed: {install}; "
-                              f"or drop it from report_to ({cfg.report_to!r}; none = metrics.jsonl only)")
+    needs = " and ".join(f"{why} needs the {package} package" for package, why in missing)
+    drop = f"; or drop it from report_to ({cfg.report_to!r}; none = metrics.jsonl only)" \
+        if any(why.startswith("report_to") for _, why in missing) else ""
+    raise ConfigError(f"{needs}, which {'is' if len(missing) == 1 else 'are'} not installed: python3 -m pip install "
+                      f"{' '.join(PACKAGES[p] for p, _ in missing)} (requirements-gpu.txt lists all but wandb){drop}")
+
+
+def start_notes(cfg: TrainConfig, world_size: int, environ=os.environ) -> list[str]:
+    """What this run will do that its settings do not say, one line each, for rank 0 to print once
+    at start-up: a figure it cannot draw, a thread count or a dtype that will be slow on the CPU."""
+    notes = []
+    figures = {png: data for png, data, on in (("metrics.png", "metrics.jsonl", cfg.save_metrics),
+                                                ("timeline.png", "timeline.json", cfg.timeline)) if on}
+    if figures and not installed("matplotlib"):
+        notes.append(f"matplotlib is not installed, so {' and '.join(figures)} will not be drawn; "
+                     f"{' and '.join(figures.values())} {'hold' if len(figures) > 1 else 'holds'} what "
+                     f"{'they' if len(figures) > 1 else 'it'} would show. python3 -m pip install matplotlib "
+                     "(requirements.txt lists it)")
+    on_cpu = device_type(cfg) == "cpu"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if on_cpu and "OMP_NUM_THREADS" not in environ and cores > 1:
+        each = "the process runs" if world_size == 1 else f"each of the {world_size} processes runs"
+        notes.append(f"OMP_NUM_THREADS is not set, so {each} every operation on all {cores} cores: where other "
+                     "programs use them too, a step of the default model with --nproc 1 on two cores took 1.8x to "
+                     "10x as long as with OMP_NUM_THREADS=1; set it, e.g. OMP_NUM_THREADS=1 bash train.sh ...")
+    if on_cpu and cfg.dtype == "float16":
+        notes.append("dtype float16 on the CPU: most CPUs have no float16 arithmetic and convert every operation "
+                     "(2.2x float32's step time for the default model on two cores; 15x measured elsewhere); dtype "
+                     "float32 (auto) is faster there")
+    return notes
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -433,10 +524,23 @@ def check_model_weights(cfg: TrainConfig, source: ModelSource) -> None:
 
 # --- data and tokenizer -----------------------------------------------------------------------
 def check_eval_data(cfg: TrainConfig) -> None:
-    """Validation taken from the training data needs a validation split there."""
-    if cfg.eval_every and lacks_validation_split(cfg):
+    """Validation taken from the training data needs a validation split there, and the validation
+    data is readable, in a format, and one batch at least."""
+    if not cfg.eval_every:
+        return
+    if lacks_validation_split(cfg):
         raise ConfigError(f"eval_every={cfg.eval_every} but dataset {cfg.dataset!r} has no validation split "
                           f"(it is a file or a single saved Dataset); set eval_dataset to the validation data")
+    name, split = eval_source(cfg)
+    if name == "synthetic":
+        return
+    from data import DataError, check_first_records, load_records
+
+    records = load_records(name, split)
+    check_first_records(records, name)
+    if len(records) < cfg.batch_size:
+        raise DataError(f"validation data {name!r} has {len(records)} records, fewer than one batch (batch_size "
+                        f"{cfg.batch_size}); set eval_dataset to more data or lower batch_size")
 
 
 def load_tokenizer(cfg: TrainConfig, source: ModelSource):
@@ -472,7 +576,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     per process."""
     from data import SAMPLE_TRAIN, check_first_records, load_records
 
-    check_report_to(cfg)
+    check_packages(cfg)
     check_resume(cfg)
     pending = needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file()
     source = read_model(cfg, world_size)  # a generated model not built yet: the shape it will have
@@ -480,6 +584,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     if cfg.dataset != "synthetic":
         records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
         check_first_records(records, cfg.dataset)
+        check_batches(records, cfg, cfg.dataset)
     check_eval_data(cfg)
     check_save_dir(cfg, test_lock=rank0)
     if pending:
@@ -492,5 +597,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     if records is not None or evaluated:
         tokenizer = load_tokenizer(cfg, source)
         if records is not None:
-            check_examples(records, tokenizer, cfg.seq_length, cfg.dataset)
+            count = 64
+            examples = check_examples(records, tokenizer, cfg.seq_length, cfg.dataset, count)
+            check_batches(records, cfg, cfg.dataset, examples if len(records) <= count else None)
     return source

@@ -267,7 +267,7 @@ def test_batch_stream_resume_continues_identically():
     for _ in range(6):
         x, y = original.next_batch(), resumed.next_batch()
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
-    with pytest.raises(ValueError, match="checkpoint has batch_size=3, this run has batch_size=2"):
+    with pytest.raises(ValueError, match=r"checkpoint has batch_size=3 \(this run batch_size=2\)"):
         stream(batch_size=2).load_state_dict(original.state_dict())
 
 
