@@ -59,11 +59,11 @@ def _plan(cfg, env, notes: list[str]) -> int:
     """--plan: the report of rank 0 (of torchrun's processes, or of the ones the plan is for),
     exit 0 if the run fits."""
     from pipeline.plan.fit import planned_for
-    from pipeline.plan.preflight import check_config
+    from pipeline.plan.preflight import check_config, planned_processes
     from pipeline.train import plan_report
 
-    world_size = env.world_size if env.world_size > 1 else (cfg.nproc or 1)
     cfg = planned_for(cfg)
+    world_size = planned_processes(cfg, env.world_size)
     check_config(cfg, world_size, need_devices=False)
     if env.rank != 0:
         return 0

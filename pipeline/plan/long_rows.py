@@ -132,7 +132,8 @@ def longest_row_line(cfg: TrainConfig, hf_config, world_size: int) -> str:
     """``--plan``'s line on the longest row that fits this GPU (``longest_row``)."""
     cap = gib(gpu_capacity(cfg) or 0)
     found = [f"{n} tokens with num_stages {c.num_stages}, seq_chunks {c.seq_chunks}, tiled_mlp {c.tiled_mlp}"
-             if n else f"none with seq_chunks {c.seq_chunks}" for n, c in longest_row(cfg, hf_config, world_size)]
+             if n else f"less than 1024 tokens with seq_chunks {c.seq_chunks}"
+             for n, c in longest_row(cfg, hf_config, world_size)]
     return f"longest row that fits {cap} (the plan's estimate, in steps of 1024): " + "; ".join(found)
 
 

@@ -451,6 +451,20 @@ def start_notes(cfg: TrainConfig, world_size: int, environ=os.environ) -> list[s
     return notes
 
 
+def planned_processes(cfg: TrainConfig, launched: int) -> int:
+    """The processes ``--plan`` plans for: torchrun's (``launched`` > 1), else ``nproc``, else
+    this machine's as train.sh would start them (one per visible GPU, or 2 without one). A plan for
+    another machine (``planned_for``'s GPUs, none here) has no such default: ConfigError asks for
+    ``nproc``, the GPUs of that machine."""
+    if launched > 1 or cfg.nproc:
+        return launched if launched > 1 else cfg.nproc
+    if device_type(cfg) == "cuda" and not torch.cuda.is_available():
+        size = f"GPUs of {cfg.gpu_memory_gb:g} GiB (gpu_memory_gb)" if cfg.gpu_memory_gb else "GPUs"
+        raise ConfigError(f"--plan for {size} on a machine without one plans another machine: give --nproc, the "
+                          "number of its GPUs (one process each), e.g. --nproc 2")
+    return torch.cuda.device_count() or 2
+
+
 # --- the model --------------------------------------------------------------------------------
 def check_model_files(cfg: TrainConfig) -> None:
     """The model's directory holds a config.json this transformers reads, and a tokenizer
