@@ -13,14 +13,12 @@ from pathlib import Path
 
 from inputs import InputError, read_json
 from pipeline.config import ALL_LINEAR, TrainConfig, lora_targets
+from pipeline.plan.shapes import SIZE_KEYS, size_differences
 from pipeline.plan.weight_files import tensor_shapes
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what a PeftModel's saved keys start with
-# The base model's sizes an adapter's base must share with the model it is applied to.
-_BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "vocab_size")
 # peft settings an adapter may carry whose training the stages do not do (another scaling, other
 # weights), with the values that mean "off": continuing such an adapter here would train another model.
 _NOT_TRAINED_HERE = {"use_rslora": (False, None), "use_dora": (False, None), "bias": ("none", None),
@@ -118,9 +116,7 @@ def _base_differs(config: dict, whole) -> str | None:
         theirs = read_json(Path(base) / "config.json", "model config")
     except InputError:
         return None
-    differ = [f"{k} {theirs.get(k)!r}, this model {getattr(whole, k, None)!r}" for k in _BASE_KEYS
-              if isinstance(theirs, dict) and theirs.get(k) is not None and getattr(whole, k, None) is not None
-              and theirs.get(k) != getattr(whole, k)]
+    differ = size_differences(theirs, whole, (*SIZE_KEYS, "num_hidden_layers"))
     return f"it records the base model {base!r}, another model ({'; '.join(differ)})" if differ else None
 
 

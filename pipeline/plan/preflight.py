@@ -40,6 +40,7 @@ from pipeline.plan import saved
 from pipeline.plan.fit import device_type
 from pipeline.plan.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from pipeline.plan.settings import eval_source, lacks_validation_split
+from pipeline.plan.shapes import size_differences
 from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, generated_model_dir, model_dir,
                                   needs_generated, resolve_model, tokenizer_dir)
 
@@ -153,8 +154,9 @@ def release_save_dir() -> None:
 
 
 # --- what save_dir holds ----------------------------------------------------------------------
-def _check_writable(out: Path) -> None:
-    """A directory can be made where save_dir goes (``os.access`` says yes to /proc, where it cannot)."""
+def _check_writable(out: Path, what: str = "save_dir", flag: str = "--save_dir") -> None:
+    """A directory can be made where ``out`` (save_dir, or save_results' directory) goes
+    (``os.access`` says yes to /proc, where it cannot)."""
     probe = out
     while not probe.exists() and probe != probe.parent:  # the directory that will hold save_dir
         probe = probe.parent
@@ -163,8 +165,8 @@ def _check_writable(out: Path) -> None:
             raise NotADirectoryError(f"{probe} is not a directory")
         os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=probe))
     except OSError as e:
-        raise ConfigError(f"save_dir {str(out)!r} is not writable (no directory can be made in {probe}: "
-                          f"{e.strerror or e}); give another --save_dir") from None
+        raise ConfigError(f"{what} {str(out)!r} is not writable (no directory can be made in {probe}: "
+                          f"{e.strerror or e}); give another {flag}") from None
 
 
 def _finished(out: Path, results_path: Path) -> list[str]:
@@ -221,6 +223,8 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
     checkpoint (from step 1), and any checkpoint older than the step the run finished at."""
     out = Path(cfg.save_dir)
     _check_writable(out)
+    if cfg.save_results:  # written at the end, after the model: a path that cannot be would fail the run there
+        _check_writable(Path(cfg.save_results).parent, "save_results' directory", "--save_results")
     holder = lock_holder(out) if test_lock else None
     if holder:
         raise _busy(out, holder)
@@ -262,10 +266,33 @@ def check_resume(cfg: TrainConfig) -> None:
         refusal = saved.resume_refusal(cfg.resume, cfg.save_dir)
         if refusal:
             raise ConfigError(refusal)
-    point = saved.find_latest(Path(cfg.save_dir), lambda line: None) if cfg.resume == "latest" else \
-        Path(cfg.resume) if cfg.resume else None
+    point = resume_point(cfg)
     if point is not None:
         check_resume_settings(cfg, point)
+
+
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint ``resume`` continues from: save_dir's newest complete one for 'latest' (None
+    when there is none), else the path it names; None without resume."""
+    if cfg.resume == "latest":
+        return saved.find_latest(Path(cfg.save_dir), lambda line: None)
+    return Path(cfg.resume) if cfg.resume else None
+
+
+def check_resume_model(cfg: TrainConfig, source: ModelSource) -> None:
+    """The checkpoint a resume continues from holds weights of this run's model (its config.json
+    against the model's sizes): another model's fail to load after launch."""
+    point = resume_point(cfg)
+    if point is None or not (point / "config.json").is_file():  # none, or a LoRA checkpoint (adapters only)
+        return
+    try:
+        differ = size_differences(read_json(point / "config.json", "checkpoint model config"), source.config)
+    except InputError as e:
+        raise ConfigError(f"resume: {e}; the checkpoint is damaged: resume from another") from None
+    if differ:
+        raise ConfigError(f"resume: {point} holds the weights of another model than {cfg.model!r} "
+                          f"({'; '.join(differ)}); give --model the model its run trained, or start afresh with "
+                          "--overwrite")
 
 
 def check_resume_settings(cfg: TrainConfig, point: Path) -> None:
@@ -279,8 +306,11 @@ def check_resume_settings(cfg: TrainConfig, point: Path) -> None:
         then = state["config"]
         differ = stream_mismatches(state["data"], {"seed": cfg.seed, "batch_size": cfg.batch_size,
                                                     "packing": int(cfg.packing)})
-    except (InputError, KeyError, TypeError):
-        return  # a damaged checkpoint: find_resume says what is wrong with it
+    except InputError as e:
+        raise ConfigError(f"resume: {e}; the checkpoint is damaged: resume from another") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"resume: {Path(point) / saved.TRAINER_STATE} is not a checkpoint's state "
+                          f"({type(e).__name__}: {e}); resume from another checkpoint") from None
     defaults = TrainConfig()
     for key in ("lora_rank", "lora_target_modules"):
         if then.get(key, getattr(defaults, key)) != getattr(cfg, key):
@@ -428,7 +458,8 @@ def check_packages(cfg: TrainConfig) -> None:
 
 def start_notes(cfg: TrainConfig, world_size: int, environ=os.environ) -> list[str]:
     """What this run will do that its settings do not say, one line each, for rank 0 to print once
-    at start-up: a figure it cannot draw, a thread count or a dtype that will be slow on the CPU."""
+    at start-up: a figure it cannot draw, a thread count or a dtype that will be slow on the CPU, a
+    warm-up longer than the run."""
     notes = []
     figures = {png: data for png, data, on in (("metrics.png", "metrics.jsonl", cfg.save_metrics),
                                                 ("timeline.png", "timeline.json", cfg.timeline)) if on}
@@ -444,6 +475,10 @@ def start_notes(cfg: TrainConfig, world_size: int, environ=os.environ) -> list[s
         notes.append(f"OMP_NUM_THREADS is not set, so {each} every operation on all {cores} cores: where other "
                      "programs use them too, a step of the default model with --nproc 1 on two cores took 1.8x to "
                      "10x as long as with OMP_NUM_THREADS=1; set it, e.g. OMP_NUM_THREADS=1 bash train.sh ...")
+    if cfg.warmup_iterations >= cfg.num_iterations:
+        notes.append(f"warmup_iterations ({cfg.warmup_iterations}) >= num_iterations ({cfg.num_iterations}): the "
+                     f"learning rate never reaches lr ({cfg.lr:g}); the last step runs at "
+                     f"{cfg.lr * cfg.num_iterations / cfg.warmup_iterations:.2e}")
     if on_cpu and cfg.dtype == "float16":
         notes.append("dtype float16 on the CPU: most CPUs have no float16 arithmetic and convert every operation "
                      "(2.2x float32's step time for the default model on two cores; 15x measured elsewhere); dtype "
@@ -481,13 +516,19 @@ def _check_model_config(name: str, path: Path) -> None:
     if not path.exists():
         raise ConfigError(f"model {name!r}: {path} does not exist (give a Hugging Face model directory "
                           f"or a preset: {', '.join(PRESETS)}, generated)")
+    if path.is_file():
+        raise ConfigError(f"model {name!r}: {path} is a file; give the Hugging Face model directory that holds "
+                          f"it (with its config.json), or a preset: {', '.join(PRESETS)}, generated")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model {name!r}: no config.json in {path} (give a Hugging Face model "
                           f"directory or a preset: {', '.join(PRESETS)}, generated)")
     from transformers import AutoConfig
 
     try:
+        read_json(path / "config.json", "model config")  # not UTF-8, not JSON: the line, before transformers
         AutoConfig.from_pretrained(path)
+    except InputError as e:
+        raise ConfigError(f"model {name!r}: {e}") from None
     except (ValueError, KeyError, OSError) as e:  # an unknown model_type, or a broken config.json
         model_type = _json_field(path / "config.json", "model_type")
         if model_type is not None:
@@ -569,7 +610,14 @@ def load_tokenizer(cfg: TrainConfig, source: ModelSource):
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
         from data.dataset import error_line
 
-        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: {error_line(e)}") from None
+        why = error_line(e)
+        for f in sorted(Path(source.tokenizer_dir).glob("*.json")):  # which of its files, and where
+            try:
+                read_json(f, "tokenizer file")
+            except InputError as bad:
+                why = str(bad)
+                break
+        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: {why}") from None
     if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{source.config.vocab_size}")
@@ -607,6 +655,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
         build_model(cfg)
         source = read_model(cfg, world_size)
     check_model_weights(cfg, source)
+    check_resume_model(cfg, source)
     evaluated = cfg.eval_every and eval_source(cfg)[0] != "synthetic"
     if records is not None or evaluated:
         tokenizer = load_tokenizer(cfg, source)

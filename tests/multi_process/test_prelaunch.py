@@ -347,11 +347,14 @@ def test_without_matplotlib_the_model_is_saved_and_one_line_says_so(tiny_model_d
 @pytest.mark.slow
 def test_packages_a_setting_needs_are_one_line_before_launch(tiny_model_dir, tmp_path):
     """lora_rank without peft failed after launch (51 lines); with report_to's tensorboard missing
-    too, both are named in one line."""
+    too, both are named in one line; a package every run needs is one line, not an import traceback."""
     env = without_packages(tmp_path, "peft", "tensorboard")
     one_error(check_only(["--model", str(tiny_model_dir), "--lora_rank", "8"], extra_env=env),
               "lora_rank 8 needs the peft package and report_to tensorboard needs the tensorboard package, which are "
               "not installed: python3 -m pip install 'peft>=0.21,<0.22' tensorboard")
+    one_error(check_only(["--model", str(tiny_model_dir)], extra_env=without_packages(tmp_path, "datasets")),
+              "MMoC-Pipe needs the datasets package, which is not installed: python3 -m pip install -r "
+              "requirements-gpu.txt")
 
 
 @pytest.mark.slow
@@ -375,6 +378,35 @@ def test_files_that_are_not_utf8_and_outputs_that_are_not_checkpoints(tiny_model
               f"resume '{run / 'model'}' is a finished Hugging Face model, not a training checkpoint (no AdamW state "
               f"or data position): to train it further, start from it with --model {run / 'model'} and another "
               "--save_dir")
+
+
+@pytest.mark.slow
+def test_model_tokenizer_and_output_paths_are_one_line(tiny_model_dir, tmp_path):
+    """A model path that is a weight file, a model config that is not UTF-8, a tokenizer file that
+    is not JSON (which file, which line), a save_results directory that cannot be made (the run
+    failed there after training), a resume from another model's checkpoint (its weights failed to
+    load after launch)."""
+    base = ["--model", str(tiny_model_dir)]
+    weights = next(tiny_model_dir.glob("*.safetensors"))
+    one_error(check_only(["--model", str(weights)]), f"model '{weights}': {weights} is a file; give the Hugging Face "
+                                                     "model directory that holds it")
+    latin = _model_copy(tiny_model_dir, tmp_path / "latin")
+    (latin / "config.json").write_bytes((latin / "config.json").read_bytes().replace(b'"llama"', b'"llama", "x": "\xe9"'))
+    one_error(check_only(["--model", str(latin)]), f"model config '{latin / 'config.json'}' is not UTF-8 text: line ")
+    tok = _model_copy(tiny_model_dir, tmp_path / "tok")
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 256,\n "bos_token": }\n')
+    one_error(check_only(base + ["--tokenizer", str(tok)]),
+              f"tokenizer '{tok}' cannot be loaded: tokenizer file '{tok / 'tokenizer_config.json'}' is not valid JSON "
+              "at line 2, column 15: Expecting value")
+    one_error(check_only(base + ["--save_results", "/proc/mmoc/results.json"]),
+              "save_results' directory '/proc/mmoc' is not writable")
+    run = tmp_path / "run"
+    ckpt = fake_checkpoint(run, 2, {"batch_size": 8, "seed": 0},
+                           {"epoch": 0, "position": 16, "seed": 0, "batch_size": 8, "num_examples": 296})
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "vocab_size": 512}))
+    one_error(check_only(base + ["--save_dir", str(run), "--resume", "latest"]),
+              f"resume: {ckpt} holds the weights of another model than '{tiny_model_dir}' (hidden_size 32, this model "
+              "64); give --model the model its run trained, or start afresh with --overwrite")
 
 
 @pytest.mark.slow

@@ -250,7 +250,8 @@ def test_notes_say_what_the_settings_do_not():
 
 def test_start_notes_name_slow_cpu_settings_and_figures_not_drawn(monkeypatch):
     """Said once at start-up: a CPU run whose threads are not set (each process then takes every
-    core), float16 on the CPU, matplotlib not installed (metrics.png is not drawn, the run goes on)."""
+    core), float16 on the CPU, a warm-up longer than the run, matplotlib not installed (metrics.png
+    is not drawn, the run goes on)."""
     import os
 
     from pipeline.plan import preflight
@@ -263,6 +264,10 @@ def test_start_notes_name_slow_cpu_settings_and_figures_not_drawn(monkeypatch):
     assert preflight.start_notes(cpu, 1, environ={"OMP_NUM_THREADS": "1"}) == []
     half = preflight.start_notes(make_config({"device": "cpu", "dtype": "float16"}), 2, environ={"OMP_NUM_THREADS": "1"})
     assert len(half) == 1 and half[0].startswith("dtype float16 on the CPU: "), half
+    assert preflight.start_notes(make_config({"device": "cpu", "num_iterations": 5, "warmup_iterations": 10}), 2,
+                                 environ={"OMP_NUM_THREADS": "1"}) == [
+        "warmup_iterations (10) >= num_iterations (5): the learning rate never reaches lr (0.0001); the last step "
+        "runs at 5.00e-05"]
     monkeypatch.setattr(preflight, "installed", lambda package: package != "matplotlib")
     drawn = preflight.start_notes(make_config({"device": "cpu", "timeline": True}), 2, environ={"OMP_NUM_THREADS": "1"})
     assert drawn == ["matplotlib is not installed, so metrics.png and timeline.png will not be drawn; metrics.jsonl "
