@@ -308,9 +308,8 @@ def check_resume_settings(cfg: TrainConfig, point: Path) -> None:
                                                     "packing": int(cfg.packing)})
     except InputError as e:
         raise ConfigError(f"resume: {e}; the checkpoint is damaged: resume from another") from None
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"resume: {Path(point) / saved.TRAINER_STATE} is not a checkpoint's state "
-                          f"({type(e).__name__}: {e}); resume from another checkpoint") from None
+    except (KeyError, TypeError, AttributeError):
+        return  # a state without the stream or settings (not one a run writes): nothing here to compare
     defaults = TrainConfig()
     for key in ("lora_rank", "lora_target_modules"):
         if then.get(key, getattr(defaults, key)) != getattr(cfg, key):

@@ -59,11 +59,14 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 def _tensor_names(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        return list(tensor_shapes(path))
     try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
         return list(_load_bin(path))
-    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged archive
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError derives from Exception only
         raise _unreadable(path, e) from None
 
 
