@@ -474,8 +474,8 @@ def start_notes(cfg: TrainConfig, world_size: int, environ=os.environ) -> list[s
         notes.append(f"OMP_NUM_THREADS is not set, so {each} every operation on all {cores} cores: where other "
                      "programs use them too, a step of the default model with --nproc 1 on two cores took 1.8x to "
                      "10x as long as with OMP_NUM_THREADS=1; set it, e.g. OMP_NUM_THREADS=1 bash train.sh ...")
-    if cfg.warmup_iterations >= cfg.num_iterations:
-        notes.append(f"warmup_iterations ({cfg.warmup_iterations}) >= num_iterations ({cfg.num_iterations}): the "
+    if cfg.warmup_iterations > cfg.num_iterations:
+        notes.append(f"warmup_iterations ({cfg.warmup_iterations}) > num_iterations ({cfg.num_iterations}): the "
                      f"learning rate never reaches lr ({cfg.lr:g}); the last step runs at "
                      f"{cfg.lr * cfg.num_iterations / cfg.warmup_iterations:.2e}")
     if on_cpu and cfg.dtype == "float16":

@@ -266,7 +266,7 @@ def test_start_notes_name_slow_cpu_settings_and_figures_not_drawn(monkeypatch):
     assert len(half) == 1 and half[0].startswith("dtype float16 on the CPU: "), half
     assert preflight.start_notes(make_config({"device": "cpu", "num_iterations": 5, "warmup_iterations": 10}), 2,
                                  environ={"OMP_NUM_THREADS": "1"}) == [
-        "warmup_iterations (10) >= num_iterations (5): the learning rate never reaches lr (0.0001); the last step "
+        "warmup_iterations (10) > num_iterations (5): the learning rate never reaches lr (0.0001); the last step "
         "runs at 5.00e-05"]
     monkeypatch.setattr(preflight, "installed", lambda package: package != "matplotlib")
     drawn = preflight.start_notes(make_config({"device": "cpu", "timeline": True}), 2, environ={"OMP_NUM_THREADS": "1"})
