@@ -301,5 +301,5 @@ def main(argv: list[str] | None = None, model_dir: ModelDir | None = None,
     return 0
 
 
-__all__ = ["AdapterCheck", "GenerateError", "ModelDir", "build_parser", "generate", "main", "model_directory", "prompt_record",
-           "read_prompts", "run_config", "training_format", "with_adapter"]
+__all__ = ["AdapterCheck", "GenerateError", "ModelDir", "build_parser", "generate", "main", "model_directory",
+           "prompt_record", "read_prompts", "run_config", "training_format", "with_adapter"]

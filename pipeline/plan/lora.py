@@ -195,8 +195,8 @@ def adapter_numel(hf_config, settings: LoraSettings | None, layer_ids) -> int:
 
 
 def _adapter_per_layer(hf_config, settings: LoraSettings) -> list[int]:
-    return [sum(settings.rank * (fan_in + fan_out) for name, fan_in, fan_out in layer if _short(name) in settings.targets)
-            for layer in _layer_linears(hf_config)]
+    return [sum(settings.rank * (fan_in + fan_out) for name, fan_in, fan_out in layer
+                if _short(name) in settings.targets) for layer in _layer_linears(hf_config)]
 
 
 def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
@@ -209,5 +209,5 @@ def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
 
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ALL_LINEAR", "PEFT_PREFIX", "LoraSettings", "adapted_per_layer",
-           "adapter_config", "adapter_fits", "adapter_flags", "adapter_mismatches", "adapter_numel", "adapter_shapes", "linear_names", "lora_settings",
-           "saved_targets"]
+           "adapter_config", "adapter_fits", "adapter_flags", "adapter_mismatches", "adapter_numel", "adapter_shapes",
+           "linear_names", "lora_settings", "saved_targets"]

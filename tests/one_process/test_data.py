@@ -353,7 +353,8 @@ def test_data_files_not_utf8_or_malformed_name_the_file_and_line(tmp_path):
     (tmp_path / "fields.csv").write_text('document,summary\n"one","s"\n"two","s"\n"three","s","extra"\n')
     with pytest.raises(DataError, match=r"Expected 2 fields in line 4, saw 3"):
         load_records(str(tmp_path / "fields.csv"))
-    (tmp_path / "doc.json").write_text('[\n  {"document": "a", "summary": "b"},\n  {"document": "c" "summary": "d"}\n]\n')
+    (tmp_path / "doc.json").write_text('[\n  {"document": "a", "summary": "b"},\n'
+                                       '  {"document": "c" "summary": "d"}\n]\n')
     with pytest.raises(DataError, match=r"doc.json' is not valid JSON at line 3, column 20: Expecting ','"):
         load_records(str(tmp_path / "doc.json"))
     datasets.Dataset.from_list(ROWS).to_parquet(tmp_path / "whole.parquet")

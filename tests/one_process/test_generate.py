@@ -177,8 +177,8 @@ def test_generate_takes_a_checkpoint_as_its_help_says(tiny_model_dir, tmp_path, 
     lora = tmp_path / "lora" / "checkpoints" / "step_00000002"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                       LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(lora / "adapter")
+        adapter = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).save_pretrained(lora / "adapter")
     (lora / "trainer_state.json").write_text(state)
     config = json.loads((lora / "adapter" / "adapter_config.json").read_text())
     (lora / "adapter" / "adapter_config.json").write_text(json.dumps({**config,

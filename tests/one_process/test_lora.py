@@ -303,14 +303,14 @@ def test_an_adapter_that_does_not_fit_is_one_line_with_every_difference(tiny_mod
         f"lora_adapter {settings!r} does not fit this run: r 2 (this run's lora_rank 4); lora_alpha 4 (this run's 8); "
         "target_modules q_proj,v_proj (this run's down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj); train with "
         "its settings (--lora_rank 2 --lora_alpha 4 --lora_target_modules q_proj,v_proj)")
-    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, vocab_size=512))
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
     small.save_pretrained(tmp_path / "small")
     theirs = _saved_adapter(small, tmp_path / "theirs", base_model_name_or_path=str(tmp_path / "small"))
     msg = refusal(theirs)
     assert msg.startswith(f"lora_adapter {theirs!r} does not fit this run: 28 of its tensors have other shapes than "
-                          "this model's (e.g. model.layers.0.self_attn.q_proj.lora_A.weight (4, 32), this model (4, 64)); "
-                          "56 of this model's adapter tensors are not in it (e.g. model.layers.2."), msg
+                          "this model's (e.g. model.layers.0.self_attn.q_proj.lora_A.weight (4, 32), this model "
+                          "(4, 64)); 56 of this model's adapter tensors are not in it (e.g. model.layers.2."), msg
     assert f"it records the base model {str(tmp_path / 'small')!r}, another model (hidden_size 32, this model 64; " in msg
     assert msg.endswith(f"give a plain LoRA adapter of this model ({str(tiny_model_dir)!r})"), msg
     rslora = _saved_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "rs", use_rslora=True)
