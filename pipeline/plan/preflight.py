@@ -1,11 +1,14 @@
 """What a run settles before any process group exists, and the home of the rules on files and on
 the machine: ``check_config`` (the settings, by ``pipeline.config.check_settings``; a GPU asked
 for is there; the small files settings name: topology, lora_adapter) and ``check_files`` (the
-model's files, then the model read once and checked against the settings by ``resolve_model``
-with ``pipeline.plan.model_rules``; its weight files, a tied head against the embedding (the
-only check that reads tensors); tokenizer, data, that save_dir is its own, and that the data
-gives training examples, the checkpoint a resume names). ``main.py`` runs them on every rank, and
-``--check_only`` (``train.sh``) before any worker starts, so a bad setting or path is one line.
+packages the settings need; the model's files, then the model read once and checked against the
+settings by ``resolve_model`` with ``pipeline.plan.model_rules``; its weight files, a tied head
+against the embedding (the only check that reads tensors); tokenizer, data and validation data,
+that save_dir is its own, that the data gives one batch of training examples, the checkpoint a
+resume names and that it continues under these settings and this model). ``main.py`` runs them
+on every rank, and ``--check_only`` (``train.sh``) before any worker starts, so a bad setting or
+path is one line. ``start_notes`` are what rank 0 says once at start-up that the settings do not
+(a figure matplotlib's absence leaves out, a slow thread count or dtype on the CPU).
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
@@ -311,7 +314,8 @@ def check_resume_settings(cfg: TrainConfig, point: Path) -> None:
     except (KeyError, TypeError, AttributeError):
         return  # a state without the stream or settings (not one a run writes): nothing here to compare
     defaults = TrainConfig()
-    for key in ("lora_rank", "lora_target_modules"):
+    lora = ("lora_rank", "lora_target_modules") if cfg.lora_rank or then.get("lora_rank") else ()
+    for key in lora:
         if then.get(key, getattr(defaults, key)) != getattr(cfg, key):
             differ.append(f"{key}={then.get(key, getattr(defaults, key))!r} (this run {key}={getattr(cfg, key)!r})")
     if differ:
