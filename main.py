@@ -55,6 +55,31 @@ def _interrupted() -> int:
     return 130
 
 
+def _plan(cfg, env, notes: list[str]) -> int:
+    """--plan: the report of rank 0 (of torchrun's processes, or of the ones the plan is for),
+    exit 0 if the run fits."""
+    from pipeline.plan.fit import planned_for
+    from pipeline.plan.preflight import check_config, planned_processes
+    from pipeline.train import plan_report
+
+    cfg = planned_for(cfg)
+    world_size = planned_processes(cfg, env.world_size)
+    check_config(cfg, world_size, need_devices=False)
+    if env.rank != 0:
+        return 0
+    _say(notes)
+    text, fits = plan_report(cfg, world_size)
+    print(text, flush=True)
+    return 0 if fits else PLAN_DOES_NOT_FIT  # for scripts: 2 is a bad setting, as elsewhere
+
+
+def _say(notes: list[str]) -> None:
+    """The start-up's warnings: what the run does that its settings do not say, once (rank 0)."""
+    if notes:
+        sys.stderr.write("".join(f"warning: {note}\n" for note in notes))  # one write: see Log.info
+        sys.stderr.flush()
+
+
 def start_line(cfg, path: str | None, env) -> str:
     """What this run is: the settings that differ from the defaults, one per line, and where the
     processes meet (torchrun --standalone picks the port itself)."""
@@ -77,27 +102,30 @@ def main(argv: list[str] | None = None) -> int:
     # stays small beside the 10% of the GPU the memory plan leaves free. Before torch starts CUDA;
     # a setting of the user's wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    from data import DataError
-    from pipeline.run import faults, orphans
-    from pipeline.config import ConfigError, parse_args
-    from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
-    from pipeline.run.metrics import TrainingError
-    from pipeline.plan.fit import planned_for
-    from pipeline.plan.preflight import check_config, check_files, check_save_dir, hold_save_dir
-    from pipeline.train import plan_report, train
+    try:
+        from data import DataError
+        from inputs import InputError
+        from pipeline.run import faults, orphans
+        from pipeline.config import ConfigError, parse_args
+        from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
+        from pipeline.run.metrics import TrainingError
+        from pipeline.plan.preflight import check_config, check_files, check_save_dir, hold_save_dir, start_notes
+        from pipeline.train import train
+    except ModuleNotFoundError as e:  # a package every run needs (torch, transformers, datasets, ...)
+        if (e.name or "").split(".")[0] in ("data", "inputs", "models", "offload", "pipeline", "schedule"):
+            raise  # this checkout's own code: not a package to install
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"error: MMoC-Pipe needs the {e.name} package, which is not installed: python3 -m pip "
+                             "install -r requirements-gpu.txt (every package but torch; or requirements.txt, torch "
+                             "too)\n")
+        return 2
 
     env = DistEnv.from_environ()
+    notes: list[str] = []  # said once, at start-up (rank 0)
     try:
-        cfg, path, mode = parse_args(argv)
-        if mode == "plan":  # for the processes torchrun starts, or for `nproc` of them
-            world_size = env.world_size if env.world_size > 1 else (cfg.nproc or 1)
-            cfg = planned_for(cfg)
-            check_config(cfg, world_size, need_devices=False)
-            if env.rank != 0:
-                return 0
-            text, fits = plan_report(cfg, world_size)
-            print(text, flush=True)
-            return 0 if fits else PLAN_DOES_NOT_FIT  # for scripts: 2 is a bad setting, as elsewhere
+        cfg, path, mode = parse_args(argv, notes)
+        if mode == "plan":
+            return _plan(cfg, env, notes)
         check_config(cfg, env.world_size)
         # Files too (model, tokenizer, data, save_dir), on every rank alike, before any process
         # group exists: a direct torchrun launch then fails as train.sh's --check_only does.
@@ -109,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             # save_dir holds is checked again (another run may have finished there meanwhile).
             hold_save_dir(cfg.save_dir, launcher_pid=orphans.launcher_pid())
             check_save_dir(cfg, test_lock=False)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, InputError) as e:
         return _fail(env, str(e))
     if env.rank == 0:
         print(start_line(cfg, path, env), flush=True)
+        _say(notes + start_notes(cfg, env.world_size))
     # The rendezvous waits inside C++, where Python's signal handlers cannot run: a rank whose
     # peer left on Ctrl-C would wait there for the whole comm_timeout_s. Ctrl-C (and SIGTERM,
     # the launcher's death included) ends it at once.

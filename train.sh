@@ -31,6 +31,7 @@ PYEOF
 if [ "$gpus" != "-" ]; then
   export CUDA_VISIBLE_DEVICES="${gpus#=}"
 fi
+GIVEN_NPROC=$NPROC  # 0: not given; --plan then says for how many it plans (another machine's: asks)
 if [ "$NPROC" = "0" ]; then
   NPROC=$("$PY" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
@@ -47,7 +48,7 @@ set -- ${args[@]+"${args[@]}"}
 
 # --plan needs no processes: one Python plans for the NPROC that torchrun would start.
 for arg in "$@"; do
-  case "$arg" in --plan|--dry_run) exec "$PY" main.py --config "$CONFIG" --nproc "$NPROC" "$@" ;; esac
+  case "$arg" in --plan|--dry_run) exec "$PY" main.py --config "$CONFIG" --nproc "$GIVEN_NPROC" "$@" ;; esac
 done
 # Bad settings fail here, with one line, before any process group exists.
 WORLD_SIZE=$NPROC "$PY" main.py --config "$CONFIG" --check_only "$@"

@@ -182,6 +182,22 @@ def pack_rows(lengths: Sequence[int], start: int, num_rows: int, seq_length: int
     return (rows, i) if len(rows) == num_rows else None
 
 
+# What a stream's saved position holds it to: a resumed stream must be built alike.
+STREAM_KEYS = ("seed", "batch_size", "num_examples", "packing")
+
+
+def stream_mismatches(saved: dict[str, Any], ours: dict[str, int]) -> list[str]:
+    """How a checkpoint's saved stream ``saved`` (a ``state_dict``) differs from one whose state
+    would be ``ours`` (the ``STREAM_KEYS`` known: before the data is tokenized, no
+    ``num_examples``), one "key=theirs (this run key=ours)" each."""
+    out = []
+    for key in STREAM_KEYS:
+        theirs, mine = int(saved.get(key, 0)), ours.get(key, 0)
+        if (key in ours and key in saved or key == "packing") and theirs != mine:  # no packing key: 0
+            out.append(f"{key}={theirs} (this run {key}={mine})")
+    return out
+
+
 class BatchStream:
     """Endless, deterministic stream of global batches over ``examples``.
 
@@ -294,13 +310,10 @@ class BatchStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; the stream must be built over the same data and settings."""
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "num_examples", "packing"):
-            theirs, ours = int(state.get(key, 0)), mine.get(key, 0)
-            if (key in state or key == "packing") and theirs != ours:
-                raise ValueError(
-                    f"cannot resume the batch stream: checkpoint has {key}={theirs}, "
-                    f"this run has {key}={ours}; use the same data and settings"
-                )
+        differ = stream_mismatches(state, mine)
+        if differ:
+            raise ValueError(f"cannot resume the batch stream: checkpoint has {', '.join(differ)}; use the same data "
+                             "and settings")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
 

@@ -14,6 +14,8 @@ from typing import Any, Iterable, Iterator
 
 import datasets
 
+from inputs import InputError, check_utf8, read_json, read_json_lines
+
 XSUM = "xsum"
 CHAT = "chat"
 ALPACA = "alpaca"
@@ -22,6 +24,8 @@ FORMATS = (XSUM, CHAT, ALPACA, TEXT)
 
 # Extension -> the packaged ``datasets`` builder that reads it.
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# The builders that parse text (the others read binary files).
+_TEXT_BUILDERS = ("json", "csv")
 # Suffixes that mark a source as a file path (not a dataset name) even when it is missing.
 _FILE_SUFFIXES = frozenset(_BUILDERS) | {".txt", ".tsv", ".arrow", ".gz", ".zst", ".bz2", ".xz"}
 _GLOB_CHARS = "*?["
@@ -148,7 +152,7 @@ def _looks_like_path(source: str) -> bool:
 
 def _load_saved(path: Path, split: str, source: str) -> datasets.Dataset:
     if (path / "dataset_dict.json").is_file():
-        dataset_dict = datasets.load_from_disk(str(path))
+        dataset_dict = _from_disk(path, source)
         if split not in dataset_dict:
             raise DataError(
                 f"data source {source!r}: no split {split!r}; "
@@ -156,12 +160,28 @@ def _load_saved(path: Path, split: str, source: str) -> datasets.Dataset:
             )
         return dataset_dict[split]
     if (path / "state.json").is_file():
-        return datasets.load_from_disk(str(path))
+        return _from_disk(path, source)
     found = sorted(p.name for p in path.iterdir())[:8]
     raise DataError(
         f"data source {source!r}: directory is not a save_to_disk output "
         f"(no dataset_dict.json or state.json; found {found}); {_EXPECTED}"
     )
+
+
+def _from_disk(path: Path, source: str):
+    """``datasets.load_from_disk``; a directory it cannot read names the file that breaks it."""
+    try:
+        with _quiet():
+            return datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged directory
+        problem = f"cannot load the save_to_disk directory: {error_line(root_cause(e))}"
+        for f in sorted(path.rglob("*.json")):  # dataset_dict.json, state.json, dataset_info.json
+            try:
+                read_json(f, "save_to_disk file")
+            except InputError as bad:
+                problem = str(bad)
+                break
+        raise DataError(f"data source {source!r}: {problem}") from None
 
 
 def _load_files(source: str) -> datasets.Dataset:
@@ -182,19 +202,27 @@ def _load_files(source: str) -> datasets.Dataset:
         raise DataError(
             f"data source {source!r}: mixes file types {suffixes}; use files of one type"
         )
+    builder = builders.pop()
     for f in files:
         if os.path.getsize(f) == 0:
             raise DataError(f"data source {source!r}: {f} is empty")
     try:
+        if builder in _TEXT_BUILDERS:
+            # The JSON reader takes bytes that are not UTF-8 into the table, whose rows then fail
+            # to decode wherever they are read (after launch, mid-epoch): one pass now, with the line.
+            for f in files:
+                check_utf8(f, "data file")
         with _quiet():
-            return datasets.load_dataset(builders.pop(), data_files=files, split="train")
+            return datasets.load_dataset(builder, data_files=files, split="train")
+    except InputError as e:  # it names the file: the source too, unless the source is a glob
+        raise DataError(str(e) if files == [expanded] else f"data source {source!r}: {e}") from None
     except Exception as e:  # datasets raises many types for unreadable files
-        # datasets does not say where a JSON Lines file breaks; find the line (only on failure:
-        # scanning a large file costs time a readable one should not pay).
-        where = next((w for w in map(_bad_json_line, files) if w), None)
+        # datasets does not say which file breaks, nor where a JSON file does: find it (only on a
+        # failure: parsing a large file again costs time a readable one should not pay).
+        where = next((w for w in (_file_problem(f, builder) for f in files) if w), None)
         raise DataError(
-            f"data source {source!r}: {where}" if where else
-            f"data source {source!r}: could not read {len(files)} file(s): {error_line(e)}"
+            (where if files == [expanded] else f"data source {source!r}: {where}") if where else
+            f"data source {source!r}: could not read {len(files)} file(s): {error_line(root_cause(e))}"
         ) from None
 
 
@@ -214,27 +242,35 @@ def _quiet() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-def _bad_json_line(path: str) -> str | None:
-    """'<path> line N: <problem>' for the first line of a JSON Lines file that is not a JSON
-    object, or None (also for other files, and for a .json file that is one JSON document)."""
-    import json
+def _file_problem(path: str, builder: str) -> str | None:
+    """What is wrong with the data file ``path`` that ``builder`` could not read, in one line
+    naming it (and, for JSON, the line), or None where nothing is found."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
 
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        head = fh.read(1)
-        if Path(path).suffix.lower() != ".jsonl" and head != "{":
+        try:
+            pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid, OSError
+            return f"data file {str(path)!r} is not a readable parquet file ({error_line(e)})"
+        return None
+    if builder != "json":
+        return None
+    try:
+        if Path(path).suffix.lower() == ".jsonl":
+            read_json_lines(path, "data file")
             return None
-        fh.seek(0)
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as e:
-                if Path(path).suffix.lower() != ".jsonl" and number == 1:
-                    return None  # a pretty-printed .json document spans lines
-                return f"{path} line {number} is not valid JSON ({e})"
-            if not isinstance(value, dict):
-                return f"{path} line {number} is a JSON {type(value).__name__}, not an object"
+        try:
+            value = read_json(path, "data file")
+        except InputError as e:
+            if "Extra data" not in str(e):
+                raise
+            read_json_lines(path, "data file")  # JSON Lines in a .json file
+            return None
+        if not isinstance(value, (list, dict)):
+            return (f"data file {str(path)!r} holds a JSON {type(value).__name__}; expected a list of records or "
+                    "JSON Lines")
+    except InputError as e:
+        return str(e)
     return None
 
 
@@ -257,7 +293,11 @@ def check_first_records(dataset: datasets.Dataset, source: str, count: int = 8) 
     if len(dataset) == 0:
         raise DataError(f"data source {source!r} has no records")
     fmt = detect_format(dataset.column_names)
-    rows = list(dataset.select(range(min(count, len(dataset)))))
+    try:
+        rows = list(dataset.select(range(min(count, len(dataset)))))
+    except UnicodeDecodeError as e:  # a binary file's text column (parquet) that is not UTF-8
+        raise DataError(f"data source {source!r}: a text column of the first {min(count, len(dataset))} records is "
+                        f"not UTF-8 ({e.reason} at byte {e.start} of a value); write the data as UTF-8") from None
     if not any(usable(fmt, row) for row in rows):
         first = ", ".join(f"{f}={str(rows[0].get(f))[:40]!r}" for f in _SHOWN[fmt])
         raise DataError(f"data source {source!r}: none of the first {len(rows)} records has {_NEEDS[fmt]} "
@@ -302,6 +342,16 @@ def _offline() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The exception at the bottom of ``e``'s chain: datasets wraps the parser's own error (pandas'
+    "Expected 2 fields in line 3") in one that says only that generating the dataset failed."""
+    seen = {id(e)}
+    while (e.__cause__ or e.__context__) is not None and id(e.__cause__ or e.__context__) not in seen:
+        e = e.__cause__ or e.__context__
+        seen.add(id(e))
+    return e
 
 
 def error_line(e: BaseException) -> str:

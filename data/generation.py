@@ -3,19 +3,21 @@
 The prompt is built exactly as training built the records of its data format
 (``encode_generation_prompt``): XSum's summarisation prompt, Alpaca's instruction prompt, the
 tokenizer's chat template with its generation prompt, or plain text after ``bos``. The format is
-the one the run trained on (read from the run's ``results.json`` beside the model directory)
-unless ``--format`` gives it. ``--adapter`` applies a LoRA run's peft adapter (``save_dir/adapter``)
-to the base model ``--model`` names (default: the one the adapter records), loaded as the run
+the one the run trained on (read from the run's settings: a checkpoint's ``trainer_state.json``,
+else the ``results.json`` beside the model directory) unless ``--format`` gives it. ``--adapter``
+applies a LoRA run's peft adapter (``save_dir/adapter``) to the base model ``--model`` names
+(default: the one the adapter records), after a check that it fits that base, loaded as the run
 trained it: in 4 bits (transformers' ``BitsAndBytesConfig``) when the adapter records a 4-bit base
-(``BASE_QUANTIZATION``, a ``load_in_4bit`` run's), and says which. A model name that is
-not a directory (``generated``) is the entry point's to resolve (``generate.py`` passes
-``pipeline.plan.source.saved_model_dir``: this layer knows no run's model names). Greedy by
-default, sampled with ``--do_sample``; on a GPU when there is one. Bad input is one ``error:``
-line and exit status 2.
+(``BASE_QUANTIZATION``, a ``load_in_4bit`` run's), and says which. A model name that is not a
+directory (``generated``) and that check are the entry point's (``generate.py`` passes
+``pipeline.plan.source.saved_model_dir`` and ``pipeline.plan.lora.adapter_fits``: this layer
+knows no run's model names, nor the model families). Greedy by default, sampled with
+``--do_sample``; on a GPU when there is one. Bad input is one ``error:`` line and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import warnings
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from data.dataset import ALPACA, CHAT, FORMATS, TEXT, XSUM, DataError, detect_format
+from inputs import InputError, NumberParser, read_json, read_json_lines, read_text
 
 
 # (--model, the run's cache_dir or None) -> the directory to load; ValueError for a name it refuses
@@ -30,6 +33,12 @@ ModelDir = Callable[[str, "str | None"], Path]
 # In an adapter directory beside peft's files: BitsAndBytesConfig's arguments for the 4-bit base
 # the adapter was trained on (written by a load_in_4bit run, pipeline.run.checkpoint)
 BASE_QUANTIZATION = "base_quantization.json"
+# (--adapter, the base model's directory) -> what in the adapter does not fit that base (empty: it fits)
+AdapterCheck = Callable[[Path, Path], "list[str]"]
+# A checkpoint's settings (pipeline.plan.saved.TRAINER_STATE), and where a run's relative paths
+# start when it ran through train.sh: the repository root.
+TRAINER_STATE = "trainer_state.json"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class GenerateError(ValueError):
@@ -37,28 +46,39 @@ class GenerateError(ValueError):
 
 
 def run_config(trained: Path) -> dict[str, Any]:
-    """The settings of the run that wrote ``trained`` (``save_dir/model`` or ``save_dir/adapter``),
-    from the ``results.json`` beside it; empty when there is none."""
-    try:
-        config = json.loads((Path(trained).parent / "results.json").read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    """The settings of the run that wrote ``trained``: a checkpoint (``save_dir/checkpoints/step_N``)
+    or its adapter holds them in its ``trainer_state.json``, ``save_dir/model`` and
+    ``save_dir/adapter`` in the ``results.json`` beside them; empty when there is none."""
+    trained = Path(trained)
+    for file in (trained / TRAINER_STATE, trained.parent / TRAINER_STATE, trained.parent / "results.json"):
+        if not file.is_file():
+            continue
+        try:
+            config = read_json(file, "run settings")["config"]
+        except (InputError, KeyError, TypeError):
+            continue
+        if isinstance(config, dict):
+            return config
+    return {}
 
 
 def training_format(model_dir: Path) -> str | None:
-    """The data format the run that wrote ``model_dir`` (``save_dir/model``) trained on, from the
-    ``dataset`` of that run's ``results.json``; None when it cannot be told (no results file,
-    synthetic data, data no longer there)."""
+    """The data format the run that wrote ``model_dir`` (``save_dir/model``, a checkpoint or an
+    adapter) trained on, from the ``dataset`` of that run's settings (a relative path as from the
+    current directory, else from the repository root, where train.sh runs); None when it cannot be
+    told (no settings, synthetic data, data no longer there)."""
     config = run_config(model_dir)
     dataset = config.get("dataset")
     if not dataset or dataset == "synthetic":
         return None
     from data import SAMPLE_TRAIN, load_records
 
+    if dataset == "sample":
+        dataset = str(SAMPLE_TRAIN)
+    elif not Path(dataset).is_absolute() and not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
+        dataset = str(REPO_ROOT / dataset)
     try:
-        records = load_records(str(SAMPLE_TRAIN) if dataset == "sample" else dataset, config.get("dataset_split", "train"))
-        return detect_format(records.column_names)
+        return detect_format(load_records(dataset, config.get("dataset_split", "train")).column_names)
     except (DataError, OSError, ValueError):
         return None
 
@@ -82,25 +102,21 @@ def read_prompts(path: Path, fmt: str, system: str = "") -> list[dict[str, Any]]
     (``document``; ``instruction`` and ``input``; ``messages``; ``text``), any other file one
     prompt a line (blank lines skipped)."""
     try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    except OSError as e:
-        raise GenerateError(f"cannot read --prompts {str(path)!r}: {e.strerror}") from None
-    if Path(path).suffix != ".jsonl":
-        return [prompt_record(fmt, line, system=system) for line in lines]
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            raise GenerateError(f"--prompts {str(path)!r} line {i} is not JSON (a .jsonl file holds one record "
-                                f"a line)") from None
-        need = {XSUM: "document", ALPACA: "instruction", CHAT: "messages", TEXT: TEXT}[fmt]
-        if not isinstance(out[-1], dict) or need not in out[-1]:
-            raise GenerateError(f"--prompts {str(path)!r} line {i} has no {need!r} field, which a {fmt} prompt needs")
-    return out
+        if Path(path).suffix != ".jsonl":
+            lines = [line for line in read_text(path, "--prompts file").splitlines() if line.strip()]
+            return [prompt_record(fmt, line, system=system) for line in lines]
+        records = read_json_lines(path, "--prompts file")
+    except InputError as e:
+        raise GenerateError(str(e)) from None
+    need = {XSUM: "document", ALPACA: "instruction", CHAT: "messages", TEXT: TEXT}[fmt]
+    for line, record in records:
+        if need not in record:
+            raise GenerateError(f"--prompts {str(path)!r} line {line} has no {need!r} field, which a {fmt} prompt "
+                                "needs")
+    return [record for _, record in records]
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(NumberParser):
     def error(self, message: str):  # one line, as every refusal here, not argparse's usage block
         raise GenerateError(f"{message}; --help lists the flags")
 
@@ -109,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="generate.py", description="Continue prompts with a model MMoC-Pipe trained, "
                                 "the prompt built as training built it.", allow_abbrev=False)
     p.add_argument("--model", default="", help="Hugging Face model directory (save_dir/model, or a checkpoint's "
-                                               "save_dir/checkpoints/step_N), or 'generated' (the small model runs "
-                                               "generate by default); with --adapter, the base model (default: the "
-                                               "one the adapter records).")
+                                               "save_dir/checkpoints/step_N: a LoRA run's is its adapter on the base "
+                                               "it records), or 'generated' (the small model runs train by "
+                                               "default); with --adapter, the base model (default: the one the "
+                                               "adapter records).")
     p.add_argument("--adapter", default="", help="A LoRA run's peft adapter directory (save_dir/adapter), applied to "
                                                  "--model, the base model the run trained it on.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -119,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", type=Path, help="A file: one prompt a line, or .jsonl records with the format's "
                                                   "fields.")
     p.add_argument("--format", choices=("auto", *FORMATS), default="auto",
-                   help="The data format the model trained on; auto: the run's, from save_dir/results.json.")
+                   help="The data format the model trained on; auto: the run's, from its settings (a "
+                        "checkpoint's trainer_state.json, else save_dir/results.json).")
     p.add_argument("--input", default="", help="Alpaca's input (context) for --prompt.")
     p.add_argument("--system", default="", help="A system message before the user's (chat).")
     p.add_argument("--max_new_tokens", type=int, default=60)
@@ -136,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _adapter_base(adapter: Path) -> str | None:
     """The base model a peft adapter records (``base_model_name_or_path``; None for none)."""
     try:
-        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
+        base = read_json(adapter / "adapter_config.json", "adapter config").get("base_model_name_or_path")
+    except (InputError, AttributeError):
         return None
     return base if isinstance(base, str) and base else None
 
@@ -213,16 +231,51 @@ def model_directory(args: argparse.Namespace, adapter: Path | None, model_dir: M
     return path
 
 
-def generate(args: argparse.Namespace, model_dir: ModelDir | None = None) -> list[str]:
-    """The continuation of every prompt ``args`` gives, in order; ``model_dir`` resolves
-    ``--model`` (default: it names a directory)."""
-    if args.max_new_tokens < 1:
-        raise GenerateError(f"--max_new_tokens ({args.max_new_tokens}) must be at least 1")
+def _checkpoint_adapter(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with a LoRA run's checkpoint given as ``--model`` read as what it holds: the
+    adapter (``--adapter step_N/adapter``) of the base model the adapter records."""
+    ckpt = Path(args.model) if args.model and not args.adapter else None
+    if ckpt is not None and (ckpt / TRAINER_STATE).is_file() and (ckpt / "adapter" / "adapter_config.json").is_file():
+        return argparse.Namespace(**{**vars(args), "model": "", "adapter": str(ckpt / "adapter")})
+    return args
+
+
+def _adapter(args: argparse.Namespace) -> Path | None:
+    """``--adapter``, checked to be a peft adapter directory that peft is installed to apply."""
     adapter = Path(args.adapter) if args.adapter else None
-    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+    if adapter is None:
+        return None
+    if not (adapter / "adapter_config.json").is_file():
         raise GenerateError(f"--adapter {str(adapter)!r} is not a peft adapter directory (no adapter_config.json); "
                             "give save_dir/adapter of a LoRA run")
+    if importlib.util.find_spec("peft") is None:
+        raise GenerateError("--adapter needs the peft package, which is not installed: python3 -m pip install "
+                            "'peft>=0.21,<0.22' (requirements.txt lists it)")
+    return adapter
+
+
+def generate(args: argparse.Namespace, model_dir: ModelDir | None = None,
+             adapter_check: AdapterCheck | None = None) -> list[str]:
+    """The continuation of every prompt ``args`` gives, in order; ``model_dir`` resolves
+    ``--model`` (default: it names a directory), ``adapter_check`` says what in ``--adapter``
+    does not fit the base model (default: nothing checked before peft loads it)."""
+    bad = [f"--max_new_tokens ({args.max_new_tokens}) must be at least 1"] * (args.max_new_tokens < 1)
+    bad += [f"--temperature ({args.temperature:g}) must be > 0"] * (args.temperature <= 0)
+    bad += [f"--top_p ({args.top_p:g}) must be in (0, 1]"] * (not 0 < args.top_p <= 1)
+    bad += [f"--seed ({args.seed}) must be >= 0"] * (args.seed < 0)
+    if bad:
+        raise GenerateError("; ".join(bad))
+    args = _checkpoint_adapter(args)
+    adapter = _adapter(args)
     model_dir = model_directory(args, adapter, model_dir or (lambda name, cache_dir: Path(name)))
+    if adapter is not None and adapter_check is not None:
+        try:
+            problems = adapter_check(adapter, model_dir)
+        except ValueError as e:  # its files cannot be read
+            raise GenerateError(f"--adapter {str(adapter)!r}: {e}") from None
+        if problems:
+            raise GenerateError(f"--adapter {str(adapter)!r} does not fit the base model {str(model_dir)!r}: "
+                                f"{'; '.join(problems)}; give --model, the base model its run trained on")
     trained = adapter or model_dir  # save_dir/model or save_dir/adapter: results.json is beside it
     fmt = args.format if args.format != "auto" else training_format(trained)
     if fmt is None:
@@ -289,10 +342,12 @@ def with_adapter(model, adapter: Path, base: Path):
                                 f"{detail}") from None
 
 
-def main(argv: list[str] | None = None, model_dir: ModelDir | None = None) -> int:
-    """generate.py: ``model_dir`` resolves ``--model`` (default: it names a directory)."""
+def main(argv: list[str] | None = None, model_dir: ModelDir | None = None,
+         adapter_check: AdapterCheck | None = None) -> int:
+    """generate.py: ``model_dir`` resolves ``--model`` (default: it names a directory),
+    ``adapter_check`` says what in ``--adapter`` does not fit the base model."""
     try:
-        texts = generate(build_parser().parse_args(argv), model_dir)
+        texts = generate(build_parser().parse_args(argv), model_dir, adapter_check)
     except GenerateError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
@@ -303,5 +358,6 @@ def main(argv: list[str] | None = None, model_dir: ModelDir | None = None) -> in
     return 0
 
 
-__all__ = ["BASE_QUANTIZATION", "GenerateError", "ModelDir", "base_quantization", "build_parser", "generate", "main",
-           "model_directory", "prompt_record", "read_prompts", "run_config", "training_format", "with_adapter"]
+__all__ = ["AdapterCheck", "BASE_QUANTIZATION", "GenerateError", "ModelDir", "base_quantization", "build_parser",
+           "generate", "main", "model_directory", "prompt_record", "read_prompts", "run_config", "training_format",
+           "with_adapter"]

@@ -13,13 +13,11 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import yaml
-
+from inputs import InputError, NumberParser, join_negative_values, read_yaml
 from schedule.generate import SCHEDULE_NAMES
 from schedule.mapping import MAPPING_MODES, RENAMED_MAPPING_MODES
 
@@ -52,6 +50,20 @@ def at_least(low: float, meaning: str = "") -> Check:
     return Check(lambda v: v >= low, f">= {low}{meaning}")
 
 
+def above(low: float) -> Check:
+    """The value is ``> low``."""
+    return Check(lambda v: v > low, f"> {low}")
+
+
+def fraction(upper_open: bool) -> Check:
+    """The value is in [0, 1], or [0, 1) with ``upper_open``."""
+    return Check(lambda v: 0 <= v < 1 if upper_open else 0 <= v <= 1, "in [0, 1)" if upper_open else "in [0, 1]")
+
+
+# A count of which there must be one at least.
+AT_LEAST_ONE = Check(lambda v: v >= 1, "at least 1")
+
+
 def _f(default: Any, help: str, check: Check | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "check": check, **kw})
 
@@ -63,10 +75,14 @@ class TrainConfig:
                     "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen2.5-32b, "
                     "qwen3-moe-small), or 'generated' (small Llama made locally on first use).")
     tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
-    num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).")
-    embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).")
-    ff_dim: int = _f(0, "Must equal the model's intermediate_size if set (0 = read from the model).")
-    num_heads: int = _f(0, "Must equal the model's num_attention_heads if set (0 = read from the model).")
+    num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).",
+                         check=at_least(0))
+    embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).",
+                            check=at_least(0))
+    ff_dim: int = _f(0, "Must equal the model's intermediate_size if set (0 = read from the model).",
+                     check=at_least(0))
+    num_heads: int = _f(0, "Must equal the model's num_attention_heads if set (0 = read from the model).",
+                        check=at_least(0))
     attn_implementation: str = _f("auto", "Attention kernel: sdpa, eager, or auto (sdpa where it computes the "
                                   "family's attention; eager for soft-capped scores (Gemma 2) and attention sinks "
                                   "(gpt-oss)).", choices=ATTN_IMPLS)
@@ -87,8 +103,9 @@ class TrainConfig:
     packing: bool = _f(False, "Pack several records into each row (greedy, in data order, up to seq_length): "
                        "positions restart at 0 for each record, attention and loss never cross records; a batch "
                        "is batch_size packed rows. Needs attn_implementation sdpa or eager. Validation is not packed.")
-    batch_size: int = _f(8, "Sequences per iteration (global batch).")
-    num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.")
+    batch_size: int = _f(8, "Sequences per iteration (global batch).", check=AT_LEAST_ONE)
+    num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.",
+                         check=AT_LEAST_ONE)
     eval_dataset: str = _f("", "Validation data, same forms as dataset; default: the training source's validation "
                            "split (the bundled validation file for dataset: sample).")
     eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).", check=at_least(0))
@@ -159,7 +176,8 @@ class TrainConfig:
                       "round_robin.", choices=MAPPING_MODES, renamed=RENAMED_MAPPING_MODES)
     topology: str = _f("", "YAML/JSON file of GPU root groups overriding discovery ({gpus: [{index, root, numa, "
                        "bandwidth_gbps}]}); ranks use its GPUs in CUDA_VISIBLE_DEVICES order.")
-    plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.")
+    plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.",
+                            check=above(0))
     stagger_loads: bool = _f(True, "With the planner: hold back a rank's first load when the cost model predicts "
                              "it would slow an earlier stage's load under the same root complex.")
     device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
@@ -169,7 +187,7 @@ class TrainConfig:
                             "PCIe (7B, 16 stages) 1 measured the same step as 0.",
                             check=at_least(0, " computes (0: each receive right before the compute that takes it)"))
     comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
-                               "an error naming the stalled action.")
+                               "an error naming the stalled action.", check=above(0))
     # --- offload --------------------------------------------------------------
     use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
     use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
@@ -191,28 +209,31 @@ class TrainConfig:
                                "before training): set it, with nproc and gpu_memory_gb, to plan for another "
                                "machine (0 = what this machine has available now).", check=at_least(0))
     optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
-                                   "its GPU's NUMA node cores, or of all cores, less two for its other threads).")
+                                   "its GPU's NUMA node cores, or of all cores, less two for its other threads).",
+                                check=at_least(0))
     delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
                               "CPU AdamW step overlaps the next iteration instead of delaying it (ZeRO-Offload's "
                               "delayed parameter update): the gradients are one update stale. Needs use_offload; "
                               "every stage is offloaded (resident_stages 0); no eval_every, checkpoints or resume.")
     # --- optimizer ------------------------------------------------------------
-    num_iterations: int = _f(20, "Optimizer steps to run.", check=Check(lambda v: v >= 1, "at least 1"))
+    num_iterations: int = _f(20, "Optimizer steps to run.", check=AT_LEAST_ONE)
     lr: float = _f(1e-4, "Peak learning rate (AdamW).", check=at_least(0))
-    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr (linear/cosine).")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr (linear/cosine).",
+                             check=fraction(upper_open=False))
     lr_schedule: str = _f("cosine", "Decay after warm-up.", choices=LR_SCHEDULES)
-    warmup_iterations: int = _f(0, "Linear warm-up steps.")
+    warmup_iterations: int = _f(0, "Linear warm-up steps.", check=at_least(0))
     weight_decay: float = _f(0.0, "AdamW weight decay (not applied to 1-D weights such as norms).", check=at_least(0))
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.95, "AdamW beta2.")
-    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.", check=fraction(upper_open=True))
+    adam_beta2: float = _f(0.95, "AdamW beta2.", check=fraction(upper_open=True))
+    adam_eps: float = _f(1e-8, "AdamW epsilon.", check=at_least(0))
     grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).", check=at_least(0))
-    seed: int = _f(0, "Seed for data order and random initialisation.")
+    seed: int = _f(0, "Seed for data order and random initialisation.", check=at_least(0))
     dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
                     choices=DTYPES)
     loss_scale: float = _f(65536.0, "float16 only: the initial loss scale (dynamic: halves on an overflow, doubles "
-                           "after loss_scale_window finite steps).")
-    loss_scale_window: int = _f(1000, "float16 only: finite steps before the loss scale doubles (0 = a fixed scale).")
+                           "after loss_scale_window finite steps).", check=above(0))
+    loss_scale_window: int = _f(1000, "float16 only: finite steps before the loss scale doubles (0 = a fixed scale).",
+                                 check=at_least(0, " (0 = a fixed scale)"))
     max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
                                 "error after more than this many in a row (0 = stop at the first; -1 = no check, "
                                 "non-finite steps are applied).", check=at_least(-1))
@@ -271,7 +292,7 @@ class TrainConfig:
                                "save_dir/checkpoints/step_N every N steps and at the end (0 = only when "
                                "stopped by SIGINT/SIGTERM).", check=at_least(0))
     keep_checkpoints: int = _f(3, "Keep the newest K complete checkpoints; older ones are deleted once a newer "
-                               "one is complete.", check=Check(lambda v: v >= 1, "at least 1"))
+                               "one is complete.", check=AT_LEAST_ONE)
     resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
                      "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
                      "again) or a checkpoint directory; empty = start from the model. A checkpoint older than the "
@@ -366,10 +387,32 @@ def _negative_flag(name: str) -> str:
     return "no_" + name[len("use_"):] if name.startswith("use_") else "no_" + name
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(NumberParser):
     """argparse whose errors are one ConfigError line (its own usage message is every flag, 40
     lines) with the nearest flags named, and whose flags match only in full (a prefix such as
     ``--nproc`` must not quietly become another flag)."""
+
+    def repeated(self, argv: list[str]) -> list[str]:
+        """A note for each setting that ``argv`` gives more than once with other values (argparse
+        keeps the last without a word)."""
+        actions = {o: a for a in self._actions for o in a.option_strings}
+        given: dict[str, list[str]] = {}
+        argv = join_negative_values(argv, self.takes_value)
+        for i, arg in enumerate(argv):
+            flag, eq, value = arg.partition("=")
+            action = actions.get(flag)
+            if action is None or not flag.startswith("--"):
+                continue
+            if action.nargs is None and not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            given.setdefault(action.dest, []).append(f"{flag} {value}" if action.nargs is None else flag)
+        notes = []
+        for dest, shown in given.items():
+            if len(set(shown)) > 1:
+                times = "twice" if len(shown) == 2 else f"{len(shown)} times"
+                notes.append(f"the command line sets {dest} {times} ({', then '.join(shown)}): the last, "
+                             f"{shown[-1]}, is used")
+        return notes
 
     def error(self, message: str):
         unknown = message.partition("unrecognized arguments: ")[2].split()
@@ -390,7 +433,7 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, option_string == self.option_strings[0])
 
 
-def build_parser(file_values: dict[str, Any] | None = None, file_name: str = "") -> argparse.ArgumentParser:
+def build_parser(file_values: dict[str, Any] | None = None, file_name: str = "") -> _Parser:
     """The flags of every TrainConfig field, grouped by section. ``file_values`` (the YAML file
     ``file_name``'s keys) are shown beside the defaults they replace."""
     file_values = file_values or {}
@@ -452,33 +495,12 @@ def _coerce(name: str, value: Any, typ: str) -> Any:
     return "" if value is None else str(value)
 
 
-class YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader reading numbers as YAML 1.2 and Python do: YAML 1.1 wants a dot in a
-    float, so ``3e-4`` or ``1E5`` would otherwise come back as strings (a config file's ``lr``, a
-    topology file's ``bandwidth_gbps``, and ``--help``'s shown values)."""
-
-
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
 def load_yaml(path: str) -> dict[str, Any]:
+    """The keys of the config file ``path`` (``inputs.read_yaml``: UTF-8, valid YAML, no key twice)."""
     try:
-        with open(path) as fh:
-            data = yaml.load(fh, Loader=YamlLoader)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}") from None
+        data = read_yaml(path, "config file")
+    except InputError as e:
+        raise ConfigError(str(e)) from None
     if data is None:  # silently the built-in defaults, not the shipped fine_tune.yaml's: refused
         raise ConfigError(f"config file {path!r} is empty (no key: value); give its keys, or --config '' for the "
                           "built-in defaults")
@@ -487,8 +509,10 @@ def load_yaml(path: str) -> dict[str, Any]:
     return flatten_sections(data, f"config file {path!r}")
 
 
-def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """defaults < yaml_values < overrides; unknown keys and wrongly typed values are errors."""
+def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                notes: list[str] | None = None) -> TrainConfig:
+    """defaults < yaml_values < overrides; unknown keys and wrongly typed values are errors.
+    ``notes`` gets a line for each value given under its older name."""
     fields = _fields()
     values: dict[str, Any] = {}
     for source in (flatten_sections(yaml_values or {}), overrides or {}):
@@ -504,8 +528,8 @@ def make_config(yaml_values: dict[str, Any] | None = None, overrides: dict[str, 
         new = fields[name].metadata.get("renamed", {}).get(value)
         if new is not None:
             values[name] = new
-            if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
-                print(f"warning: {name} {value!r} is now called {new!r}", file=sys.stderr, flush=True)
+            if notes is not None:
+                notes.append(f"{name} {value!r} is now called {new!r}")
     cfg = TrainConfig(**values)
     for name, f in fields.items():
         choices = f.metadata.get("choices")
@@ -557,7 +581,8 @@ def check_fields(values: dict[str, Any]) -> None:
         if check is not None and not check.ok(value):
             broken.setdefault(check.must, []).append(f"{name} ({value})")
     for must, names in broken.items():
-        raise ConfigError(f"{' and '.join(names)} must be {must}")
+        named = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        raise ConfigError(f"{named} must be {must}")
 
 
 def _replicas(cfg: TrainConfig, world_size: int) -> None:
@@ -580,8 +605,11 @@ def _stages(cfg: TrainConfig, world_size: int) -> None:
     if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
         raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
                           f"number, not -1 (auto)")
-    if cfg.num_chunks < 1 or cfg.batch_size < 1 or cfg.batch_size % cfg.num_chunks:
-        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks})")
+    if cfg.batch_size % cfg.num_chunks:  # both >= 1 (their own checks)
+        divisor = max(d for d in range(1, cfg.num_chunks + 1) if cfg.batch_size % d == 0)
+        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks}); e.g. "
+                          f"batch_size {cfg.num_chunks * -(-cfg.batch_size // cfg.num_chunks)} or num_chunks "
+                          f"{divisor}")
 
 
 def _segments(cfg: TrainConfig, world_size: int) -> None:
@@ -725,15 +753,21 @@ def _file_values_for_help(argv: list[str]) -> tuple[dict[str, Any], str]:
         return {}, ""
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, str | None, str]:
-    """Returns the resolved config, the YAML path it read (if any) and the mode: train, check or plan."""
+def parse_args(argv: list[str] | None = None,
+               notes: list[str] | None = None) -> tuple[TrainConfig, str | None, str]:
+    """Returns the resolved config, the YAML path it read (if any) and the mode: train, check or
+    plan. ``notes`` gets a line for each choice made that the user may not expect (a setting given
+    twice on the command line, a value under its older name), for the run to print once."""
     argv = sys.argv[1:] if argv is None else argv
     helped = any(a in ("-h", "--help") for a in argv)
-    args = vars(build_parser(*_file_values_for_help(argv) if helped else ({}, "")).parse_args(argv))
+    parser = build_parser(*_file_values_for_help(argv) if helped else ({}, ""))
+    args = vars(parser.parse_args(argv))
+    if notes is not None:
+        notes += parser.repeated(argv)
     path = config_file(args.pop("config", None))
     mode = args.pop("mode", "train")
     yaml_values = load_yaml(path) if path else {}
-    return make_config(yaml_values, args), path, mode
+    return make_config(yaml_values, args, notes), path, mode
 
 
 # train.sh's launch keys and the environment variables that replace their YAML values.

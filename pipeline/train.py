@@ -8,7 +8,7 @@ import torch
 import schedule as sched
 from pipeline.config import TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
-from pipeline.plan.fit import assess, assessment_report, device_type, gpu_capacity
+from pipeline.plan.fit import assess, assessment_report, device_type, gpu_capacity, machine_line
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import longest_row_line
 from pipeline.plan.placement import load_topology, plan_text
@@ -30,7 +30,8 @@ def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
     cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
     mapping = sched.round_robin(cfg.num_stages, world_size)
     a = assess(cfg, source.config, mapping, resolved.kept, replicas=(whole.data_parallel, whole.data_parallel))
-    text = assessment_report(a, cfg, source.config, mapping, world_size)
+    first, *rest = assessment_report(a, cfg, source.config, mapping, world_size).split("\n")
+    text = "\n".join([first, machine_line(whole, whole.data_parallel * world_size), *rest])
     text += "".join(f"\n{line}" for line in resolved.lines)
     if device_type(cfg) == "cuda" and gpu_capacity(cfg) is not None:
         text += "\n" + longest_row_line(replica_config(whole), source.config, world_size)

@@ -45,6 +45,26 @@ def planned_for(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def machine_line(cfg: TrainConfig, world_size: int) -> str:
+    """Which machine ``--plan`` plans for: this one's GPUs (or CPU), or another's that the settings
+    describe, and where the host check's figure comes from."""
+    other = device_type(cfg) == "cuda" and not torch.cuda.is_available()
+    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    if device_type(cfg) != "cuda":
+        where = f"this machine's CPU, {world_size} process{'es' if world_size > 1 else ''}"
+    elif not other:
+        props = torch.cuda.get_device_properties(0)
+        cap = f", capped at {cfg.gpu_memory_gb:g} GiB (gpu_memory_gb)" if cfg.gpu_memory_gb else ""
+        where = (f"this machine, {gpus} of its {torch.cuda.device_count()} visible ({props.name}, "
+                 f"{gib(props.total_memory)}{cap})")
+    else:
+        size = f"of {cfg.gpu_memory_gb:g} GiB (gpu_memory_gb)" if cfg.gpu_memory_gb else "of a size not given"
+        where = f"another machine (this one has no GPU), {gpus} {size}, one process each (nproc)"
+    host = f"{cfg.host_memory_gb:g} GiB of host memory (host_memory_gb)" if cfg.host_memory_gb else \
+        "the host memory this machine has available now" + (" (host_memory_gb gives the other's)" if other else "")
+    return f"machine: {where}; {host}"
+
+
 def dtype_bytes(cfg: TrainConfig, device: str) -> int:
     return compute_dtype(cfg, torch.device(device)).itemsize
 
@@ -360,15 +380,31 @@ def _sharded_adamw(cfg: TrainConfig, hf_config, inp: MemoryInputs, program: dict
 
 
 def advice(cfg: TrainConfig, hf_config, world_size: int, replicas: tuple[int, int] = (1, 1)) -> list[str]:
-    """The single changes that make ``cfg`` fit, each with its estimated peak."""
-    out = []
-    for label, alt in _alternatives(cfg, hf_config.num_hidden_layers):
+    """The single changes that make ``cfg`` fit, each with its estimated peak; among them the
+    plan's own choice of stages (num_stages -1) where that is another count and fits."""
+    out, alts = [], _alternatives(cfg, hf_config.num_hidden_layers)
+    alts += [alt for alt in _auto_stages(cfg, hf_config, world_size) if alt[1] not in [c for _, c in alts]]
+    for label, alt in alts:
         if label.startswith("seq_chunks") and any(line.startswith("seq_chunks") for line in out):
             continue  # a larger seq_chunks than one that fits already
         a = assess(alt, hf_config, sched.round_robin(alt.num_stages, world_size), replicas=replicas)
         if a.fits:
             out.append(f"{label} -> {gib(a.worst.device_peak)} per GPU")
     return out
+
+
+def _auto_stages(cfg: TrainConfig, hf_config, world_size: int) -> list[tuple[str, TrainConfig]]:
+    """``num_stages: -1`` as the alternative the plan itself would take: the fewest stages that fit
+    (``long_rows.resolve_long_rows``), where that is not ``cfg``'s count; none without a GPU size."""
+    if cfg.num_stages == -1 or partition_counts(cfg.partition) is not None or gpu_capacity(cfg) is None \
+            or device_type(cfg) != "cuda":
+        return []
+    from pipeline.plan.long_rows import resolve_long_rows  # it sizes its choices with this module's plan
+
+    chosen, _ = resolve_long_rows(dataclasses.replace(cfg, num_stages=-1), hf_config, world_size)
+    if chosen.num_stages == cfg.num_stages:
+        return []
+    return [(f"num_stages: -1 (the plan picks {chosen.num_stages})", chosen)]
 
 
 def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
@@ -482,5 +518,6 @@ def assessment_report(a: Assessment, cfg: TrainConfig, hf_config, mapping: list[
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "assessment_report", "check_fits", "host_capacity", "memory_plan", "out_of_memory_line", "partition_line", "report",
-           "resolve_kept", "resolve_resident"]
+__all__ = ["Assessment", "advice", "assess", "assessment_report", "check_fits", "host_capacity", "machine_line",
+           "memory_plan", "out_of_memory_line", "partition_line", "report", "resolve_kept",
+           "resolve_resident"]

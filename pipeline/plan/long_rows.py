@@ -150,7 +150,7 @@ def longest_row_line(cfg: TrainConfig, hf_config, world_size: int) -> str:
            f"estimate, in steps of 1024): "
     tokens, c, whole = longest_row(cfg, hf_config, world_size)
     if c is None:
-        return head + "none, not even 1024 tokens"
+        return head + "less than 1024 tokens"
     line = head + f"{tokens} tokens with num_stages {c.num_stages}, seq_chunks {c.seq_chunks}, tiled_mlp {c.tiled_mlp}"
     if c.seq_chunks > 1 and whole:
         line += f"; whole rows up to {whole} tokens"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from models import UnsupportedModel, spec_for, supports_sdpa
 from pipeline.config import ALL_LINEAR, ConfigError, TrainConfig, lora_targets
-from pipeline.plan.lora import adapter_config, linear_names
+from pipeline.plan.lora import adapter_config, adapter_flags, adapter_mismatches, linear_names, lora_settings
 from pipeline.plan.partition import given_counts
 from pipeline.plan.programs import trains_tied_copies
 from pipeline.stage.selfcheck import family_spec
@@ -151,7 +151,8 @@ def packed_positions(m: ModelView) -> None:
 
 
 def adapters_fit(m: ModelView) -> None:
-    """LoRA's target modules are linear modules of the decoder layers, and a saved adapter's."""
+    """LoRA's target modules are linear modules of the decoder layers, and a saved adapter
+    (``lora_adapter``) is one of this run and this model: every difference in one line."""
     cfg = m.cfg
     if not cfg.lora_rank:
         return
@@ -164,11 +165,17 @@ def adapters_fit(m: ModelView) -> None:
         raise ConfigError(f"lora_target_modules: {', '.join(unknown)} is not a linear module of this model's "
                           f"decoder layers ({', '.join(available)}; or all-linear)")
     if cfg.lora_adapter:
-        saved = adapter_config(cfg.lora_adapter).get("target_modules") or []
-        saved = sorted([saved] if isinstance(saved, str) else saved)
-        if saved != sorted(targets):
-            raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} targets {','.join(saved)}; this run "
-                              f"{','.join(sorted(targets))}: set lora_target_modules to the adapter's")
+        try:
+            settings, model = adapter_mismatches(cfg.lora_adapter, m.whole, m.kept, lora_settings(cfg, m.kept))
+            advice = [f"train with its settings ({adapter_flags(adapter_config(cfg.lora_adapter))})"] if settings \
+                else []
+        except ValueError as e:  # its config or weights cannot be read
+            raise ConfigError(f"lora_adapter {cfg.lora_adapter!r}: {e}") from None
+        if model:
+            advice.append(f"give a plain LoRA adapter of this model ({m.name})")
+        if settings or model:
+            raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} does not fit this run: "
+                              f"{'; '.join(settings + model)}; {', or '.join(advice)}")
 
 
 def tied_copies_step_alike(m: ModelView) -> None:

@@ -1,11 +1,14 @@
 """What a run settles before any process group exists, and the home of the rules on files and on
 the machine: ``check_config`` (the settings, by ``pipeline.config.check_settings``; a GPU asked
 for is there; the small files settings name: topology, lora_adapter) and ``check_files`` (the
-model's files, then the model read once and checked against the settings by ``resolve_model``
-with ``pipeline.plan.model_rules``; its weight files, a tied head against the embedding (the
-only check that reads tensors); tokenizer, data, that save_dir is its own, and that the data
-gives training examples, the checkpoint a resume names). ``main.py`` runs them on every rank, and
-``--check_only`` (``train.sh``) before any worker starts, so a bad setting or path is one line.
+packages the settings need; the model's files, then the model read once and checked against the
+settings by ``resolve_model`` with ``pipeline.plan.model_rules``; its weight files, a tied head
+against the embedding (the only check that reads tensors); tokenizer, data and validation data,
+that save_dir is its own, that the data gives one batch of training examples, the checkpoint a
+resume names and that it continues under these settings and this model). ``main.py`` runs them
+on every rank, and ``--check_only`` (``train.sh``) before any worker starts, so a bad setting or
+path is one line. ``start_notes`` are what rank 0 says once at start-up that the settings do not
+(a figure matplotlib's absence leaves out, a slow thread count or dtype on the CPU).
 
 One writer per save_dir: rank 0 takes an ``flock`` on ``save_dir/.lock`` before the process
 group exists and holds it until the process ends. The kernel drops the lock with the process
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import socket
@@ -32,11 +36,14 @@ from pathlib import Path
 
 import torch
 
+from inputs import InputError, read_json
 from models import supported_types, tied
 from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
+from pipeline.plan.fit import device_type
 from pipeline.plan.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from pipeline.plan.settings import eval_source, lacks_validation_split
+from pipeline.plan.shapes import size_differences
 from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, generated_model_dir, model_dir,
                                   needs_generated, resolve_model, tokenizer_dir)
 
@@ -150,8 +157,9 @@ def release_save_dir() -> None:
 
 
 # --- what save_dir holds ----------------------------------------------------------------------
-def _check_writable(out: Path) -> None:
-    """A directory can be made where save_dir goes (``os.access`` says yes to /proc, where it cannot)."""
+def _check_writable(out: Path, what: str = "save_dir", flag: str = "--save_dir") -> None:
+    """A directory can be made where ``out`` (save_dir, or save_results' directory) goes
+    (``os.access`` says yes to /proc, where it cannot)."""
     probe = out
     while not probe.exists() and probe != probe.parent:  # the directory that will hold save_dir
         probe = probe.parent
@@ -160,8 +168,8 @@ def _check_writable(out: Path) -> None:
             raise NotADirectoryError(f"{probe} is not a directory")
         os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=probe))
     except OSError as e:
-        raise ConfigError(f"save_dir {str(out)!r} is not writable (no directory can be made in {probe}: "
-                          f"{e.strerror or e}); give another --save_dir") from None
+        raise ConfigError(f"{what} {str(out)!r} is not writable (no directory can be made in {probe}: "
+                          f"{e.strerror or e}); give another {flag}") from None
 
 
 def _finished(out: Path, results_path: Path) -> list[str]:
@@ -218,6 +226,8 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
     checkpoint (from step 1), and any checkpoint older than the step the run finished at."""
     out = Path(cfg.save_dir)
     _check_writable(out)
+    if cfg.save_results:  # written at the end, after the model: a path that cannot be would fail the run there
+        _check_writable(Path(cfg.save_results).parent, "save_results' directory", "--save_results")
     holder = lock_holder(out) if test_lock else None
     if holder:
         raise _busy(out, holder)
@@ -254,18 +264,80 @@ def check_save_dir(cfg: TrainConfig, test_lock: bool) -> None:
 
 def check_resume(cfg: TrainConfig) -> None:
     """The checkpoint directory ``resume`` names is there and complete ('latest', save_dir's
-    newest, is weighed by ``check_save_dir``)."""
+    newest, is weighed by ``check_save_dir``), and was saved by a run this one can continue."""
     if cfg.resume and cfg.resume != "latest":
         refusal = saved.resume_refusal(cfg.resume, cfg.save_dir)
         if refusal:
             raise ConfigError(refusal)
+    point = resume_point(cfg)
+    if point is not None:
+        check_resume_settings(cfg, point)
+
+
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint ``resume`` continues from: save_dir's newest complete one for 'latest' (None
+    when there is none), else the path it names; None without resume."""
+    if cfg.resume == "latest":
+        return saved.find_latest(Path(cfg.save_dir), lambda line: None)
+    return Path(cfg.resume) if cfg.resume else None
+
+
+def check_resume_model(cfg: TrainConfig, source: ModelSource) -> None:
+    """The checkpoint a resume continues from holds weights of this run's model (its config.json
+    against the model's sizes): another model's fail to load after launch."""
+    point = resume_point(cfg)
+    if point is None or not (point / "config.json").is_file():  # none, or a LoRA checkpoint (adapters only)
+        return
+    try:
+        differ = size_differences(read_json(point / "config.json", "checkpoint model config"), source.config)
+    except InputError as e:
+        raise ConfigError(f"resume: {e}; the checkpoint is damaged: resume from another") from None
+    if differ:
+        raise ConfigError(f"resume: {point} holds the weights of another model than {cfg.model!r} "
+                          f"({'; '.join(differ)}); give --model the model its run trained, or start afresh with "
+                          "--overwrite")
+
+
+def check_resume_settings(cfg: TrainConfig, point: Path) -> None:
+    """The checkpoint ``point`` continues under this run's settings: its batch stream's (seed,
+    batch_size, packing: the position it saved counts their batches) and its adapters' (LoRA's
+    rank and targets: the AdamW state it saved is theirs). Every difference in one line."""
+    from data.batching import stream_mismatches
+
+    try:
+        state = read_json(Path(point) / saved.TRAINER_STATE, "checkpoint state")
+        then = state["config"]
+        differ = stream_mismatches(state["data"], {"seed": cfg.seed, "batch_size": cfg.batch_size,
+                                                    "packing": int(cfg.packing)})
+    except InputError as e:
+        raise ConfigError(f"resume: {e}; the checkpoint is damaged: resume from another") from None
+    except (KeyError, TypeError, AttributeError):
+        return  # a state without the stream or settings (not one a run writes): nothing here to compare
+    defaults = TrainConfig()
+    lora = ("lora_rank", "lora_target_modules") if cfg.lora_rank or then.get("lora_rank") else ()
+    for key in lora:
+        if then.get(key, getattr(defaults, key)) != getattr(cfg, key):
+            differ.append(f"{key}={then.get(key, getattr(defaults, key))!r} (this run {key}={getattr(cfg, key)!r})")
+    if differ:
+        keys = [d.split("=")[0] for d in differ]
+        flags = " ".join(_flag(k, then.get(k, getattr(defaults, k))) for k in keys)
+        raise ConfigError(f"resume: {point} was saved by a run with {', '.join(differ)}; its data position and "
+                          f"AdamW state hold only for those: resume with {flags}, or start afresh with --overwrite")
+
+
+def _flag(key: str, value) -> str:
+    """The command line's words that set ``key`` to ``value``."""
+    if isinstance(value, bool):
+        return f"--{key}" if value else f"--no_{key}"
+    return f"--{key} {value}"
 
 
 # --- the data ---------------------------------------------------------------------------------
-def check_examples(records, tokenizer, seq_length: int, source: str, count: int = 64) -> None:
+def check_examples(records, tokenizer, seq_length: int, source: str, count: int = 64) -> list:
     """The first ``count`` records tokenize to examples with a trainable token at ``seq_length``:
     a chat template the records need, and a seq_length long enough for the prompts, are found
-    here, before launch. A seq_length too short names the shortest that trains a record."""
+    here, before launch. A seq_length too short names the shortest that trains a record.
+    Returns the examples of those records."""
     from transformers.utils import logging as hf_logging
 
     from data import DataError, tokenize_records
@@ -276,8 +348,7 @@ def check_examples(records, tokenizer, seq_length: int, source: str, count: int 
     hf_logging.set_verbosity_error()
     try:
         try:
-            tokenize_records(first, tokenizer, seq_length)
-            return
+            return tokenize_records(first, tokenizer, seq_length)[0]
         except DataError as e:
             error = e
         lo, hi = seq_length, 1 << 17  # lo fails; find the shortest that does not
@@ -290,6 +361,20 @@ def check_examples(records, tokenizer, seq_length: int, source: str, count: int 
         hf_logging.set_verbosity(level)
     raise DataError(f"seq_length ({seq_length}) leaves no trainable token in any of the first {len(first)} records "
                     f"of {source!r} (their prompts fill it); the shortest seq_length that trains one of them is {hi}")
+
+
+def check_batches(records, cfg: TrainConfig, source: str, examples: list | None = None) -> None:
+    """The training data gives one batch at least: ``batch_size`` records (each trains one row at
+    most), and where ``examples`` are the examples of all of them (a small dataset, which
+    ``check_examples`` tokenized whole), the batch the run's own stream would build (packing too)."""
+    from data import BatchStream, DataError
+
+    if len(records) < cfg.batch_size:
+        raise DataError(f"data source {source!r} has {len(records)} records, fewer than one batch (batch_size "
+                        f"{cfg.batch_size}); lower batch_size or add data")
+    if examples is not None:  # BatchStream refuses what its first epoch cannot fill, as the run would
+        BatchStream(examples, cfg.batch_size, pad_id=0, seq_length=cfg.seq_length, seed=cfg.seed,
+                    packing=cfg.packing)
 
 
 def _trains(records, tokenizer, seq_length: int) -> bool:
@@ -317,12 +402,13 @@ def check_config(cfg: TrainConfig, world_size: int, need_devices: bool = True) -
         try:
             load_topology_file(cfg.topology)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"topology: {e}") from None
+            raise ConfigError(str(e)) from None
     check_adapter(cfg)
 
 
 def check_adapter(cfg: TrainConfig) -> None:
-    """``lora_adapter`` is a saved peft LoRA adapter of this run's rank and alpha."""
+    """``lora_adapter`` is a saved peft LoRA adapter (how it fits the run and the model is the
+    model's rule, ``model_rules.adapters_fit``: every difference in one line)."""
     if not cfg.lora_rank or not cfg.lora_adapter:
         return
     d = Path(cfg.lora_adapter)
@@ -330,35 +416,91 @@ def check_adapter(cfg: TrainConfig) -> None:
     if missing:
         raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} is not a peft adapter directory: {', '.join(missing)} "
                           "missing")
-    adapter = adapter_config(d)
+    try:
+        adapter = adapter_config(d)
+    except InputError as e:
+        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r}: {e}") from None
     if adapter.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} is a {adapter.get('peft_type')} adapter; only LORA "
                           "trains here")
-    mine = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha}
-    theirs = {"r": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha")}
-    if any(float(theirs[k] or 0) != float(v) for k, v in mine.items()):
-        raise ConfigError(f"lora_adapter {cfg.lora_adapter!r} has r {theirs['r']}, lora_alpha "
-                          f"{theirs['lora_alpha']}; this run lora_rank {cfg.lora_rank}, lora_alpha "
-                          f"{cfg.lora_alpha}: set them to the adapter's")
 
 
-# report_to's names -> the package each needs, and how to get it.
-REPORT_PACKAGES = {"tensorboard": ("tensorboard", "python3 -m pip install tensorboard (requirements.txt lists it)"),
-                   "wandb": ("wandb", "python3 -m pip install wandb (not a requirement)")}
+# --- packages a setting needs ---------------------------------------------------------------
+# The packages beyond torch and transformers that some settings need, as pip installs them
+# (requirements-gpu.txt lists all but wandb).
+PACKAGES = {"peft": "'peft>=0.21,<0.22'", "tensorboard": "tensorboard", "wandb": "wandb", "matplotlib": "matplotlib"}
 
 
-def check_report_to(cfg: TrainConfig) -> None:
-    """Every place ``report_to`` names can be written to: its package is installed (found, not
-    imported: wandb imports in seconds)."""
-    import importlib.util
+def installed(package: str) -> bool:
+    """``package`` can be imported: found, not imported (wandb imports in seconds)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or a finder that refuses it
+        return False
 
-    if not cfg.save_metrics:
+
+def needed_packages(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(package, the setting that needs it) for every package the run cannot go without."""
+    needs = [("peft", f"lora_rank {cfg.lora_rank}")] if cfg.lora_rank else []
+    if cfg.save_metrics:
+        needs += [(name, f"report_to {name}") for name in report_targets(cfg.report_to)]
+    return needs
+
+
+def check_packages(cfg: TrainConfig) -> None:
+    """Every package a setting needs is installed: all that are not, in one line."""
+    missing = [(package, why) for package, why in needed_packages(cfg) if not installed(package)]
+    if not missing:
         return
-    for name in report_targets(cfg.report_to):
-        package, install = REPORT_PACKAGES[name]
-        if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"report_to {name} needs the {package} package, which is not installed: {install}; "
-                              f"or drop it from report_to ({cfg.report_to!r}; none = metrics.jsonl only)")
+    needs = " and ".join(f"{why} needs the {package} package" for package, why in missing)
+    drop = f"; or drop it from report_to ({cfg.report_to!r}; none = metrics.jsonl only)" \
+        if any(why.startswith("report_to") for _, why in missing) else ""
+    raise ConfigError(f"{needs}, which {'is' if len(missing) == 1 else 'are'} not installed: python3 -m pip install "
+                      f"{' '.join(PACKAGES[p] for p, _ in missing)} (requirements-gpu.txt lists all but wandb){drop}")
+
+
+def start_notes(cfg: TrainConfig, world_size: int, environ=os.environ) -> list[str]:
+    """What this run will do that its settings do not say, one line each, for rank 0 to print once
+    at start-up: a figure it cannot draw, a thread count or a dtype that will be slow on the CPU, a
+    warm-up longer than the run."""
+    notes = []
+    figures = {png: data for png, data, on in (("metrics.png", "metrics.jsonl", cfg.save_metrics),
+                                                ("timeline.png", "timeline.json", cfg.timeline)) if on}
+    if figures and not installed("matplotlib"):
+        notes.append(f"matplotlib is not installed, so {' and '.join(figures)} will not be drawn; "
+                     f"{' and '.join(figures.values())} {'hold' if len(figures) > 1 else 'holds'} what "
+                     f"{'they' if len(figures) > 1 else 'it'} would show. python3 -m pip install matplotlib "
+                     "(requirements.txt lists it)")
+    on_cpu = device_type(cfg) == "cpu"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if on_cpu and "OMP_NUM_THREADS" not in environ and cores > 1:
+        each = "the process runs" if world_size == 1 else f"each of the {world_size} processes runs"
+        notes.append(f"OMP_NUM_THREADS is not set, so {each} every operation on all {cores} cores: where other "
+                     "programs use them too, a step of the default model with --nproc 1 on two cores took 1.8x to "
+                     "10x as long as with OMP_NUM_THREADS=1; set it, e.g. OMP_NUM_THREADS=1 bash train.sh ...")
+    if cfg.warmup_iterations > cfg.num_iterations:
+        notes.append(f"warmup_iterations ({cfg.warmup_iterations}) > num_iterations ({cfg.num_iterations}): the "
+                     f"learning rate never reaches lr ({cfg.lr:g}); the last step runs at "
+                     f"{cfg.lr * cfg.num_iterations / cfg.warmup_iterations:.2e}")
+    if on_cpu and cfg.dtype == "float16":
+        notes.append("dtype float16 on the CPU: most CPUs have no float16 arithmetic and convert every operation "
+                     "(2.2x float32's step time for the default model on two cores; 15x measured elsewhere); dtype "
+                     "float32 (auto) is faster there")
+    return notes
+
+
+def planned_processes(cfg: TrainConfig, launched: int) -> int:
+    """The processes ``--plan`` plans for: torchrun's (``launched`` > 1), else ``nproc``, else
+    this machine's as train.sh would start them (one per visible GPU, or 2 without one). A plan for
+    another machine (``planned_for``'s GPUs, none here) has no such default: ConfigError asks for
+    ``nproc``, the GPUs of that machine."""
+    if launched > 1 or cfg.nproc:
+        return launched if launched > 1 else cfg.nproc
+    if device_type(cfg) == "cuda" and not torch.cuda.is_available():
+        size = f"GPUs of {cfg.gpu_memory_gb:g} GiB (gpu_memory_gb)" if cfg.gpu_memory_gb else "GPUs"
+        raise ConfigError(f"--plan for {size} on a machine without one plans another machine: give --nproc, the "
+                          "number of its GPUs (one process each), e.g. --nproc 2")
+    return torch.cuda.device_count() or 2
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -377,13 +519,19 @@ def _check_model_config(name: str, path: Path) -> None:
     if not path.exists():
         raise ConfigError(f"model {name!r}: {path} does not exist (give a Hugging Face model directory "
                           f"or a preset: {', '.join(PRESETS)}, generated)")
+    if path.is_file():
+        raise ConfigError(f"model {name!r}: {path} is a file; give the Hugging Face model directory that holds "
+                          f"it (with its config.json), or a preset: {', '.join(PRESETS)}, generated")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model {name!r}: no config.json in {path} (give a Hugging Face model "
                           f"directory or a preset: {', '.join(PRESETS)}, generated)")
     from transformers import AutoConfig
 
     try:
+        read_json(path / "config.json", "model config")  # not UTF-8, not JSON: the line, before transformers
         AutoConfig.from_pretrained(path)
+    except InputError as e:
+        raise ConfigError(f"model {name!r}: {e}") from None
     except (ValueError, KeyError, OSError) as e:  # an unknown model_type, or a broken config.json
         model_type = _json_field(path / "config.json", "model_type")
         if model_type is not None:
@@ -476,10 +624,23 @@ def check_base_4bit(cfg: TrainConfig, source: ModelSource) -> None:
 
 # --- data and tokenizer -----------------------------------------------------------------------
 def check_eval_data(cfg: TrainConfig) -> None:
-    """Validation taken from the training data needs a validation split there."""
-    if cfg.eval_every and lacks_validation_split(cfg):
+    """Validation taken from the training data needs a validation split there, and the validation
+    data is readable, in a format, and one batch at least."""
+    if not cfg.eval_every:
+        return
+    if lacks_validation_split(cfg):
         raise ConfigError(f"eval_every={cfg.eval_every} but dataset {cfg.dataset!r} has no validation split "
                           f"(it is a file or a single saved Dataset); set eval_dataset to the validation data")
+    name, split = eval_source(cfg)
+    if name == "synthetic":
+        return
+    from data import DataError, check_first_records, load_records
+
+    records = load_records(name, split)
+    check_first_records(records, name)
+    if len(records) < cfg.batch_size:
+        raise DataError(f"validation data {name!r} has {len(records)} records, fewer than one batch (batch_size "
+                        f"{cfg.batch_size}); set eval_dataset to more data or lower batch_size")
 
 
 def load_tokenizer(cfg: TrainConfig, source: ModelSource):
@@ -494,7 +655,14 @@ def load_tokenizer(cfg: TrainConfig, source: ModelSource):
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
         from data.dataset import error_line
 
-        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: {error_line(e)}") from None
+        why = error_line(e)
+        for f in sorted(Path(source.tokenizer_dir).glob("*.json")):  # which of its files, and where
+            try:
+                read_json(f, "tokenizer file")
+            except InputError as bad:
+                why = str(bad)
+                break
+        raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: {why}") from None
     if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                           f"{source.config.vocab_size}")
@@ -515,7 +683,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     per process."""
     from data import SAMPLE_TRAIN, check_first_records, load_records
 
-    check_report_to(cfg)
+    check_packages(cfg)
     check_resume(cfg)
     pending = needs_generated(cfg) and not (generated_model_dir(cfg) / "config.json").is_file()
     source = read_model(cfg, world_size)  # a generated model not built yet: the shape it will have
@@ -523,6 +691,7 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
     if cfg.dataset != "synthetic":
         records = load_records(str(SAMPLE_TRAIN) if cfg.dataset == "sample" else cfg.dataset, cfg.dataset_split)
         check_first_records(records, cfg.dataset)
+        check_batches(records, cfg, cfg.dataset)
     check_eval_data(cfg)
     check_save_dir(cfg, test_lock=rank0)
     if pending:
@@ -532,9 +701,12 @@ def check_files(cfg: TrainConfig, rank0: bool = True, world_size: int | None = N
         source = read_model(cfg, world_size)
     check_model_weights(cfg, source)
     check_base_4bit(cfg, source)
+    check_resume_model(cfg, source)
     evaluated = cfg.eval_every and eval_source(cfg)[0] != "synthetic"
     if records is not None or evaluated:
         tokenizer = load_tokenizer(cfg, source)
         if records is not None:
-            check_examples(records, tokenizer, cfg.seq_length, cfg.dataset)
+            count = 64
+            examples = check_examples(records, tokenizer, cfg.seq_length, cfg.dataset, count)
+            check_batches(records, cfg, cfg.dataset, examples if len(records) <= count else None)
     return source

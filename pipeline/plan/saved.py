@@ -44,7 +44,9 @@ def validate_checkpoint(path: Path) -> str | None:
         return "an interrupted save (still named .partial)"
     marker = path / MARKER
     if not marker.is_file():
-        return f"no {MARKER} marker (the save did not finish)"
+        if (path / TRAINER_STATE).is_file() or path.parent.name == CHECKPOINTS:
+            return f"no {MARKER} marker (the save did not finish)"
+        return f"no {MARKER} marker: not a training checkpoint"
     try:
         manifest = json.loads(marker.read_text())
         files = manifest["files"]
@@ -107,9 +109,38 @@ def resume_refusal(resume: str, save_dir: str) -> str | None:
         example = find_latest(Path(save_dir), lambda line: None) or checkpoint_dir(Path(save_dir), 10)
         return (f"resume {resume!r}: no such checkpoint directory{where}; resume takes 'latest' or a checkpoint "
                 f"directory such as {example}")
+    what = _not_a_checkpoint(path)
+    if what:
+        return f"resume {resume!r} is {what}"
     reason = validate_checkpoint(path)
     if reason:
         return f"resume {resume!r} is not a complete checkpoint: {reason}; give a {CHECKPOINTS}/step_N directory or 'latest'"
+    return None
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """What ``path`` is when it is a run's other output, not a checkpoint (a finished model, an
+    adapter, a save_dir, its checkpoints directory), and what to give instead; None otherwise."""
+    if (path / MARKER).is_file() or (path / TRAINER_STATE).is_file():
+        return None
+    newest = find_latest(path, lambda line: None) if (path / CHECKPOINTS).is_dir() else None
+    if newest is not None:
+        return (f"a save_dir, not one of its checkpoints: continue it with --save_dir {path} --resume latest (its "
+                f"newest is {newest})")
+    if any((path / name).exists() for name in (FINISHED, "results.json", "metrics.jsonl", CHECKPOINTS)):
+        further = f"; to train its model further: --model {path / 'model'} and another --save_dir" \
+            if (path / "model" / "config.json").is_file() else ""
+        return f"a run's save_dir with no complete checkpoint, not a checkpoint{further}"
+    if path.name == CHECKPOINTS:
+        newest = find_latest(path.parent, lambda line: None)
+        return (f"the directory of a run's checkpoints, not one of them: give one of its step_N directories "
+                f"({newest or 'none is complete'}), or --resume latest with --save_dir {path.parent}")
+    if (path / "adapter_config.json").is_file():
+        return (f"a finished LoRA adapter, not a training checkpoint (no AdamW state or data position): to train "
+                f"it further, start from it with --lora_adapter {path} and another --save_dir")
+    if (path / "config.json").is_file():
+        return (f"a finished Hugging Face model, not a training checkpoint (no AdamW state or data position): to "
+                f"train it further, start from it with --model {path} and another --save_dir")
     return None
 
 

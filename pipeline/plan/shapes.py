@@ -149,6 +149,22 @@ def segment_bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+# The sizes that tell one model from another of its family (a copy, a fine-tune, a truncation to
+# fewer layers shares them).
+SIZE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "vocab_size")
+
+
+def size_differences(theirs: dict, config, keys: Sequence[str] = SIZE_KEYS) -> list[str]:
+    """Where the config.json mapping ``theirs`` names another model than ``config`` (a transformers
+    config): "hidden_size 32, this model 64" for each of ``keys`` both give and that differs."""
+    if not isinstance(theirs, dict):
+        return []
+    return [f"{k} {theirs[k]!r}, this model {getattr(config, k)!r}" for k in keys
+            if theirs.get(k) is not None and getattr(config, k, None) is not None and theirs[k] != getattr(config, k)]
+
+
 __all__ = ["LOSS_CHUNK_BYTES", "MLP_TILE_BYTES", "attention_flops_per_token", "forward_flops_per_token", "layer_ranges",
            "loss_chunk_tokens", "mean_keys", "mlp_tile_tokens", "model_flops_per_token", "model_key_cost",
-           "partition_layers", "segment_bounds", "segment_lengths", "stage_num_params", "stage_param_counts"]
+           "partition_layers", "segment_bounds", "segment_lengths", "size_differences", "stage_num_params",
+           "stage_param_counts", "SIZE_KEYS"]

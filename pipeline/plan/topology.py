@@ -15,14 +15,13 @@ GPU indices are nvidia-smi's (PCI bus order). CUDA numbers devices the same way 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import YamlLoader
+from inputs import read_json, read_yaml
 
 # Nominal GB/s per lane and direction, by PCIe generation (after line encoding).
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
@@ -264,16 +263,7 @@ def load_topology_file(path: str | os.PathLike) -> Topology:
     ``numa`` and ``bandwidth_gbps`` are optional (unknown, and ``DEFAULT_LINK_GBPS``).
     GPUs are returned sorted by index; root ids are renumbered 0, 1, ... in that order.
     """
-    text = Path(path).read_text()
-    try:
-        if str(path).endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.load(text, Loader=YamlLoader)
-    except Exception as e:  # json.JSONDecodeError / yaml.YAMLError: both become one clear line
-        raise ValueError(f"topology file {path}: cannot parse: {str(e).splitlines()[0]}") from None
+    data = (read_json if str(path).endswith(".json") else read_yaml)(path, "topology file")
     if not isinstance(data, dict) or set(data) != {"gpus"} or not isinstance(data["gpus"], list) or not data["gpus"]:
         raise ValueError(f"topology file {path}: expected a mapping with one key 'gpus' holding a non-empty list, "
                          f"got {data!r}")

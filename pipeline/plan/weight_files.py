@@ -5,10 +5,11 @@ them (``check_files``); the stages read their own tensors through ``read_tensors
 (``pipeline.stage.weights``); nothing else of the plan reads a tensor."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from inputs import read_json
 
 
 # Weight files a Hugging Face directory may hold, in the order transformers prefers them.
@@ -29,9 +30,10 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     for name in _INDEXES:
         index = model_dir / name
         if index.exists():
+            weight_map = read_json(index, "weight index")  # InputError (a ValueError): not UTF-8, not JSON
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                weight_map = weight_map["weight_map"]
+            except (KeyError, TypeError) as e:
                 raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e})") from None
             missing = sorted({v for v in weight_map.values() if not (model_dir / v).is_file()})
             if missing:
@@ -65,9 +67,25 @@ def _tensor_names(path: Path) -> list[str]:
                 return list(f.keys())
         return list(_load_bin(path))
     except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError derives from Exception only
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"weight file {path} cannot be read ({reason}): truncated or corrupt, as an interrupted "
-                         f"download leaves it; download it again") from None
+        raise _unreadable(path, e) from None
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in the safetensors file ``path``, from its header (no tensor is read);
+    ValueError naming the file where it cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError derives from Exception only
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: Exception) -> ValueError:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ValueError(f"weight file {path} cannot be read ({reason}): truncated or corrupt, as an interrupted "
+                      f"download leaves it; download it again")
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -104,4 +122,4 @@ def read_tensors(path: Path, keys: list[str]):
             yield k, tensors[k]
 
 
-__all__ = ["check_tied_checkpoint", "check_weight_files", "read_tensors", "weight_files"]
+__all__ = ["check_tied_checkpoint", "check_weight_files", "read_tensors", "tensor_shapes", "weight_files"]

@@ -5,6 +5,7 @@ model directory is complete only once it has been renamed from ``<name>.partial`
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -371,6 +372,24 @@ def check_resume_partition(point: ResumePoint | None, num_stages: int, parts: li
                           f"{counts} (or change num_stages for a fresh AdamW state)")
 
 
+def stretched_schedule(then: dict, cfg, step: int) -> str | None:
+    """The line that says a resume at ``step`` changes the learning rates of the steps after it:
+    ``num_iterations`` differs from the run ``then`` (its settings) and the schedule decays over
+    it. None when the rates are the ones that run would have used."""
+    from pipeline.run.optim import lr_at
+
+    before = then.get("num_iterations")
+    if not isinstance(before, int) or before == cfg.num_iterations or cfg.lr_schedule == "constant" or step < 1:
+        return None
+    old = dataclasses.replace(cfg, num_iterations=before)
+    was = f"step {step} ran at lr {lr_at(step - 1, old):.2e}"
+    if step < before:
+        was += f" and step {step + 1} would have run at {lr_at(step, old):.2e}"
+    return (f"resume: num_iterations {cfg.num_iterations}, the checkpoint's run {before}: the {cfg.lr_schedule} "
+            f"learning-rate schedule is stretched over {cfg.num_iterations} steps; {was}, now step {step + 1} runs "
+            f"at {lr_at(step, cfg):.2e}")
+
+
 class CheckpointManager:
     """One rank's training checkpoints: what exact continuation needs after a step (weights and
     AdamW state per stage, data position, loss scale, RNG states, the run's shape), saved with
@@ -446,3 +465,6 @@ class CheckpointManager:
                    if k in now and k not in RESUME_FREE and now[k] != v]
         self.log.info(f"resumed from {point.path} at iteration {point.iteration}"
                       + (f"; changed since: {', '.join(changed)}" if changed else ""))
+        stretched = stretched_schedule(st["config"], cfg, point.iteration)
+        if stretched and env.rank == 0:
+            self.log.warn(stretched)

@@ -26,9 +26,10 @@ from typing import IO, Sequence
 
 import torch
 
+from data.dataset import error_line
 from pipeline.dist import DistEnv, Log, barrier, gather_objects
 from pipeline.run.checkpoint import write_json_atomic
-from pipeline.run.sinks import Sink, open_sinks
+from pipeline.run.sinks import Sink, open_sink
 
 GIB = 2**30
 METRICS_FILE = "metrics.jsonl"
@@ -40,6 +41,18 @@ STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tflop
 
 class TrainingError(RuntimeError):
     """Training cannot go on (too many non-finite steps): printed as one line, exit code 2."""
+
+
+def optional_output(log: Log, failed: str, write) -> bool:
+    """Run ``write``, which writes an output a user can do without (a plot, event files, a trace):
+    a failure is one warning line (``failed``: what it means, then why), never the end of the run.
+    True if it wrote."""
+    try:
+        write()
+        return True
+    except Exception as e:  # noqa: BLE001 - a full disk, a broken matplotlib or tensorboard install: any
+        log.warn(f"{failed} ({error_line(e)}); the model, checkpoints and metrics.jsonl are not affected")
+        return False
 
 
 # --- one line per event ---------------------------------------------------------------------
@@ -177,7 +190,9 @@ class Metrics:
         self._file = self.path.open("w")
         for row in kept:  # the sinks have them from the run that wrote them
             self._write(row)
-        self.sinks = open_sinks(self.report_to, self.path.parent, first_step, self.config)
+        for name in self.report_to:  # one that cannot open is one warning; the run goes on without it
+            optional_output(self.log, f"report_to {name}: no rows go to it", lambda: self.sinks.append(
+                open_sink(name, self.path.parent, first_step, self.config)))
         if self.bar is not None:
             self.bar.update(first_step)
 
@@ -187,10 +202,13 @@ class Metrics:
             self._file.flush()  # a run that dies keeps every row written so far
 
     def _emit(self, row: dict, step: int) -> None:
-        """A new row: to metrics.jsonl and to every sink, the same values."""
+        """A new row: to metrics.jsonl and to every sink, the same values. A sink that fails is
+        dropped with one warning: metrics.jsonl has the rows, and the run goes on."""
         self._write(row)
-        for sink in self.sinks:
-            sink.write(row, step)
+        for sink in list(self.sinks):
+            if not optional_output(self.log, f"report_to {sink.name}: no more rows go to it",
+                                   lambda: sink.write(row, step)):
+                self.sinks.remove(sink)
 
     def log_step(self, row: dict) -> None:
         """Report one step. ``row``: step (1-based), loss, grad_norm, lr, tokens, tokens_per_s,
@@ -221,8 +239,9 @@ class Metrics:
         self.log.info(eval_line(row))
 
     def finish(self, peak_mem_bytes: int) -> dict | None:
-        """Summary line and row, and the plot. A collective: every rank calls it (the peak
-        memory of every rank is gathered). Returns the summary on the speaking rank."""
+        """Summary line and row (the plot is ``write_plot``'s, once the model is saved). A
+        collective: every rank calls it (the peak memory of every rank is gathered). Returns the
+        summary on the speaking rank."""
         per_rank = gather_objects(peak_mem_bytes)
         total = time.perf_counter() - self.t0
         summary = None
@@ -242,10 +261,16 @@ class Metrics:
             self._close_bar()  # the bar goes before the summary line
             self._emit(summary, self.rows[-1]["step"] if self.rows else self.first_step)
             self.log.info(summary_line(summary))
-            if self.plot_path is not None and self.rows:
-                write_plot_png(self.plot_path, self.rows, self.evals)
         self.close()
         return summary
+
+    def write_plot(self) -> None:
+        """metrics.png of the rows so far, where matplotlib is there (the start-up notes say when
+        it is not: ``preflight.start_notes``)."""
+        from pipeline.plan.preflight import installed
+
+        if self.plot_path is not None and self.rows and installed("matplotlib"):
+            write_plot_png(self.plot_path, self.rows, self.evals)
 
     def close(self) -> None:
         """Close the bar and the file (no collective: safe on an error path)."""
@@ -254,7 +279,7 @@ class Metrics:
             self._file.close()
             self._file = None
         for sink in self.sinks:
-            sink.close()
+            optional_output(self.log, f"report_to {sink.name}: its last rows may be lost", sink.close)
         self.sinks = []
 
     def _close_bar(self) -> None:

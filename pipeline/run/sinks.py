@@ -36,6 +36,8 @@ def scalars(row: dict) -> dict[str, float]:
 
 
 class Sink(Protocol):
+    name: str  # report_to's name of it
+
     def write(self, row: dict, step: int) -> None:
         """One row of metrics.jsonl; ``step``: its step (a summary's: the last step)."""
 
@@ -47,6 +49,8 @@ class TensorBoardSink:
     the event format's). A fresh run removes the event files of a run it replaces; a resumed
     one writes from ``first_step + 1`` on, and TensorBoard drops the events of those steps
     that the abandoned continuation wrote (``purge_step``)."""
+
+    name = "tensorboard"
 
     def __init__(self, save_dir: str | Path, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -70,6 +74,8 @@ class WandbSink:
     """A Weights & Biases run (``WANDB_MODE=offline`` writes it under ``save_dir/wandb`` with no
     network; ``WANDB_PROJECT`` names the project). wandb is imported only here: it is optional."""
 
+    name = "wandb"
+
     def __init__(self, save_dir: str | Path, config: dict):
         import os
 
@@ -90,12 +96,9 @@ class WandbSink:
         self.run.finish()
 
 
-def open_sinks(names: tuple[str, ...], save_dir: str | Path, first_step: int, config: dict) -> list[Sink]:
-    """The sinks ``report_to`` names (``pipeline.config.report_targets``), on the writing rank."""
-    sinks: list[Sink] = []
-    for name in names:
-        sinks.append(TensorBoardSink(save_dir, first_step) if name == "tensorboard" else WandbSink(save_dir, config))
-    return sinks
+def open_sink(name: str, save_dir: str | Path, first_step: int, config: dict) -> Sink:
+    """The sink ``name`` of ``report_to`` (``pipeline.config.report_targets``), on the writing rank."""
+    return TensorBoardSink(save_dir, first_step) if name == "tensorboard" else WandbSink(save_dir, config)
 
 
-__all__ = ["TENSORBOARD_DIR", "Sink", "TensorBoardSink", "WandbSink", "open_sinks", "scalars"]
+__all__ = ["TENSORBOARD_DIR", "Sink", "TensorBoardSink", "WandbSink", "open_sink", "scalars"]

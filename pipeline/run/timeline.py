@@ -420,10 +420,11 @@ def _median(values: list[float]) -> float:
 
 
 def write_run_timeline(save_dir: str | Path, events: list[dict], schedule: Mapping[int, list[Action]],
-                       mapping: list[int], stage_bytes: list[int], rank_groups: list[int] | None = None
-                       ) -> tuple[dict[str, Path], str]:
+                       mapping: list[int], stage_bytes: list[int], rank_groups: list[int] | None = None,
+                       png: bool = True) -> tuple[dict[str, Path], str]:
     """Write ``timeline.json`` (measured), ``timeline_predicted.json`` (``calibrated_prediction``)
-    and ``timeline.png`` (both, measured above the prediction) into ``save_dir``.
+    and, with ``png`` (matplotlib is there), ``timeline.png`` (both, measured above the
+    prediction) into ``save_dir``.
 
     Returns the paths and one log line with both step times, the prediction error and every
     file written.
@@ -433,9 +434,10 @@ def write_run_timeline(save_dir: str | Path, events: list[dict], schedule: Mappi
     measured = measured_step_time(events)
     pred = calibrated_prediction(events, schedule, mapping, stage_bytes, rank_groups)
     paths = {"timeline": write_chrome_trace(out / "timeline.json", events),
-             "predicted": write_chrome_trace(out / "timeline_predicted.json", pred.events()),
-             "gantt": out / "timeline.png"}
-    write_timeline_png(paths["gantt"], events, pred.events(), ranks=schedule)
+             "predicted": write_chrome_trace(out / "timeline_predicted.json", pred.events())}
+    if png:
+        paths["gantt"] = out / "timeline.png"
+        write_timeline_png(paths["gantt"], events, pred.events(), ranks=schedule)
     err = (pred.host_end - measured) / measured if measured > 0 else 0.0
     line = (f"timeline: measured step {measured:.4f}s, cost model (measured op durations, steady state) "
             f"{pred.host_end:.4f}s, prediction error {err:+.1%}; wrote {', '.join(str(p) for p in paths.values())}")

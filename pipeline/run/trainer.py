@@ -1,13 +1,16 @@
 """One rank's training loop over the parts ``build_rank`` made: each iteration runs the executor
 on the next batch, logs one line, evaluates, checkpoints and stops when the ranks agree to. It
 saves and restores through the ``CheckpointManager`` and reports through ``pipeline.run.metrics``;
-it decides nothing the configuration or ``resolve`` decided."""
+it decides nothing the configuration or ``resolve`` decided. The outputs a user can do without
+(metrics.png, the timeline's files) are written last, after the model: a failure there is one
+warning line (``metrics.optional_output``), never the model."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -15,6 +18,7 @@ from pipeline.config import TrainConfig, report_targets
 from pipeline.dist import DistEnv, gather_objects
 from pipeline.plan.layout import replica_share
 from pipeline.plan.lora import trained_adapters
+from pipeline.plan.preflight import installed
 from pipeline.plan.resolve import Resolved
 from pipeline.plan.shapes import model_flops_per_token
 from pipeline.plan.source import ModelSource
@@ -22,8 +26,8 @@ from pipeline.run import checkpoint, faults, orphans
 from pipeline.run.build import build_rank
 from pipeline.run.evaluate import evaluate
 from pipeline.run.executor import ActionError, MicroBatch
-from pipeline.run.metrics import (STEP_KEYS, Metrics, SkipGuard, TrainingError, device_stats, peak_memory,
-                                 write_results)
+from pipeline.run.metrics import (STEP_KEYS, Metrics, SkipGuard, TrainingError, device_stats, optional_output,
+                                 peak_memory, write_results)
 from pipeline.run.optim import lr_at
 from pipeline.run.timeline import Timeline, write_run_timeline
 
@@ -85,6 +89,9 @@ class Trainer:
         self.stopped_by = 0  # the signal that ended the run early, if one did
         self.gc_clock = GcClock()
         self.evaluated_once = False  # the first evaluation's objects are frozen after it (freeze_survivors)
+        # The outputs written after the model and results (``save``) on this rank: (what a failure
+        # means, the writer).
+        self.optional: list[tuple[str, Callable[[], object]]] = []
         self.flops_per_token = model_flops_per_token(r.source.config, r.source.config.num_hidden_layers,
                                                      r.cfg.seq_length, trained_adapters(r.cfg, r.source.config))
         self.checkpoints = checkpoint.CheckpointManager(
@@ -143,6 +150,8 @@ class Trainer:
         metrics = Metrics(r.log, speaks=self.env.rank == r.loss_rank, num_steps=cfg.num_iterations,
                           save_dir=cfg.save_dir if cfg.save_metrics else None, progress_bar=cfg.progress_bar,
                           report_to=report_targets(cfg.report_to), config=cfg.to_dict())
+        if metrics.plot_path is not None:
+            self.optional.append((f"{metrics.plot_path} was not written", metrics.write_plot))
         guard = SkipGuard(cfg.max_skipped_steps)
         freeze_survivors()
         gc.callbacks.append(self.gc_clock)
@@ -216,15 +225,21 @@ class Trainer:
         return Timeline(self.rank.layout.position, self.rank.device.type, streams=lanes)
 
     def write_timeline(self, recorded: Timeline) -> None:
-        """Gather the recorded iteration to rank 0 and write the trace, Gantt and prediction (collective)."""
+        """Gather the recorded iteration to rank 0 (collective), which writes the trace, Gantt and
+        prediction with the other optional outputs, after the model (``save``)."""
         r = self.rank
         # replica 0's ranks: the other replicas run the same lists
         events = [e for rank_events in gather_objects(recorded.events())[:r.layout.pipeline_size]
                   for e in rank_events]
         if self.env.rank == 0:
-            _, line = write_run_timeline(self.cfg.save_dir, events, r.schedule, r.mapping,
-                                         r.placement.stage_bytes, r.placement.rank_groups)
-            print(line, flush=True)
+            def write() -> None:
+                _, line = write_run_timeline(self.cfg.save_dir, events, r.schedule, r.mapping,
+                                             r.placement.stage_bytes, r.placement.rank_groups,
+                                             png=installed("matplotlib"))
+                print(line, flush=True)
+
+            self.optional.append((f"the timeline (timeline.json, timeline.png) in {self.cfg.save_dir} was not written",
+                                  write))
 
     def save_checkpoint(self, step: int) -> Path:
         """Everything exact continuation needs after ``step`` completed steps (collective)."""
@@ -268,6 +283,14 @@ class Trainer:
                       resumed_at=self.start_iteration)
         if not self.stopped_by:  # a stopped run's outputs are its checkpoint, of its last step
             checkpoint.mark_finished(out, history[-1]["step"] if history else self.start_iteration, self.env)
+        self.write_optional()
+
+    def write_optional(self) -> None:
+        """The outputs a user can do without, now that the model and results are on disk: each
+        failure is one warning line."""
+        for what, write in self.optional:
+            optional_output(self.rank.log, what, write)
+        self.optional = []
 
 
 __all__ = ["GcClock", "Trainer"]

@@ -15,14 +15,13 @@ import torch
 from torch import nn
 
 from offload.streams import flat_views
-from pipeline.plan.lora import ADAPTER_WEIGHTS, LoraSettings
+from pipeline.plan.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, LoraSettings
 from pipeline.stage.quantized import quiet_bitsandbytes
 from pipeline.stage.weights import read_weights
 
 quiet_bitsandbytes()  # before peft, which imports bitsandbytes wherever it is installed
 
 ADAPTER_NAME = "default"  # peft's own adapter name; the saved keys leave it out
-PEFT_PREFIX = "base_model.model."  # what a PeftModel's saved keys start with
 
 
 def peft_config(settings: LoraSettings, base_model: str | None = None):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tests.helpers.paths import ROOT
 
-PACKAGES = ("schedule", "models", "data", "offload", "pipeline")
+PACKAGES = ("inputs", "schedule", "models", "data", "offload", "pipeline")
 ENTRY_POINTS = ("main.py", "generate.py")
 
 

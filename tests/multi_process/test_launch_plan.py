@@ -107,3 +107,64 @@ def test_readme_lora_plan_is_what_the_code_prints(capsys, monkeypatch):
     assert "(cuda, 16-bit compute)" in out.splitlines()[0], out.splitlines()[0]
     for figure in re.findall(r"\d+\.\d\d GiB", command.group(2)) + re.findall(r"(\d+\.\d\d) and", command.group(2)):
         assert figure.split()[0] + " GiB" in out, (figure, out)
+
+
+def test_plan_says_which_machine_and_asks_another_machines_process_count(capsys, monkeypatch):
+    """--plan for GPUs of gpu_memory_gb on a machine without one planned two processes (train.sh's
+    CPU default) without a word: the process count of another machine is asked for, and the plan
+    says which machine it plans for and where its host figure comes from."""
+    import main
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["--config", "", "--plan", "--model", "tiny", "--gpu_memory_gb", "8", "--use_offload", "--resident_stages",
+            "0"]
+    assert main.main(base) == 2
+    assert capsys.readouterr().err == ("error: --plan for GPUs of 8 GiB (gpu_memory_gb) on a machine without one plans "
+                                       "another machine: give --nproc, the number of its GPUs (one process each), e.g. "
+                                       "--nproc 2\n")
+    assert main.main(base + ["--nproc", "3", "--num_stages", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("machine: another machine (this one has no GPU), 3 GPUs of 8 GiB (gpu_memory_gb), one process "
+                        "each (nproc); the host memory this machine has available now (host_memory_gb gives the "
+                        "other's)"), lines[:2]
+    assert main.main(["--config", "", "--plan", "--model", "tiny", "--device", "cpu", "--num_stages", "2",
+                      "--host_memory_gb", "64"]) == 0
+    assert "machine: this machine's CPU, 2 processes; 64 GiB of host memory (host_memory_gb)" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # an 8B LoRA plan and its advice: seconds
+def test_plan_advice_includes_its_own_choice_of_stages(capsys, monkeypatch):
+    """8B LoRA with offload on one 8 GiB GPU at 4 stages does not fit, and no single lever of the
+    list fits it, but the plan's own choice of stages (num_stages -1) does: the advice said "no
+    single change". Its longest row is under 1024 tokens: "none" read as if its own 512 did not fit."""
+    import main
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--config", "", "--plan", "--nproc", "1", "--gpu_memory_gb", "8", "--model", "llama-3-8b", "--lora_rank",
+            "16", "--use_offload", "--seq_length", "512", "--batch_size", "8", "--num_chunks", "8",
+            "--activation_checkpointing"]
+    assert main.main(argv) == main.PLAN_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    [advice] = [line for line in out.splitlines() if line.startswith("would fit with: ")]
+    chosen = re.search(r"num_stages: -1 \(the plan picks (\d+)\) -> \d+\.\d\d GiB per GPU", advice)
+    assert chosen, advice
+    assert main.main(argv + ["--num_stages", chosen.group(1)]) == 0  # the advice holds
+    capsys.readouterr()
+    assert main.main(argv + ["--num_stages", "-1"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("longest row")]
+    assert row == ["longest row that fits 8.00 GiB (the plan's estimate, in steps of 1024): less than 1024 tokens "
+                   "with seq_chunks 1"], row
+
+
+@pytest.mark.slow
+def test_plan_through_train_sh_asks_for_nproc_for_another_machine(tmp_path):
+    env = {**env_without_dist(), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--plan", "--gpu_memory_gb", "8", "--save_dir",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and lines[0].startswith("error: --plan for GPUs of 8 GiB"), proc.stderr[-2000:]
+    proc = subprocess.run(["bash", str(ROOT / "train.sh"), "--plan", "--gpu_memory_gb", "8", "--nproc", "2",
+                           "--save_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "machine: another machine (this one has no GPU), 2 GPUs of 8 GiB" in proc.stdout

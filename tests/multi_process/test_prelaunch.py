@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
-from tests.helpers.prelaunch import chat_file, check_only, one_error, refused_before_launch, train_sh
+from tests.helpers.prelaunch import (chat_file, check_only, fake_checkpoint, one_error, refused_before_launch, train_sh,
+                                     without_packages)
 
 
 @pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])
@@ -97,7 +98,7 @@ def test_data_file_errors(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = json.dumps({"document": "a text", "summary": "short"})
     bad.write_text(f"{good}\n{good}\n{{\"document\": broken\n{good}\n")
-    one_error(check_only(base + ["--dataset", str(bad)]), f"{bad} line 3 is not valid JSON")
+    one_error(check_only(base + ["--dataset", str(bad)]), f"'{bad}' line 3 is not valid JSON")
     nulls = tmp_path / "nulls.jsonl"
     nulls.write_text(json.dumps({"document": None, "summary": None}) + "\n")
     one_error(check_only(base + ["--dataset", str(nulls)]), "none of the first 1 records has document and summary")
@@ -273,9 +274,15 @@ def test_long_summary_keeps_a_quarter_of_the_document():
     assert any(label != IGNORE_INDEX for label in examples[0].labels[1:])
 
 
+def _few_records(path, n: int):
+    path.write_text("".join(json.dumps({"document": f"article {i} about the harbour", "summary": "a summary"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["unknown flag", "prefix flag", "proc", "chat", "seq_length", "fresh clone",
-                                  "empty yaml", "negative"])
+                                  "empty yaml", "negative", "negative exponent", "few records", "resume batch_size"])
 def test_refused_by_train_sh_before_any_worker(tiny_model_dir, tmp_path, case):
     """Each bad input of a run through train.sh: one error line, exit 2, before any worker
     starts (no start line, no launcher line), and, on a fresh clone, before the model is built."""
@@ -293,7 +300,19 @@ def test_refused_by_train_sh_before_any_worker(tiny_model_dir, tmp_path, case):
                          str(tmp_path / "run")], "num_stages (40) exceeds the model's decoder layers + 2 (8 + 2)"),
         "empty yaml": (base, "is empty (no key: value); give its keys, or --config '' for the built-in defaults"),
         "negative": (base + ["--weight_decay", "-0.5"], "weight_decay (-0.5) must be >= 0"),
+        # argparse took -1e-4 for a flag: "--lr: expected one argument"
+        "negative exponent": (base + ["--lr", "-1e-4"], "lr (-0.0001) must be >= 0"),
+        # after launch, torchrun's failure lines around it
+        "few records": (base + ["--dataset", str(_few_records(tmp_path / "five.jsonl", 5))],
+                        f"data source '{tmp_path / 'five.jsonl'}' has 5 records, fewer than one batch (batch_size 8)"),
+        "resume batch_size": (base + ["--resume", "latest", "--batch_size", "8"],
+                              f"resume: {tmp_path / 'run' / 'checkpoints' / 'step_00000002'} was saved by a run with "
+                              "batch_size=4 (this run batch_size=8); its data position and AdamW state hold only for "
+                              "those: resume with --batch_size 4, or start afresh with --overwrite"),
     }[case]
+    if case == "resume batch_size":
+        fake_checkpoint(tmp_path / "run", 2, {"batch_size": 4, "seed": 0},
+                        {"epoch": 0, "position": 8, "seed": 0, "batch_size": 4, "num_examples": 296})
     if case == "empty yaml":
         env["CONFIG"] = str(tmp_path / "empty.yaml")
         (tmp_path / "empty.yaml").write_text("# nothing\n")
@@ -302,6 +321,93 @@ def test_refused_by_train_sh_before_any_worker(tiny_model_dir, tmp_path, case):
     refused_before_launch(proc, needle)
     if case == "fresh clone":
         assert not (tmp_path / "cache").exists()  # refused from the shape alone: nothing was generated
+
+
+@pytest.mark.slow
+def test_without_matplotlib_the_model_is_saved_and_one_line_says_so(tiny_model_dir, tmp_path):
+    """A machine without matplotlib (a GPU user's own environment): the run trains and saves its
+    model, and one warning at start-up says metrics.png will not be drawn (the plot was drawn
+    before the model was saved, and the ModuleNotFoundError left save_dir without one). A flag
+    given twice is a warning too, once: from the run, not again from train.sh's check."""
+    run = tmp_path / "run"
+    proc, _ = train_sh(["--model", str(tiny_model_dir), "--num_stages", "2", "--num_iterations", "2", "--seq_length",
+                        "64", "--save_dir", str(run), "--report_to", "none", "--lr", "1e-4", "--lr", "2e-4"],
+                       {"NPROC": "2", **without_packages(tmp_path, "matplotlib")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "model" / "config.json").is_file() and (run / "finished.json").is_file()
+    assert not (run / "metrics.png").exists() and "Traceback" not in proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
+    assert warnings == [
+        "warning: the command line sets lr twice (--lr 1e-4, then --lr 2e-4): the last, --lr 2e-4, is used",
+        "warning: matplotlib is not installed, so metrics.png will not be drawn; metrics.jsonl holds what it would "
+        "show. python3 -m pip install matplotlib (requirements.txt lists it)"], proc.stderr[-3000:]
+    assert "step    2/2 " in proc.stdout and "lr 2.00e-04" in proc.stdout
+
+
+@pytest.mark.slow
+def test_packages_a_setting_needs_are_one_line_before_launch(tiny_model_dir, tmp_path):
+    """lora_rank without peft failed after launch (51 lines); with report_to's tensorboard missing
+    too, both are named in one line; a package every run needs is one line, not an import traceback."""
+    env = without_packages(tmp_path, "peft", "tensorboard")
+    one_error(check_only(["--model", str(tiny_model_dir), "--lora_rank", "8"], extra_env=env),
+              "lora_rank 8 needs the peft package and report_to tensorboard needs the tensorboard package, which are "
+              "not installed: python3 -m pip install 'peft>=0.21,<0.22' tensorboard")
+    one_error(check_only(["--model", str(tiny_model_dir)], extra_env=without_packages(tmp_path, "datasets")),
+              "MMoC-Pipe needs the datasets package, which is not installed: python3 -m pip install -r "
+              "requirements-gpu.txt")
+
+
+@pytest.mark.slow
+def test_files_that_are_not_utf8_and_outputs_that_are_not_checkpoints(tiny_model_dir, tmp_path):
+    """A Latin-1 byte in a dataset (a UnicodeDecodeError traceback, 32 lines) or in validation
+    data; --resume of a finished model ("a checkpoint whose save did not finish")."""
+    base = ["--model", str(tiny_model_dir)]
+    good = _few_records(tmp_path / "good.jsonl", 20).read_bytes()
+    (tmp_path / "latin.jsonl").write_bytes(good + b'{"document": "caf\xe9", "summary": "s"}\n')
+    one_error(check_only(base + ["--dataset", str(tmp_path / "latin.jsonl")]),
+              f"data file '{tmp_path / 'latin.jsonl'}' is not UTF-8 text: line 21 (byte {len(good) + 17} of the file) "
+              "holds 0xe9")
+    one_error(check_only(base + ["--eval_every", "2", "--eval_dataset", str(tmp_path / "latin.jsonl")]),
+              "is not UTF-8 text: line 21")
+    one_error(check_only(base + ["--eval_every", "2", "--eval_dataset", str(_few_records(tmp_path / "v.jsonl", 3))]),
+              f"validation data '{tmp_path / 'v.jsonl'}' has 3 records, fewer than one batch (batch_size 8)")
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    one_error(check_only(base + ["--save_dir", str(run), "--resume", str(run / "model")]),
+              f"resume '{run / 'model'}' is a finished Hugging Face model, not a training checkpoint (no AdamW state "
+              f"or data position): to train it further, start from it with --model {run / 'model'} and another "
+              "--save_dir")
+
+
+@pytest.mark.slow
+def test_model_tokenizer_and_output_paths_are_one_line(tiny_model_dir, tmp_path):
+    """A model path that is a weight file, a model config that is not UTF-8, a tokenizer file that
+    is not JSON (which file, which line), a save_results directory that cannot be made (the run
+    failed there after training), a resume from another model's checkpoint (its weights failed to
+    load after launch)."""
+    base = ["--model", str(tiny_model_dir)]
+    weights = next(tiny_model_dir.glob("*.safetensors"))
+    one_error(check_only(["--model", str(weights)]), f"model '{weights}': {weights} is a file; give the Hugging Face "
+                                                     "model directory that holds it")
+    latin = _model_copy(tiny_model_dir, tmp_path / "latin")
+    text = (latin / "config.json").read_bytes()
+    (latin / "config.json").write_bytes(text.replace(b'"llama"', b'"llama", "x": "\xe9"'))
+    one_error(check_only(["--model", str(latin)]), f"model config '{latin / 'config.json'}' is not UTF-8 text: line ")
+    tok = _model_copy(tiny_model_dir, tmp_path / "tok")
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 256,\n "bos_token": }\n')
+    one_error(check_only(base + ["--tokenizer", str(tok)]),
+              f"tokenizer '{tok}' cannot be loaded: tokenizer file '{tok / 'tokenizer_config.json'}' is not valid JSON "
+              "at line 2, column 15: Expecting value")
+    one_error(check_only(base + ["--save_results", "/proc/mmoc/results.json"]),
+              "save_results' directory '/proc/mmoc' is not writable")
+    run = tmp_path / "run"
+    ckpt = fake_checkpoint(run, 2, {"batch_size": 8, "seed": 0},
+                           {"epoch": 0, "position": 16, "seed": 0, "batch_size": 8, "num_examples": 296})
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "vocab_size": 512}))
+    one_error(check_only(base + ["--save_dir", str(run), "--resume", "latest"]),
+              f"resume: {ckpt} holds the weights of another model than '{tiny_model_dir}' (hidden_size 32, this model "
+              "64); give --model the model its run trained, or start afresh with --overwrite")
 
 
 @pytest.mark.slow

@@ -152,7 +152,9 @@ def test_incomplete_checkpoints_are_skipped(tiny_model_dir, tmp_path, capsys):
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
     assert saved.validate_checkpoint(root / "step_00000003") is None
 
-    with pytest.raises(ConfigError, match="not a complete checkpoint: no COMPLETE marker"):
+    # save_dir itself is no checkpoint: what it is, and the flags that resume it
+    with pytest.raises(ConfigError, match=rf"is a save_dir, not one of its checkpoints: continue it with --save_dir "
+                                          rf"{tmp_path} --resume latest \(its newest is {root / 'step_00000003'}\)"):
         in_process_trainer(tiny_cfg(tiny_model_dir, save_dir=str(tmp_path), resume=str(tmp_path)))
 
 

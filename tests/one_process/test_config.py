@@ -185,6 +185,113 @@ def test_negative_optimizer_values_are_named():
         check_config(make_config({"lr": -1.0, "grad_clip": -2.0, "device": "cpu"}), 2)
 
 
+def test_a_negative_number_is_a_flags_value():
+    """argparse takes "-1e-4" for a flag ("--lr: expected one argument"): here it is lr's value,
+    and lr's own rule names it."""
+    from pipeline.config import check_settings
+
+    cfg = parse_args(["--config", "", "--lr", "-1e-4", "--warmup_iterations", "-3", "--seed=-1"])[0]
+    assert (cfg.lr, cfg.warmup_iterations, cfg.seed) == (-1e-4, -3, -1)
+    with pytest.raises(ConfigError, match=r"^lr \(-0.0001\), warmup_iterations \(-3\) and seed \(-1\) must be >= 0$"):
+        check_settings(cfg, 2)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"batch_size": 0}, r"^batch_size \(0\) must be at least 1$"),
+    ({"batch_size": -8}, r"^batch_size \(-8\) must be at least 1$"),
+    ({"num_chunks": 0}, r"^num_chunks \(0\) must be at least 1$"),
+    ({"batch_size": 0, "num_chunks": 0}, r"^batch_size \(0\) and num_chunks \(0\) must be at least 1$"),
+    ({"batch_size": 6}, r"^batch_size \(6\) must be divisible by num_chunks \(4\); e.g. batch_size 8 or num_chunks 3$"),
+    ({"adam_beta1": 1.5}, r"^adam_beta1 \(1.5\) must be in \[0, 1\)$"),
+    ({"adam_beta2": 1.0}, r"^adam_beta2 \(1.0\) must be in \[0, 1\)$"),
+    ({"min_lr_ratio": -1.0}, r"^min_lr_ratio \(-1.0\) must be in \[0, 1\]$"),
+    ({"comm_timeout_s": 0.0}, r"^comm_timeout_s \(0.0\) must be > 0$"),
+    ({"plan_tflops": 0.0}, r"^plan_tflops \(0.0\) must be > 0$"),
+    ({"loss_scale": 0.0}, r"^loss_scale \(0.0\) must be > 0$"),
+    ({"num_layers": -2}, r"^num_layers \(-2\) must be >= 0$"),
+    ({"optimizer_threads": -1}, r"^optimizer_threads \(-1\) must be >= 0$"),
+])
+def test_each_message_says_what_is_wrong(values, message):
+    """batch_size 0 or -8 was "must be divisible by num_chunks (4)", num_chunks 0 "by num_chunks
+    (0)"; out-of-range values that trained into a traceback, a hang or a silent change are named."""
+    from pipeline.config import check_settings
+
+    with pytest.raises(ConfigError, match=message):
+        check_settings(make_config(values), 2)
+
+
+def test_a_yaml_key_given_twice_or_not_utf8_is_one_line(tmp_path):
+    """YAML keeps the last of two values of a key without a word; a byte that is not UTF-8 was a
+    UnicodeDecodeError traceback. Both are one line naming the file and the lines."""
+    path = _yaml(tmp_path, "lr: 1e-4\nbatch_size: 8\nlr: 3e-4\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' gives the key 'lr' twice, at lines 1 and 3 "):
+        parse_args(["--config", path])
+    with pytest.raises(ConfigError, match=r"gives the key 'lr' twice, at lines 2 and 4"):
+        parse_args(["--config", _yaml(tmp_path, "optimizer:\n  lr: 1e-4\n  seed: 1\n  lr: 3e-4\n")])
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"seed: 1\nlr: 1e-4  # caf\xe9\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{latin}' is not UTF-8 text: line 2 \(byte 23 of the "
+                                          r"file\) holds 0xe9, .*; save the file as UTF-8, e\.g\. "):
+        parse_args(["--config", str(latin)])
+
+
+def test_notes_say_what_the_settings_do_not():
+    """A setting given twice on the command line (argparse keeps the last in silence) and a value
+    under its older name are notes for the run to print once; the same value twice is none."""
+    notes: list[str] = []
+    cfg = parse_args(["--config", "", "--lr", "1e-4", "--lr=3e-4", "--use_offload", "--no_offload", "--seed", "1",
+                      "--seed", "1", "--mapping", "cross"], notes)[0]
+    assert (cfg.lr, cfg.use_offload, cfg.mapping) == (3e-4, False, "planned")
+    assert notes == ["the command line sets lr twice (--lr 1e-4, then --lr 3e-4): the last, --lr 3e-4, is used",
+                     "the command line sets use_offload twice (--use_offload, then --no_offload): the last, "
+                     "--no_offload, is used",
+                     "mapping 'cross' is now called 'planned'"]
+
+
+def test_start_notes_name_slow_cpu_settings_and_figures_not_drawn(monkeypatch):
+    """Said once at start-up: a CPU run whose threads are not set (each process then takes every
+    core), float16 on the CPU, a warm-up longer than the run, matplotlib not installed (metrics.png
+    is not drawn, the run goes on)."""
+    import os
+
+    from pipeline.plan import preflight
+
+    cpu, threads = make_config({"device": "cpu"}), {"OMP_NUM_THREADS": "1"}
+    cores = len(os.sched_getaffinity(0))
+    unset = preflight.start_notes(cpu, 1, environ={})
+    if cores > 1:  # one core: nothing to oversubscribe
+        assert len(unset) == 1 and unset[0].startswith(f"OMP_NUM_THREADS is not set, so the process runs every "
+                                                       f"operation on all {cores} cores"), unset
+    assert preflight.start_notes(cpu, 1, environ=threads) == []
+    half = preflight.start_notes(make_config({"device": "cpu", "dtype": "float16"}), 2, environ=threads)
+    assert len(half) == 1 and half[0].startswith("dtype float16 on the CPU: "), half
+    assert preflight.start_notes(make_config({"device": "cpu", "num_iterations": 5, "warmup_iterations": 10}), 2,
+                                 environ=threads) == [
+        "warmup_iterations (10) > num_iterations (5): the learning rate never reaches lr (0.0001); the last step "
+        "runs at 5.00e-05"]
+    monkeypatch.setattr(preflight, "installed", lambda package: package != "matplotlib")
+    drawn = preflight.start_notes(make_config({"device": "cpu", "timeline": True}), 2, environ=threads)
+    assert drawn == ["matplotlib is not installed, so metrics.png and timeline.png will not be drawn; metrics.jsonl "
+                     "and timeline.json hold what they would show. python3 -m pip install matplotlib "
+                     "(requirements.txt lists it)"]
+
+
+def test_a_resume_that_stretches_the_schedule_says_so():
+    """A 10-step run resumed with num_iterations 14: step 11's lr is the 14-step schedule's
+    (7.66e-05 after step 10's 3.00e-05); the same num_iterations or a constant lr say nothing."""
+    from pipeline.run.checkpoint import stretched_schedule
+
+    cfg = make_config({"num_iterations": 14, "lr": 3e-4, "warmup_iterations": 2})
+    assert stretched_schedule({"num_iterations": 10}, cfg, 10) == (
+        "resume: num_iterations 14, the checkpoint's run 10: the cosine learning-rate schedule is stretched over 14 "
+        "steps; step 10 ran at lr 3.00e-05, now step 11 runs at 7.66e-05")
+    assert "step 7 would have run at 1.35e-04, now step 7 runs at 2.21e-04" in \
+        stretched_schedule({"num_iterations": 10}, cfg, 6)
+    assert stretched_schedule({"num_iterations": 14}, cfg, 6) is None
+    assert stretched_schedule({"num_iterations": 10}, make_config({"num_iterations": 14, "lr_schedule": "constant"}),
+                              10) is None
+
+
 @pytest.mark.parametrize("values,message", [
     ({"batch_size": "eight"}, "must be an integer"),
     ({"use_offload": "yes"}, "must be true or false"),

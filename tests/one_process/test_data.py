@@ -267,7 +267,7 @@ def test_batch_stream_resume_continues_identically():
     for _ in range(6):
         x, y = original.next_batch(), resumed.next_batch()
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
-    with pytest.raises(ValueError, match="checkpoint has batch_size=3, this run has batch_size=2"):
+    with pytest.raises(ValueError, match=r"checkpoint has batch_size=3 \(this run batch_size=2\)"):
         stream(batch_size=2).load_state_dict(original.state_dict())
 
 
@@ -329,6 +329,43 @@ def test_load_records_errors(tmp_path):
     # Offline mode is forced only while a dataset name is being loaded.
     assert {k: os.environ.get(k) for k in env_before} == env_before
     assert datasets.config.HF_HUB_OFFLINE == offline_before
+
+
+def test_data_files_not_utf8_or_malformed_name_the_file_and_line(tmp_path):
+    """A byte that is not UTF-8 anywhere in a JSON Lines or CSV file (the JSON reader took it into
+    the table, and reading the record later raised UnicodeDecodeError, mid-run), a CSV row with
+    another number of fields (datasets said only "An error occurred while generating the
+    dataset"), a truncated parquet file and a damaged save_to_disk directory: one DataError
+    naming the file and, for text, the line."""
+    rows = [json.dumps(r) for r in ROWS * 40]  # 200 records: the bad one far past the first checked
+    data = ("\n".join(rows[:149]) + "\n").encode() + b'{"document": "caf\xe9", "summary": "s"}\n' + \
+        ("\n".join(rows[150:]) + "\n").encode()
+    (tmp_path / "latin.jsonl").write_bytes(data)
+    at = data.index(b"\xe9")
+    with pytest.raises(DataError, match=rf"^data file '{tmp_path / 'latin.jsonl'}' is not UTF-8 text: line 150 "
+                                        rf"\(byte {at} of the file\) holds 0xe9, .*iconv -f cp1252 -t utf-8 "):
+        load_records(str(tmp_path / "latin.jsonl"))
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "a.csv").write_bytes(b'document,summary\n"one","s"\n"caf\xe9","s"\n')
+    with pytest.raises(DataError, match=rf"^data source '{tmp_path / 'parts'}/\*.csv': data file "
+                                        r"'.*a.csv' is not UTF-8 text: line 3 "):
+        load_records(str(tmp_path / "parts" / "*.csv"))
+    (tmp_path / "fields.csv").write_text('document,summary\n"one","s"\n"two","s"\n"three","s","extra"\n')
+    with pytest.raises(DataError, match=r"Expected 2 fields in line 4, saw 3"):
+        load_records(str(tmp_path / "fields.csv"))
+    (tmp_path / "doc.json").write_text('[\n  {"document": "a", "summary": "b"},\n'
+                                       '  {"document": "c" "summary": "d"}\n]\n')
+    with pytest.raises(DataError, match=r"doc.json' is not valid JSON at line 3, column 20: Expecting ','"):
+        load_records(str(tmp_path / "doc.json"))
+    datasets.Dataset.from_list(ROWS).to_parquet(tmp_path / "whole.parquet")
+    whole = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DataError, match=r"cut.parquet' is not a readable parquet file \(ArrowInvalid: "):
+        load_records(str(tmp_path / "cut.parquet"))
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "saved")
+    (tmp_path / "saved" / "state.json").write_text('{"_data_files": [')
+    with pytest.raises(DataError, match=r"state.json' is not valid JSON at line 1, column 18"):
+        load_records(str(tmp_path / "saved"))
 
 
 # ---------------------------------------------------------------- sample data and tiny model

@@ -151,3 +151,74 @@ def test_generate_takes_main_py_model_names(tiny_model_dir, tmp_path, monkeypatc
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: --model 'tiny' is a preset whose random weights"), lines
     assert lines[1].startswith("error: --model 'generated' is not a Hugging Face model directory"), lines
+
+
+def test_generate_takes_a_checkpoint_as_its_help_says(tiny_model_dir, tmp_path, capsys):
+    """--model save_dir/checkpoints/step_N: the data format comes from the checkpoint's own
+    settings (trainer_state.json; it failed with "the data format ... is not known"); a LoRA
+    run's checkpoint is its adapter on the base it records."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    state = json.dumps({"iteration": 2, "config": {"dataset": "sample", "dataset_split": "train"}})
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    for f in tiny_model_dir.iterdir():
+        (ckpt / f.name).symlink_to(f)
+    (ckpt / "trainer_state.json").write_text(state)
+    assert training_format(ckpt) == "xsum"
+    argv = ["--prompt", ARTICLE, "--max_new_tokens", "5", "--device", "cpu"]
+    assert main(["--model", str(ckpt), *argv]) == 0
+    assert main(["--model", str(tiny_model_dir), "--format", "xsum", *argv]) == 0
+    first, second = capsys.readouterr().out.split("\n")[:2]
+    assert first == second and first.strip()
+    lora = tmp_path / "lora" / "checkpoints" / "step_00000002"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adapter = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).save_pretrained(lora / "adapter")
+    (lora / "trainer_state.json").write_text(state)
+    config = json.loads((lora / "adapter" / "adapter_config.json").read_text())
+    (lora / "adapter" / "adapter_config.json").write_text(json.dumps({**config,
+                                                                     "base_model_name_or_path": str(tiny_model_dir)}))
+    assert main(["--model", str(lora), *argv]) == 0
+    assert main(["--adapter", str(lora / "adapter"), *argv]) == 0
+    first, second = capsys.readouterr().out.split("\n")[:2]
+    assert first == second and first.strip()
+
+
+def test_generate_refuses_an_adapter_of_another_model_before_loading(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """An adapter whose shapes are another model's: one line with every difference (peft's error
+    was the first one alone); peft not installed; a negative temperature (transformers' own
+    ValueError traceback)."""
+    import importlib.util
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.plan.lora import adapter_fits
+
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(small, LoraConfig(r=2, target_modules=["q_proj", "down_proj"])).save_pretrained(tmp_path / "a")
+    argv = ["--model", str(tiny_model_dir), "--adapter", str(tmp_path / "a"), "--prompt", "x", "--format", "xsum"]
+    assert main(argv, adapter_check=adapter_fits) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: --adapter '{tmp_path / 'a'}' does not fit the base model '{tiny_model_dir}': 8 of "
+                           "its tensors have other shapes than this model's (e.g. model.layers.0.self_attn.q_proj."
+                           "lora_A.weight (2, 32), this model (2, 64)); 16 of this model's adapter tensors are not in "
+                           "it"), line
+    assert main(["--model", str(tiny_model_dir), "--prompt", "x", "--format", "xsum", "--do_sample",
+                 "--temperature", "-1e-2"]) == 2
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["error: --temperature (-0.01) must be > 0",
+                     "error: --adapter needs the peft package, which is not installed: python3 -m pip install "
+                     "'peft>=0.21,<0.22' (requirements.txt lists it)"], lines

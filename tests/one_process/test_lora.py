@@ -288,6 +288,59 @@ def test_unknown_target_module_is_one_line(tiny_model_dir):
         check_files(lora_cfg(tiny_model_dir, lora_target_modules="qkv_proj,q_proj"))
 
 
+def _saved_adapter(model, out, r=4, alpha=8, targets="all-linear", **config) -> str:
+    """A peft adapter of ``model`` saved to ``out``, ``config`` written over its adapter_config.json."""
+    import json
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets)).save_pretrained(out)
+    c = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**c, **config}))
+    return str(out)
+
+
+def test_an_adapter_that_does_not_fit_is_one_line_with_every_difference(tiny_model_dir, tmp_path):
+    """lora_adapter checked against the flags and the model before launch (it failed after launch
+    with two tracebacks, one difference a run): rank, alpha and targets in one line with the flags
+    that take the adapter; another model's adapter by its shapes and the base it records; a peft
+    setting the stages do not train. One that fits passes, with num_layers too."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.plan.preflight import read_model
+
+    def refusal(adapter, **kw) -> str:
+        with pytest.raises(ConfigError) as e:
+            read_model(lora_cfg(tiny_model_dir, lora_adapter=adapter, **kw))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    mine = _saved_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "mine")
+    read_model(lora_cfg(tiny_model_dir, lora_adapter=mine))
+    read_model(lora_cfg(tiny_model_dir, lora_adapter=mine, num_layers=3, num_stages=3))
+    settings = _saved_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "qv", r=2, alpha=4,
+                              targets=["q_proj", "v_proj"])
+    assert refusal(settings) == (
+        f"lora_adapter {settings!r} does not fit this run: r 2 (this run's lora_rank 4); lora_alpha 4 (this run's 8); "
+        "target_modules q_proj,v_proj (this run's down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj); train with "
+        "its settings (--lora_rank 2 --lora_alpha 4 --lora_target_modules q_proj,v_proj)")
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+    small.save_pretrained(tmp_path / "small")
+    theirs = _saved_adapter(small, tmp_path / "theirs", base_model_name_or_path=str(tmp_path / "small"))
+    msg = refusal(theirs)
+    assert msg.startswith(f"lora_adapter {theirs!r} does not fit this run: 28 of its tensors have other shapes than "
+                          "this model's (e.g. model.layers.0.self_attn.q_proj.lora_A.weight (4, 32), this model "
+                          "(4, 64)); 56 of this model's adapter tensors are not in it (e.g. model.layers.2."), msg
+    assert f"it records the base model {str(tmp_path / 'small')!r}, another model (hidden_size 32, this model 64; " in msg
+    assert msg.endswith(f"give a plain LoRA adapter of this model ({str(tiny_model_dir)!r})"), msg
+    rslora = _saved_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "rs", use_rslora=True)
+    assert "use_rslora True (not trained here)" in refusal(rslora)
+
+
 # --- the memory plan -----------------------------------------------------------------------------
 def test_plan_counts_frozen_weights_once_and_adapters_on_the_gpu():
     """LoRA's parameters in the plan: offloaded, the frozen base weights are host memory in the

@@ -27,7 +27,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
                eval_batches=EVAL_BATCHES)
     trainer = in_process_trainer(cfg)
     assert {a.op.value for a in trainer.eval_actions} <= {"F", "SEND_F", "RECV_F", "L", "D"}
-    trainer.train()
+    trainer.save(trainer.train())  # metrics.png is written there, after the model and results
     rows = read_rows(tmp_path / "metrics.jsonl")
     assert [r["kind"] for r in rows] == ["train", "train", "eval", "summary"]
     ev = rows[2]
@@ -246,6 +246,38 @@ def test_summary_after_a_resume_counts_the_steps_this_run_ran(tmp_path, monkeypa
     assert "summary: 2 steps (resumed after step 2) in " in capsys.readouterr().out
 
 
+def test_an_output_that_fails_costs_a_warning_not_the_model(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """metrics.png is drawn once the model, results.json and finished.json are on disk (it was
+    drawn first, and a missing matplotlib left save_dir with no model); a failure there, or in a
+    sink (a full disk under the event files), is one warning line and the run ends as it would:
+    the failed sink gets no more rows, metrics.jsonl has them all."""
+    import pipeline.run.metrics as metrics
+    from pipeline.run.sinks import TensorBoardSink
+
+    seen = []
+
+    def no_matplotlib(path, rows, evals=()):
+        seen.append((tmp_path / "model" / "config.json").is_file() and (tmp_path / "finished.json").is_file())
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    def full_disk(self, row, step):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics, "write_plot_png", no_matplotlib)
+    monkeypatch.setattr(TensorBoardSink, "write", full_disk)
+    trainer = in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, save_model=True))
+    trainer.save(trainer.train())
+    assert seen == [True]
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert warnings == [
+        "[rank 0] warning: report_to tensorboard: no more rows go to it (OSError: [Errno 28] No space left on device); "
+        "the model, checkpoints and metrics.jsonl are not affected",
+        f"[rank 0] warning: {tmp_path / 'metrics.png'} was not written (ModuleNotFoundError: No module named "
+        "'matplotlib'); the model, checkpoints and metrics.jsonl are not affected"], warnings
+
+
 # --- TensorBoard and Weights & Biases ------------------------------------------------------------
 def _event_scalars(path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of the event files under ``path``, read back as TensorBoard reads them."""
@@ -301,20 +333,27 @@ def test_report_to_none_and_lists(tiny_model_dir, tmp_path):
     assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
 
 
-def test_wandb_not_installed_is_refused_before_launch(tiny_model_dir, tmp_path, monkeypatch):
-    """wandb is optional: asked for and not installed, check_files (before any process group)
-    refuses the run in one line."""
+def test_packages_not_installed_are_refused_before_launch(tiny_model_dir, tmp_path, monkeypatch):
+    """wandb is optional, and peft (lora_rank) and tensorboard (report_to's default) can be missing
+    where a user brought their own environment: each asked for and not installed, check_files
+    (before any process group) refuses the run, all of them in one line."""
     import importlib.util
 
     from pipeline.config import ConfigError
-    from pipeline.plan.preflight import check_report_to
+    from pipeline.plan.preflight import check_packages
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "peft") else real(name, *a))
     with pytest.raises(ConfigError, match=r"^report_to wandb needs the wandb package, which is not installed: "
-                                          r"python3 -m pip install wandb \(not a requirement\); or drop it"):
-        check_report_to(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb"))
-    check_report_to(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb", save_metrics=False))
+                                          r"python3 -m pip install wandb \(requirements-gpu.txt lists all but "
+                                          r"wandb\); or drop it from report_to"):
+        check_packages(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb"))
+    check_packages(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb", save_metrics=False))
+    with pytest.raises(ConfigError, match=r"^lora_rank 8 needs the peft package and report_to wandb needs the wandb "
+                                          r"package, which are not installed: python3 -m pip install "
+                                          r"'peft>=0.21,<0.22' wandb "):
+        check_packages(tiny_cfg(tiny_model_dir, tmp_path, report_to="wandb", lora_rank=8))
 
 
 def test_wandb_offline_logs_the_rows(tiny_model_dir, tmp_path, monkeypatch):

@@ -150,3 +150,31 @@ def test_every_preset_is_listed(doc):
     text = (ROOT / doc).read_text()
     missing = [name for name in PRESETS if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)]
     assert not missing, f"{doc} does not list the presets {missing}"
+
+
+def _requirements(name: str) -> list[str]:
+    lines = [line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines()]
+    return [line for line in lines if line]
+
+
+def test_install_files_say_what_they_install():
+    """requirements.txt pins torch (from PyPI on Linux: the CUDA build) and takes the rest from
+    requirements-gpu.txt, which has no torch (a GPU user's own stays); requirements-cpu.txt takes
+    the same torch's CPU build from PyTorch's index. The CPU image and the conda environment
+    install the CPU file, and the README names all three for what they are."""
+    rest = _requirements("requirements-gpu.txt")
+    assert rest and not [r for r in rest if r.startswith(("torch", "-"))], rest
+    full = _requirements("requirements.txt")
+    assert sorted(full) == ["-r requirements-gpu.txt", "torch==2.13.0"], full
+    cpu = _requirements("requirements-cpu.txt")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in cpu and "-r requirements-gpu.txt" in cpu, cpu
+    assert [r.split(";")[0].strip() for r in cpu if r.startswith("torch")] == ["torch==2.13.0+cpu", "torch==2.13.0"]
+    docker = (ROOT / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir -r requirements-cpu.txt" in docker
+    assert "COPY requirements.txt requirements-cpu.txt requirements-gpu.txt ./" in docker
+    assert "- -r requirements-cpu.txt" in (ROOT / "environment.yml").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "python3 -m pip install -r requirements-cpu.txt" in readme and "pins a CPU torch" not in readme
+    assert "`-r requirements-gpu.txt` installs everything but torch and leaves your own" in readme
+    assert "`-r requirements.txt` pins torch 2.13.0 too, on Linux PyPI's CUDA build" in readme
+    assert "python3 -m pip install -q -r requirements.txt" in (ROOT / ".ci" / "run").read_text()
