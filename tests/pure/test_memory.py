@@ -96,20 +96,30 @@ def test_compiled_layer_formula_matches_autograd(family, tiled):
 
 
 @pytest.mark.slow
-def test_compiled_layer_backward_peak_is_counted_and_not_more():
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_compiled_layer_backward_peak_is_counted_and_not_more(lora):
     """A compiled bf16 layer on the CPU: its saved tensors plus its backward's peak above them
     (the profiler's live bytes, frees included) against the plan's saved tensors and backward
     work for it. The plan must not count less (a run it accepts would not fit) nor much more:
-    three f-wide gradients on top of everything saved came out 1.58x, inductor's one net 1.27x."""
+    three f-wide gradients on top of everything saved came out 1.58x, inductor's one net 1.27x.
+    LoRA on every linear (peft's layers, rank 16) changes inductor's partition: more f-wide
+    tensors in the backward, which ``mlp_work`` counts (``lora_mlp``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline.plan.footprint import per_token
+    from pipeline.plan.lora import LoraSettings, adapts_mlp_width
+    from pipeline.stage import lora as peft_layers
 
     torch._dynamo.reset()
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg._attn_implementation = "sdpa"
-    stage = build_stage(cfg, 1, 3, range(1, 2), model_dir=None, seed=0).to(torch.bfloat16)
+    stage = build_stage(cfg, 1, 3, range(1, 2), model_dir=None, seed=0)
+    adapters = LoraSettings(16, 32.0, 0.0, ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                            "v_proj")) if lora else None
+    if lora:
+        peft_layers.inject(stage, adapters)
+    stage = stage.to(torch.bfloat16)
     layer = next(iter(stage.model.layers.values()))
     t = 8192  # the per-token terms well above the layer's own weight gradients
     x = torch.randn(1, t, 256, dtype=torch.bfloat16, requires_grad=True)
@@ -122,7 +132,8 @@ def test_compiled_layer_backward_peak_is_counted_and_not_more():
 
     forward().float().sum().backward()  # compiles both graphs
     for p in layer.parameters():
-        p.grad = torch.zeros_like(p)  # the stores' gradient buffers exist before a backward
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)  # the stores' gradient buffers exist before a backward
 
     def allocations(prof) -> list[int]:
         records = (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
@@ -140,7 +151,8 @@ def test_compiled_layer_backward_peak_is_counted_and_not_more():
         live += nbytes
         peak = max(peak, live)
     inp = MemoryInputs(ModelShape.of(cfg), [StagePlan(0, 1, False, False)], [0], 1, t, 2, True, True, cpu=True,
-                       activation_offload=True, compiled=True)
+                       activation_offload=True, compiled=True, lora_rank=16 if lora else 0, lora_modules=7 if lora else 0,
+                       lora_mlp=adapts_mlp_width(cfg, adapters))
     formula_saved, _, formula_bwd = per_token(inp, 0)
     ratio = (formula_saved + formula_bwd) / ((saved + peak) / t)
     assert 1.0 <= ratio <= 1.35, (ratio, saved / t, peak / t, formula_saved, formula_bwd)
