@@ -86,7 +86,7 @@ class ActivationStash:
             x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             x.copy_(host, non_blocking=True)  # stream order: after the copy that filled ``host``
             done = self.stream.record_event()
-        self.buffers.give(host)  # its next user is a copy on this stream, after this one
+        self.buffers.give(host, done)  # its next user is a copy on this stream, after this one
         self._back[key] = (x, done)
 
     def peek(self, key: Key) -> torch.Tensor:
@@ -127,8 +127,9 @@ class ActivationStash:
     def clear(self) -> None:
         """Forget every held input (the end of an iteration that was cut short)."""
         if self.cuda:
+            done = self.stream.record_event()  # after every copy issued on the stash's stream
             for host in self._host.values():
-                self.buffers.give(host)
+                self.buffers.give(host, done)
         self._host.clear()
         self._back.clear()
 

@@ -91,7 +91,7 @@ class CarriedKV:
                 back.append((leaf, dev))
             done = self.stream.record_event()
         for _, host in pairs:
-            self.buffers.give(host)  # its next user is a copy on this stream, after the one just issued
+            self.buffers.give(host, done)  # its next user is a copy on this stream, after the one just issued
         self._back[key] = (back, done)
 
     def restore(self, key: Key) -> None:
@@ -124,8 +124,9 @@ class CarriedKV:
 
     def _give_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.cuda:
+            done = self.stream.record_event()  # after every copy issued on this stream
             for _, host in pairs:
-                self.buffers.give(host)
+                self.buffers.give(host, done)
 
 
 __all__ = ["CarriedKV"]

@@ -56,30 +56,47 @@ class HostBuffers:
     allocator would round each block up to a power of two (a 3B layer's 131072-token input of 800
     MiB takes 1 GiB, and a host that holds every stage's input holds a quarter more).
 
-    A buffer given back is taken again only by a later copy issued on the same stream, which
-    stream order puts after the copy that last read it: so it may be given back as soon as that
-    copy is issued. One instance per stream, used from one thread."""
+    A request takes the smallest free buffer that holds it (a view of its first elements), else a
+    new one, and then the smallest free buffer goes: batches of other widths reuse the buffers of
+    the widest, and a width no longer asked for does not keep its buffers. A buffer given back is
+    taken again only by a later copy issued on the same stream, which stream order puts after the
+    copy that last read it: so it may be given back as soon as that copy is issued, with the
+    copy's end event (``after``), which the host waits for before the buffer is let go. One
+    instance per stream, used from one thread."""
 
     def __init__(self, pin: bool):
         self.pin = pin
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[torch.dtype, list[tuple[torch.Tensor, object]]] = {}  # (buffer, its last copy's event)
         self._whole: dict[int, torch.Tensor] = {}  # data_ptr -> the registered allocation a view is of
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         numel = torch.Size(shape).numel()
-        free = self._free.get((numel, dtype))
-        flat = free.pop() if free else host_empty(numel, dtype, self.pin)
+        free = self._free.setdefault(dtype, [])
+        fits = [entry for entry in free if entry[0].numel() >= numel]
+        if fits:
+            entry = min(fits, key=lambda e: e[0].numel())
+            free.remove(entry)
+            flat = entry[0]
+        else:
+            if free:  # narrower than what is asked for now: let it go, once its last copy is done
+                smallest = min(free, key=lambda e: e[0].numel())
+                free.remove(smallest)
+                if smallest[1] is not None:
+                    smallest[1].synchronize()  # host sync: only when the widest request grows
+            flat = host_empty(numel, dtype, self.pin)
         self._whole[flat.data_ptr()] = flat
-        return flat.view(shape)
+        return flat[:numel].view(shape)
 
-    def give(self, t: torch.Tensor) -> None:
+    def give(self, t: torch.Tensor, after=None) -> None:
+        """``t`` (from ``take``) back, to be taken by a later copy; ``after``: the end event of
+        the copy that last read or wrote it (None on the CPU)."""
         flat = self._whole.pop(t.data_ptr())
-        self._free.setdefault((flat.numel(), flat.dtype), []).append(flat)
+        self._free.setdefault(flat.dtype, []).append((flat, after))
 
     def held_bytes(self) -> int:
-        """Bytes of every buffer made, given back or not."""
+        """Bytes of every buffer made and not let go, given back or not."""
         return sum(t.nbytes for t in self._whole.values()) + \
-            sum(t.nbytes for free in self._free.values() for t in free)
+            sum(t.nbytes for free in self._free.values() for t, _ in free)
 
 
 class Streams:

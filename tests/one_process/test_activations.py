@@ -69,7 +69,9 @@ def test_cuda_round_trip_through_pinned_memory():
 
 def test_host_buffers_are_exact_and_reused_once_given_back():
     """``HostBuffers``: a buffer of exactly the bytes asked for (no power-of-two rounding), another
-    while one is held, the same one again once given back (a later copy on the same stream)."""
+    while one is held, the same one again once given back (a later copy on the same stream); a
+    narrower request takes a wider free buffer, and a wider one lets the narrowest free one go, so
+    batches of changing widths hold no more than the widest asks for."""
     from offload.streams import HostBuffers
 
     buffers = HostBuffers(pin=False)
@@ -82,6 +84,15 @@ def test_host_buffers_are_exact_and_reused_once_given_back():
     assert c.data_ptr() == a.data_ptr() and buffers.held_bytes() == 2 * a.nbytes
     d = buffers.take((3, 5, 7), torch.float32)  # another dtype: a buffer of its own
     assert d.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    buffers.give(b)
+    buffers.give(c)
+    narrow = buffers.take((2, 5, 7), torch.bfloat16)  # a narrower batch: a free buffer that holds it
+    assert narrow.data_ptr() in (a.data_ptr(), b.data_ptr()) and narrow.shape == (2, 5, 7)
+    buffers.give(narrow)
+    before = buffers.held_bytes()
+    wide = buffers.take((3, 9, 7), torch.bfloat16)  # wider: a new buffer, the narrowest free one goes
+    assert wide.untyped_storage().nbytes() == 3 * 9 * 7 * 2
+    assert buffers.held_bytes() == before + wide.nbytes - 3 * 5 * 7 * 2
 
 
 @pytest.mark.gpu
