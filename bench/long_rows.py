@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from guarded import HOST_STOPPED, TIMED_OUT, run_guarded  # noqa: E402
 
 GiB = 2**30
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -213,27 +213,19 @@ def run_peer(args, row: dict, out: Path, limit_s: float) -> dict:
 
 # --- running rows ----------------------------------------------------------------------------------
 def run(cmd: list[str], env_add: dict, limit_s: float, log_path: Path) -> tuple[int, str, float]:
-    """Run ``cmd`` in its own process group for at most ``limit_s``; on timeout the whole group
-    (torchrun and its workers, RoundPipe's ballast) is killed. Returns (rc, log, wall seconds)."""
-    t0 = time.time()
-    with open(log_path, "w") as fh:
-        fh.write(f"$ {' '.join(f'{k}={v}' for k, v in env_add.items())} {' '.join(cmd)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env_add, "PYTHONUNBUFFERED": "1"}, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(1.0, limit_s))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = -9
-            fh.write(f"\n[killed: past its time limit of {limit_s:.0f}s]\n")
-    return rc, log_path.read_text(errors="replace"), time.time() - t0
+    """Run ``cmd`` in its own process group for at most ``limit_s`` (``guarded.run_guarded``: the
+    whole group, torchrun and its workers, RoundPipe's ballast, killed at the limit or when the
+    host's memory runs short). Returns (rc, log, wall seconds)."""
+    got = run_guarded(cmd, {**os.environ, **env_add, "PYTHONUNBUFFERED": "1"}, max(1.0, limit_s), log_path, cwd=ROOT,
+                      header=f"$ {' '.join(f'{k}={v}' for k, v in env_add.items())} {' '.join(cmd)}\n")
+    return got.rc, got.log, got.wall_s
 
 
 def status_of(rc: int, log: str) -> str:
-    if "[killed: past its time limit" in log:
+    if TIMED_OUT in log:
         return "killed (time limit)"
+    if HOST_STOPPED in log:
+        return "stopped (host memory under 10%)"
     if "ran out of GPU memory" in log or "OutOfMemory" in log or "out of memory" in log.lower():
         return "OOM"
     if "this configuration does not fit" in log:

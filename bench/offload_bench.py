@@ -43,11 +43,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from guarded import HOST_STOPPED, TIMED_OUT, run_guarded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("prefetch", "noprefetch", "hybrid", "delayed", "actoff", "resident", "fsdp2")
@@ -104,6 +106,10 @@ def failure(log: str, rc: int) -> str:
         return "OOM"
     if "this configuration does not fit" in log:
         return "OOM (plan, before start)"
+    if TIMED_OUT in log:
+        return "killed (time limit)"
+    if HOST_STOPPED in log:
+        return "stopped (host memory under 10%)"
     return f"failed (rc {rc})"
 
 
@@ -156,17 +162,10 @@ def run_row(name: str, args, out: Path, timeout: float) -> dict:
         cmd += ["--grad_clip", "0", "--max_skipped_steps", "-1"] if noclip else ["--grad_clip", "1.0"]
         cmd += ["--mapping", {"cross": "planned", "sequential": "round_robin"}[mapping], "--timeline"] if mapping else []
         cmd += [arg for flag, value in row.flags for arg in (f"--{flag}", value)]  # last: they override
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        log = proc.stdout + proc.stderr
-        rc = proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        log, rc = text(e.stdout) + text(e.stderr) + "\n[timed out]", -9
-    (out / f"{slug(name)}.log").write_text(log)
+    got = run_guarded(cmd, env, timeout, out / f"{slug(name)}.log", cwd=ROOT)
+    log, rc = got.log, got.rc
     row = {"row": name, "model": model, "net": net, "cap_gb": cap, "mode": mode, "stages": stages, "mapping": mapping,
-           "rc": rc, "wall_s": round(time.time() - t0, 1), **(parse_log(log) if mode != "fsdp2" else {})}
+           "rc": rc, "wall_s": round(got.wall_s, 1), **(parse_log(log) if mode != "fsdp2" else {})}
     if rc == 0 and result.exists():
         row.update(summarise(json.loads(result.read_text()), mode, args))
     else:

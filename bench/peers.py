@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload_bench  # noqa: E402
 import peer_lora  # noqa: E402
 import sweep  # noqa: E402
+from guarded import run_guarded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("fsdp2", "deepspeed", "roundpipe")
@@ -117,17 +117,10 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path, budget_s: float) ->
     """Runs one peer's sweep; returns {peer, rc, wall_s, status} (the points are in its JSON)."""
     json_path = out / f"{peer}.json"
     cmd, env_add = peer_command(peer, args, json_path, budget_s)
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env_add}, capture_output=True, text=True,
-                              timeout=budget_s + KILL_GRACE_S)
-        log, rc, timed_out = proc.stdout + proc.stderr, proc.returncode, False
-    except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        log, rc, timed_out = text(e.stdout) + text(e.stderr) + "\n[killed: past its budget]", -9, True
-    (out / f"{peer}.log").write_text(f"$ {' '.join(f'{k}={v}' for k, v in env_add.items())} {' '.join(cmd)}\n{log}")
-    return {"peer": peer, "rc": rc, "wall_s": round(time.time() - t0, 1), "budget_s": round(budget_s),
-            "status": run_status(rc, timed_out)}
+    got = run_guarded(cmd, {**os.environ, **env_add}, budget_s + KILL_GRACE_S, out / f"{peer}.log", cwd=ROOT,
+                      header=f"$ {' '.join(f'{k}={v}' for k, v in env_add.items())} {' '.join(cmd)}\n")
+    status = "stopped (host memory under 10%)" if got.host_stopped else run_status(got.rc, got.timed_out)
+    return {"peer": peer, "rc": got.rc, "wall_s": round(got.wall_s, 1), "budget_s": round(budget_s), "status": status}
 
 
 def run_status(rc: int, timed_out: bool) -> str:

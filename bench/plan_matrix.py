@@ -31,7 +31,6 @@ plan's figure and never above it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -44,6 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from guarded import HOST_FLOOR, meminfo  # noqa: E402
 
 GiB = 2**30
 JOBS = {
@@ -114,15 +115,6 @@ def longest_tokens(job: str, cap_gb: float, host_gb: float | None) -> int:
 
     cfg, _, _ = parse_args(row_flags(job, 4096, False, cap_gb, host_gb))
     return longest_row(cfg, read_model(cfg, 1).config, 1)[0]
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            k, v = line.split(":", 1)
-            out[k] = int(v.split()[0]) * 1024
-    return out
 
 
 class HostWatch(threading.Thread):
@@ -231,7 +223,7 @@ def main() -> int:
     p.add_argument("--cap_gb", type=float, default=24.0)
     p.add_argument("--budget_s", type=float, default=540.0, help="the whole call, archives included")
     p.add_argument("--parallel", type=int, default=3, help="rows at a time")
-    p.add_argument("--host_floor", type=float, default=0.10, help="share of the host's memory kept available")
+    p.add_argument("--host_floor", type=float, default=HOST_FLOOR, help="share of the host's memory kept available")
     p.add_argument("--list", action="store_true")
     p.add_argument("--summarise", default=None)
     p.add_argument("--replan", default=None, help="a finished matrix's folder: today's plan for its measured rows")
