@@ -14,7 +14,7 @@ both as the long-row job (batch 1, every automatic choice the plan's: ``num_stag
 ``longest`` (the plan's own longest row, computed on this machine first) or ``short`` (64 x 512
 tokens in 8 micro-batches). Random weights, bf16, a ``--cap_gb`` GPU (24) and synthetic tokens.
 
-Each row is ``bench/memory_at_peak.py`` over ``main.py`` for two iterations (the offload pool
+Each row is ``bench/memory_at_peak.py`` over ``main.py`` for ``--iterations`` steps, two unless told (the offload pool
 keeps what the first made, as the plan's second walk does): its report says what was on the GPU
 at the peak, grouped by the line that made it. Rows run ``--parallel`` at a time (their caps and
 the plan's host figures within the machine's); each has a time limit, and a watch over the host
@@ -56,7 +56,7 @@ DEFAULT_ROWS = ("lora@65536,lora@longest,lora@32768,lora@131072,lora@short,full@
                 "lora@4096,full@4096,full@32768,full@262144,lora32@short")
 LORA_FLAGS = ["--lora_rank", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
 # seconds per step on an H200 (rough: this project's earlier long-row and LoRA rows) and a start-up's
-STEP_S = {"full": {4096: 1.0, 32768: 4.0, 65536: 11.0, 131072: 40.0}, "lora": {4096: 1.5, 32768: 6.0, 65536: 16.0,
+STEP_S = {"full": {4096: 1.0, 32768: 4.0, 65536: 11.0, 131072: 40.0, 262144: 250.0}, "lora": {4096: 1.5, 32768: 6.0, 65536: 16.0,
           131072: 50.0}, "lora32": {4096: 6.0}}
 START_S = {"full": 90.0, "lora": 100.0, "lora32": 240.0}
 
@@ -69,12 +69,13 @@ def parse_row(name: str) -> tuple[str, str]:
     return job, length
 
 
-def row_flags(job: str, tokens: int | None, short: bool, cap_gb: float, host_gb: float | None) -> list[str]:
+def row_flags(job: str, tokens: int | None, short: bool, cap_gb: float, host_gb: float | None,
+              iterations: int = 2) -> list[str]:
     """main.py's flags of a row (``tokens`` for a long row, ``short`` for the 64 x 512 job)."""
     spec = JOBS[job]
     flags = ["--config", "", "--model", spec["model"], "--dataset", "synthetic", "--device", "cuda", "--dtype",
              "bfloat16", "--gpu_memory_gb", str(cap_gb), "--use_offload", "--resident_stages", "-1",
-             "--activation_checkpointing", "--num_stages", "-1", "--num_iterations", "2", "--no_save_model",
+             "--activation_checkpointing", "--num_stages", "-1", "--num_iterations", str(iterations), "--no_save_model",
              "--no_progress_bar", "--overwrite", "--report_to", "none"]
     if host_gb:
         flags += ["--host_memory_gb", f"{host_gb:.1f}"]
@@ -223,6 +224,8 @@ def main() -> int:
     p.add_argument("--cap_gb", type=float, default=24.0)
     p.add_argument("--budget_s", type=float, default=540.0, help="the whole call, archives included")
     p.add_argument("--parallel", type=int, default=3, help="rows at a time")
+    p.add_argument("--iterations", type=int, default=2,
+                   help="steps a row trains (1 for a row whose step alone is minutes: its first step holds every peak)")
     p.add_argument("--host_floor", type=float, default=HOST_FLOOR, help="share of the host's memory kept available")
     p.add_argument("--list", action="store_true")
     p.add_argument("--summarise", default=None)
@@ -254,12 +257,12 @@ def main() -> int:
         job, length = parse_row(n)
         tokens = longest_tokens(job, args.cap_gb, host_gb) if length == "longest" else \
             (512 * 8 if length == "short" else int(length))
-        flags = row_flags(job, tokens, length == "short", args.cap_gb, host_gb)
+        flags = row_flags(job, tokens, length == "short", args.cap_gb, host_gb, args.iterations)
         row = {"name": n, "slug": n.replace("@", "_"), "job": job, "tokens": tokens, "flags": flags}
         row.update(plan_of(flags))
         steps = STEP_S[job]
         step = steps.get(tokens) or steps[max(steps)] * (tokens / max(steps)) ** 2
-        row["limit_s"] = START_S[job] + 2 * step * 1.5 + 45  # sharing the GPU: half as long again
+        row["limit_s"] = START_S[job] + args.iterations * step * 1.5 + 45  # sharing the GPU: half as long again
         rows.append(row)
     extra = {"cap_gb": args.cap_gb, "host_available_gib": host_gb, "versions": versions()}
     write(out, rows, extra)
