@@ -146,7 +146,8 @@ def longest_row_line(cfg: TrainConfig, hf_config, world_size: int) -> str:
     that length would be given, and the longest as whole rows where segments go further."""
     cap = gib(gpu_capacity(cfg) or 0)
     rows = cfg.batch_size // cfg.num_chunks
-    head = f"longest row that fits {cap} (micro-batches of {rows} row{'s' if rows > 1 else ''}, the plan's " \
+    mbs = f"{cfg.num_chunks} micro-batch{'es' if cfg.num_chunks > 1 else ''}"
+    head = f"longest row that fits {cap} ({mbs} of {rows} row{'s' if rows > 1 else ''}, the plan's " \
            f"estimate, in steps of 1024): "
     tokens, c, whole = longest_row(cfg, hf_config, world_size)
     if c is None:

@@ -89,7 +89,8 @@ class OffloadedSegments:
         nothing attends to); a backward brings its micro-batch's back (its own, or prefetched by
         the backward before), frees its segment's and leaves the gradients of the earlier
         segments'. On a GPU they wait in host memory from the micro-batch's last forward here, but
-        the first layer's, which the first backward makes again from the segments' inputs."""
+        the first layer's, which the first backward makes again from the segments' inputs (on the
+        CPU too, where the others stay where they are)."""
         s, n, _ = ledger.compute(a)
         inp, key = ledger.inp, (s, a.mb, a.seg)
         last_segment = a.seg == len(inp.segments) - 1
@@ -104,10 +105,12 @@ class OffloadedSegments:
             ledger.saved += kv_grads_change(inp, a, ledger.per_mb)
         recomputed(a, ledger)
         ledger.saved -= carried
-        if inp.kv_offload and a.op is Op.FORWARD and last_segment:
-            moved = sum(v for (st_, mb_, sg), v in ledger.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
+        if a.op is Op.FORWARD and last_segment:
+            carried_mb = sum(v for (st_, mb_, sg), v in ledger.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
             layers = inp.stages[s].num_layers
-            ledger.kv_host[(s, a.mb)] = (moved, moved * (layers - 1) / layers if layers else 0.0)
+            first = carried_mb / layers if layers else 0.0  # let go on the CPU too: the backward remakes it
+            moved = carried_mb if inp.kv_offload else first
+            ledger.kv_host[(s, a.mb)] = (moved, carried_mb - first if inp.kv_offload else 0.0)
             ledger.saved -= moved
             ledger.kv_host_peak = max(ledger.kv_host_peak, sum(held for _, held in ledger.kv_host.values()))
 

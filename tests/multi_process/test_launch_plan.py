@@ -137,7 +137,7 @@ def test_plan_says_which_machine_and_asks_another_machines_process_count(capsys,
 def test_plan_advice_includes_its_own_choice_of_stages(capsys, monkeypatch):
     """8B LoRA with offload on one 8 GiB GPU at 4 stages does not fit, and no single lever of the
     list fits it, but the plan's own choice of stages (num_stages -1) does: the advice said "no
-    single change". Its longest row is under 1024 tokens: "none" read as if its own 512 did not fit."""
+    single change". The longest-row line it prints is a run that --plan accepts as it says."""
     import main
     import torch
 
@@ -153,9 +153,17 @@ def test_plan_advice_includes_its_own_choice_of_stages(capsys, monkeypatch):
     assert main.main(argv + ["--num_stages", chosen.group(1)]) == 0  # the advice holds
     capsys.readouterr()
     assert main.main(argv + ["--num_stages", "-1"]) == 0
-    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("longest row")]
-    assert row == ["longest row that fits 8.00 GiB (the plan's estimate, in steps of 1024): less than 1024 tokens "
-                   "with seq_chunks 1"], row
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("longest row")]
+    longest = re.fullmatch(r"longest row that fits 8\.00 GiB \(8 micro-batches of 1 row, the plan's estimate, in steps of "
+                           r"1024\): (\d+) tokens with num_stages (\d+), seq_chunks (\d+), tiled_mlp (\w+)", row)
+    assert longest, row
+    tokens, stages, chunks, tiled = longest.groups()
+    at = ["--seq_length", tokens, "--num_stages", stages, "--seq_chunks", chunks, "--tiled_mlp", tiled,
+          "--allow_long_sequences"]
+    assert main.main(argv + at) == 0, capsys.readouterr().out  # the row it names fits as named
+    capsys.readouterr()
+    longer = [str(int(tokens) + 1024) if a == tokens else a for a in at]
+    assert main.main(argv + longer) == main.PLAN_DOES_NOT_FIT  # and is the longest, in steps of 1024
 
 
 @pytest.mark.slow

@@ -407,7 +407,7 @@ def test_plan_prints_the_longest_row():
     tokens, chosen, whole = longest_row(cfg, preset_config("tiny"), 1, limit=2**18)
     assert 1024 <= whole < tokens and chosen.seq_chunks > 1 and chosen.seq_length == tokens, (tokens, chosen, whole)
     line = longest_row_line(cfg, preset_config("tiny"), 1)
-    assert line.startswith("longest row that fits 1.00 GiB (micro-batches of 1 row") and \
+    assert line.startswith("longest row that fits 1.00 GiB (1 micro-batch of 1 row") and \
         f"{tokens} tokens with num_stages {chosen.num_stages}, seq_chunks {chosen.seq_chunks}" in line and \
         f"whole rows up to {whole} tokens" in line, line
 

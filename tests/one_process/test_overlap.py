@@ -111,6 +111,7 @@ def test_timeline_draws_compute_without_the_waits_before_it(tiny_model_dir, tmp_
 
     slow.adamw.step_chunks = slow_step
     history = trainer.train()
+    trainer.write_optional()  # the timeline is an optional output, written after the model
     last = history[-1]
     assert last["optimizer_wait_seconds"] > SLOW_S / 3  # the recorded iteration did wait
     bars = [e["end"] - e["start"] for e in read_chrome_trace(tmp_path / "timeline.json") if e["op"] in ("F", "B")]

@@ -360,7 +360,9 @@ def test_timeline_with_segments(tiny_model_dir, tmp_path):
 
     cfg = tiny_cfg(tiny_model_dir, seq_chunks=3, use_offload=True, timeline=True, num_iterations=2,
                    save_dir=str(tmp_path))
-    in_process_trainer(cfg).train()
+    trainer = in_process_trainer(cfg)
+    trainer.train()
+    trainer.write_optional()  # the timeline is an optional output, written after the model
     measured, predicted = (read_chrome_trace(tmp_path / name) for name in ("timeline.json", "timeline_predicted.json"))
     for events in (measured, predicted):
         assert {e["seg"] for e in events if e["op"] == "F"} == {0, 1, 2}
