@@ -174,7 +174,7 @@ class SegmentStage:
             carry.setdefault(layer, []).append(
                 None if last else (k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
         self.forwarded[mb] = seg + 1
-        if self.kv_source is not None and not last:
+        if self.kv_source is not None and not last and new:  # a stage of no layers carries none to remake
             self.remade.setdefault(mb, {})[seg] = dict(position_ids=position_ids, doc_ids=doc_ids)
         if last and self.kv_host is not None:
             # Nothing reads them until this micro-batch's backwards here: to host memory meanwhile,

@@ -93,6 +93,7 @@ EDGE_LAYOUTS = {
     "activation_offload": dict(use_offload=True, activation_offload=True),
     "seq_chunks": dict(seq_chunks=2, use_offload=True),
     "tiled_mlp": dict(use_offload=True, activation_offload=True, tiled_mlp="true"),
+    "offloaded_segments": dict(use_offload=True, activation_offload=True, seq_chunks=2),
 }
 
 

@@ -193,6 +193,19 @@ def test_first_layer_keys_are_made_again_not_kept(tiny_model_dir, monkeypatch):
     assert held and not any(held), held
 
 
+@pytest.mark.parametrize("tiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_activation_offload_with_segments_and_more_stages_than_layers(tiny_model_dir, tiled):
+    """8 stages of 6 layers (the plan's own choice for long rows can be so: 3B at 256K tokens is 28
+    stages of 26 layers): the first stage holds only the embedding and the last only the norm and
+    the head, which carry no keys/values, so there are none to make again; training is exact."""
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", use_offload=True, activation_offload=True, seq_chunks=3,
+                   num_stages=8, tiled_mlp=str(tiled).lower())
+    trainer = in_process_trainer(cfg)
+    layers = {s: len(getattr(st.model, "layers", ())) for s, st in trainer.stages.items()}
+    assert layers[0] == 0 and layers[7] == 0, layers
+    assert_same_training(*trained(trainer).outcome, *reference_result(str(tiny_model_dir)))
+
+
 def test_activation_offload_detects_first_layer_keys_made_from_another_input(tiny_model_dir, monkeypatch):
     """The first layer's carried keys/values made again from a neighbouring segment's input."""
     original = segments.SegmentStage._remake_first_kv
