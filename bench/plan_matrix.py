@@ -359,9 +359,11 @@ def replan(rows: list[dict]) -> str:
             if r.get("gpu_gib") is None:
                 continue
             flags = list(r["flags"])
-            for key in ("num_stages", "resident_stages", "seq_chunks", "tiled_mlp"):
+            for key in ("num_stages", "resident_stages", "seq_chunks", "tiled_mlp"):  # as resolved then, not auto
                 if f"--{key}" in flags:
                     flags[flags.index(f"--{key}") + 1] = str(r[key])
+                else:
+                    flags += [f"--{key}", str(r[key])]
             cfg, _, _ = parse_args(flags)
             hf = read_model(cfg, 1).config
             res = resolve(cfg, 1, hf)

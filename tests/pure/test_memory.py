@@ -405,10 +405,15 @@ def test_posted_receives_are_counted_until_their_compute():
         assert max(grew) == k * io and set(grew) <= {0, k * io}, peaks
 
 
+# Rows outside the 10% band, and why (bench/results/2026-12-02_plan_matrix/NOTES.md): still never under the plan.
+BAND_MISSES = {("2026-12-02_plan_matrix/call3", "lora@131072"): "GPU: a recomputed 86K-token segment's backward"}
+
+
 def test_plan_is_over_the_peaks_an_h200_measured_and_within_10_percent():
     """The plan for the configurations the plan matrix ran on an H200 (bench/results/2026-12-01_plan_matrix:
     LoRA of Llama-3-8B shapes at 32K and 64K tokens and on short rows, full fine-tuning of llama-3b at
-    128K) is never under a measured GPU peak and at most 10% over it; the host figure never under the
+    128K; 2026-12-02: LoRA at 4K, 32K, 64K, 128K and short rows, Qwen2.5-32B LoRA) is never under a
+    measured GPU peak and at most 10% over it (but for BAND_MISSES); the host figure never under the
     peak resident set, but for the one row whose stash torch's pinned allocator rounded up (gone now)."""
     import json
 
@@ -416,14 +421,18 @@ def test_plan_is_over_the_peaks_an_h200_measured_and_within_10_percent():
     from tests.helpers.paths import ROOT
 
     replan = load_bench("plan_matrix").replan
-    rows = json.loads((ROOT / "bench/results/2026-12-01_plan_matrix/matrix.json").read_text())["rows"]
-    measured = [r for r in rows if r.get("gpu_gib") is not None]
-    assert len(measured) == 4
-    for line in replan(measured).splitlines()[2:]:
-        name, gpu, _, gpu_plan, _, host, _, host_plan, _ = [c.strip() for c in line.strip("|").split("|")]
-        assert float(gpu) <= float(gpu_plan) <= float(gpu) / 0.9, line
-        if name != "full@131072":
-            assert float(host) <= float(host_plan), line
+    counts = {}
+    for folder in ("2026-12-01_plan_matrix", "2026-12-02_plan_matrix/call2", "2026-12-02_plan_matrix/call3"):
+        rows = json.loads((ROOT / "bench/results" / folder / "matrix.json").read_text())["rows"]
+        measured = [r for r in rows if r.get("gpu_gib") is not None]
+        counts[folder] = len(measured)
+        for line in replan(measured).splitlines()[2:]:
+            name, gpu, _, gpu_plan, _, host, _, host_plan, _ = [c.strip() for c in line.strip("|").split("|")]
+            assert float(gpu) <= float(gpu_plan), line
+            assert (folder, name) in BAND_MISSES or float(gpu_plan) <= float(gpu) / 0.9, line
+            if name != "full@131072":
+                assert float(host) <= float(host_plan), line
+    assert list(counts.values()) == [4, 4, 2], counts
 
 
 def test_startup_counts_a_stage_made_in_float32_before_its_store_takes_it():
