@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 import datasets
 
-from inputs import InputError, check_utf8, read_json, read_json_lines
+from inputs import InputError, check_utf8, first_bad_json, read_json, read_json_lines
 
 XSUM = "xsum"
 CHAT = "chat"
@@ -174,13 +174,9 @@ def _from_disk(path: Path, source: str):
         with _quiet():
             return datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged directory
-        problem = f"cannot load the save_to_disk directory: {error_line(root_cause(e))}"
-        for f in sorted(path.rglob("*.json")):  # dataset_dict.json, state.json, dataset_info.json
-            try:
-                read_json(f, "save_to_disk file")
-            except InputError as bad:
-                problem = str(bad)
-                break
+        # dataset_dict.json, state.json, dataset_info.json
+        problem = first_bad_json(sorted(path.rglob("*.json")), "save_to_disk file") or \
+            f"cannot load the save_to_disk directory: {error_line(root_cause(e))}"
         raise DataError(f"data source {source!r}: {problem}") from None
 
 

@@ -5,8 +5,8 @@ JSON or YAML, is one ``InputError`` line naming the file, the line (and the byte
 are not UTF-8) and the fix. The standard library and PyYAML only: train.sh's launch settings
 import it before torch."""
 from inputs.args import NumberParser, join_negative_values
-from inputs.files import (InputError, YamlLoader, check_utf8, read_json, read_json_lines, read_text, read_yaml,
-                          utf8_text)
+from inputs.files import (InputError, YamlLoader, check_utf8, first_bad_json, read_json, read_json_lines, read_text,
+                          read_yaml, utf8_text)
 
-__all__ = ["InputError", "NumberParser", "YamlLoader", "check_utf8", "join_negative_values", "read_json",
+__all__ = ["InputError", "NumberParser", "YamlLoader", "check_utf8", "first_bad_json", "join_negative_values", "read_json",
            "read_json_lines", "read_text", "read_yaml", "utf8_text"]

@@ -92,6 +92,17 @@ def read_json(path, what: str) -> Any:
                          f"{e.msg}") from None
 
 
+def first_bad_json(paths, what: str) -> str | None:
+    """The error line of the first of ``paths`` (files of a directory a library could not load)
+    that is not valid JSON, or None: which file, and where, where the library's error says neither."""
+    for f in paths:
+        try:
+            read_json(f, what)
+        except InputError as bad:
+            return str(bad)
+    return None
+
+
 def read_json_lines(path, what: str) -> list[tuple[int, dict]]:
     """The records of the JSON Lines file ``path`` with their line numbers: one JSON object a
     line, blank lines skipped."""
@@ -165,5 +176,5 @@ def read_yaml(path, what: str) -> Any:
         raise InputError(f"{what} {_shown(path)} is not valid YAML{where}: {problem}") from None
 
 
-__all__ = ["InputError", "YamlLoader", "check_utf8", "read_json", "read_json_lines", "read_text", "read_yaml",
+__all__ = ["InputError", "YamlLoader", "check_utf8", "first_bad_json", "read_json", "read_json_lines", "read_text", "read_yaml",
            "utf8_text"]

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from inputs import InputError, read_json
+from inputs import InputError, first_bad_json, read_json
 from models import supported_types, tied
 from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
@@ -655,13 +655,7 @@ def load_tokenizer(cfg: TrainConfig, source: ModelSource):
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
         from data.dataset import error_line
 
-        why = error_line(e)
-        for f in sorted(Path(source.tokenizer_dir).glob("*.json")):  # which of its files, and where
-            try:
-                read_json(f, "tokenizer file")
-            except InputError as bad:
-                why = str(bad)
-                break
+        why = first_bad_json(sorted(Path(source.tokenizer_dir).glob("*.json")), "tokenizer file") or error_line(e)
         raise ConfigError(f"tokenizer {str(source.tokenizer_dir)!r} cannot be loaded: {why}") from None
     if max(tokenizer.vocab_size, len(tokenizer)) > source.config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "

@@ -193,6 +193,18 @@ def trained(trainer) -> InProcessRun:
     return InProcessRun(trainer, history, [h["loss"] for h in history], trainer_masters(trainer))
 
 
+def train_adapters(cfg: TrainConfig):
+    """Losses and adapters (peft's keys) of LoRA ``cfg`` trained in this process, and the trainer."""
+    from pipeline.stage.lora import adapter_tensors
+
+    trainer = in_process_trainer(cfg)
+    history = trainer.train()
+    adapters = {}
+    for store in trainer.stores.values():
+        adapters.update(adapter_tensors(store))
+    return [h["loss"] for h in history], adapters, trainer
+
+
 def train_in_process(cfg: TrainConfig) -> InProcessRun:
     """Train ``cfg`` with every stage in this one process."""
     return trained(in_process_trainer(cfg))

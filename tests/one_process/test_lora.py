@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.stage.lora import adapter_tensors
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train
+from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, train_adapters
 from tests.helpers.runs import tiny_cfg
 
 # adam_eps 1e-4: a B matrix starts at zero, so after a few steps it is nothing but AdamW updates,
@@ -35,21 +34,13 @@ def lora_reference(path: str, **kw):
     return reference_train(lora_cfg(path, **kw), Path(path))
 
 
-def trained(cfg):
-    """Losses and adapters (peft's keys) of ``cfg`` trained in this process, and the trainer."""
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    adapters = {}
-    for store in trainer.stores.values():
-        adapters.update(adapter_tensors(store))
-    return [h["loss"] for h in history], adapters, trainer
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("offload,prefetch", [(False, False), (True, False), (True, True)])
 def test_lora_matches_peft(tiny_model_dir, schedule, offload, prefetch):
     cfg = lora_cfg(tiny_model_dir, schedule=schedule, use_offload=offload, use_prefetch=prefetch)
-    losses, adapters, _ = trained(cfg)
+    losses, adapters, _ = train_adapters(cfg)
     assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir)))
 
 
@@ -74,7 +65,7 @@ def test_lora_modes_match_peft(tiny_model_dir, extra):
     if compiled:
         torch._dynamo.reset()
         dynamo_utils.counters.clear()
-    losses, adapters, _ = trained(lora_cfg(tiny_model_dir, **extra))
+    losses, adapters, _ = train_adapters(lora_cfg(tiny_model_dir, **extra))
     # the layers went through the compiler, graphs shared between them: 2 for the 6 layers, as the
     # first layer's input needs no gradient (the embedding is frozen) and the others' do
     if compiled:
@@ -100,7 +91,7 @@ EDGE_LAYOUTS = {
 @pytest.mark.parametrize("extra", list(EDGE_LAYOUTS.values()), ids=list(EDGE_LAYOUTS))
 def test_stages_without_a_trained_parameter_match_peft(tiny_model_dir, extra):
     cfg = lora_cfg(tiny_model_dir, num_stages=8, schedule="1f1b", **extra)
-    losses, adapters, trainer = trained(cfg)
+    losses, adapters, trainer = train_adapters(cfg)
     layers = {s: len(getattr(st.model, "layers", ())) for s, st in trainer.stages.items()}
     assert layers[0] == 0 and layers[7] == 0, layers
     assert trainer.stores[0].numel == 0 and trainer.stores[7].numel == 0
@@ -109,7 +100,7 @@ def test_stages_without_a_trained_parameter_match_peft(tiny_model_dir, extra):
 
 def test_lora_attention_targets_match_peft(tiny_model_dir):
     kw = dict(lora_target_modules="q_proj,k_proj,v_proj,o_proj", lora_rank=8, lora_alpha=4.0)
-    losses, adapters, _ = trained(lora_cfg(tiny_model_dir, use_offload=True, **kw))
+    losses, adapters, _ = train_adapters(lora_cfg(tiny_model_dir, use_offload=True, **kw))
     assert all(".self_attn." in k for k in adapters)
     assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir), **kw))
 
@@ -143,7 +134,7 @@ def test_adapter_reloads_with_peft_and_merges(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = lora_cfg(tiny_model_dir, use_offload=True, save_model=True, merge_lora=True, save_dir=str(tmp_path / "run"))
-    _, adapters, trainer = trained(cfg)
+    _, adapters, trainer = train_adapters(cfg)
     trainer.save([])
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     peft_model = PeftModel.from_pretrained(base, tmp_path / "run" / "adapter").eval()
@@ -186,7 +177,7 @@ def test_adapter_records_its_base_as_an_absolute_path(tiny_model_dir, tmp_path, 
     monkeypatch.chdir(tiny_model_dir.parent.parent)
     relative = str(tiny_model_dir.relative_to(tiny_model_dir.parent.parent))
     cfg = lora_cfg(relative, num_iterations=1, save_model=True, save_dir=str(tmp_path / "run"))
-    trained(cfg)[2].save([])
+    train_adapters(cfg)[2].save([])
     adapter = str(tmp_path / "run" / "adapter")
     monkeypatch.chdir(tmp_path)  # another directory
     recorded = PeftConfig.from_pretrained(adapter).base_model_name_or_path
@@ -205,11 +196,11 @@ def test_checkpoint_resumes_bit_for_bit(tiny_model_dir, tmp_path):
     the third step is the uninterrupted run's, bit for bit."""
     save_dir = str(tmp_path / "run")
     cfg = lora_cfg(tiny_model_dir, use_offload=True, checkpoint_every=2, save_dir=save_dir, grad_clip=0.5)
-    losses, adapters, _ = trained(cfg)
+    losses, adapters, _ = train_adapters(cfg)
     ckpt = Path(save_dir) / "checkpoints" / "step_00000002"
     assert (ckpt / "adapter" / "adapter_model.safetensors").is_file()
     assert not list(ckpt.glob("model-*.safetensors"))  # the base weights never change: not saved
-    again, resumed, _ = trained(lora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir, grad_clip=0.5,
+    again, resumed, _ = train_adapters(lora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir, grad_clip=0.5,
                                          resume=str(ckpt)))
     assert again == losses[2:]
     assert sorted(resumed) == sorted(adapters) and all(torch.equal(resumed[k], adapters[k]) for k in adapters)
@@ -218,11 +209,11 @@ def test_checkpoint_resumes_bit_for_bit(tiny_model_dir, tmp_path):
 def test_lora_adapter_continues(tiny_model_dir, tmp_path):
     """lora_adapter: training starts from a saved peft adapter, as peft's does from the same one."""
     first = lora_cfg(tiny_model_dir, num_iterations=1, save_model=True, save_dir=str(tmp_path / "a"))
-    _, _, trainer = trained(first)
+    _, _, trainer = train_adapters(first)
     trainer.save([])
     adapter = str(tmp_path / "a" / "adapter")
     cfg = lora_cfg(tiny_model_dir, lora_adapter=adapter, use_offload=True, schedule="interleaved")
-    losses, adapters, _ = trained(cfg)
+    losses, adapters, _ = train_adapters(cfg)
     assert_same_training(losses, adapters, *reference_train(lora_cfg(tiny_model_dir, lora_adapter=adapter),
                                                             tiny_model_dir))
 
@@ -239,7 +230,7 @@ def test_detects_lost_adapter_gradient(tiny_model_dir, monkeypatch):
         return original(self, *args, **kw)
 
     monkeypatch.setattr(StageStore, "step", lossy)
-    losses, adapters, _ = trained(lora_cfg(tiny_model_dir, use_offload=True))
+    losses, adapters, _ = train_adapters(lora_cfg(tiny_model_dir, use_offload=True))
     with pytest.raises(AssertionError):
         assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir)))
 
@@ -257,7 +248,7 @@ def test_detects_skipped_adapter(tiny_model_dir, monkeypatch):
             layer.self_attn.q_proj.enable_adapters(False)  # peft's own switch: the base output only
 
     monkeypatch.setattr(lora, "inject", skipping)
-    losses, adapters, _ = trained(lora_cfg(tiny_model_dir, use_offload=True))
+    losses, adapters, _ = train_adapters(lora_cfg(tiny_model_dir, use_offload=True))
     with pytest.raises(AssertionError):
         assert_same_training(losses, adapters, *lora_reference(str(tiny_model_dir)))
 

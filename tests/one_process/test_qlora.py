@@ -19,7 +19,7 @@ import torch
 from pipeline.config import ConfigError
 from tests.helpers.families import FAMILY_TYPES, family_cfg, family_model
 from tests.helpers.qlora import streamed_grad
-from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train
+from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, train_adapters
 from tests.helpers.runs import tiny_cfg
 from tests.helpers.tolerance import assert_close
 
@@ -38,20 +38,10 @@ def qlora_reference(path: str, **quant):
     return reference_train(qlora_cfg(path, **quant), Path(path))
 
 
-def trained(cfg):
-    """Losses and adapters (peft's keys) of ``cfg`` trained in this process, and the trainer."""
-    from pipeline.stage.lora import adapter_tensors
-
-    trainer = in_process_trainer(cfg)
-    history = trainer.train()
-    adapters = {}
-    for store in trainer.stores.values():
-        adapters.update(adapter_tensors(store))
-    return [h["loss"] for h in history], adapters, trainer
 
 
 def check_against_peft(model_dir, **kw):
-    losses, adapters, _ = trained(qlora_cfg(model_dir, **kw))
+    losses, adapters, _ = train_adapters(qlora_cfg(model_dir, **kw))
     quant = {k: v for k, v in kw.items() if k in QUANT_KEYS}
     assert_same_training(losses, adapters, *qlora_reference(str(model_dir), **quant))
 
@@ -84,7 +74,7 @@ def test_every_family_trains_as_peft_on_its_4bit_model(family, tmp_path_factory)
     leaves them), every stage offloaded."""
     root = str(tmp_path_factory.getbasetemp() / "qlora_families")
     path = family_model(family, root)
-    losses, adapters, _ = trained(family_cfg(path, use_offload=True, **QLORA))
+    losses, adapters, _ = train_adapters(family_cfg(path, use_offload=True, **QLORA))
     assert_same_training(losses, adapters, *reference_train(family_cfg(path, **QLORA), Path(path)))
 
 
@@ -155,7 +145,7 @@ def test_detects_an_unquantized_layer(tiny_model_dir, monkeypatch):
         return found[1:] if stage.index == 1 else found
 
     monkeypatch.setattr(quantized, "quantized_modules", one_left_out)
-    losses, adapters, trainer = trained(qlora_cfg(tiny_model_dir, use_offload=True))
+    losses, adapters, trainer = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True))
     assert any(type(m) is torch.nn.Linear and "lora_" not in n for n, m in trainer.stages[1].named_modules())
     with pytest.raises(AssertionError):
         assert_same_training(losses, adapters, *qlora_reference(str(tiny_model_dir)))
@@ -172,7 +162,7 @@ def test_adapter_records_its_4bit_base_and_generates(tiny_model_dir, tmp_path, c
     from data.generation import BASE_QUANTIZATION, main as generate_main
 
     out = tmp_path / "run"
-    _, adapters, trainer = trained(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
+    _, adapters, trainer = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
                                              bnb_4bit_use_double_quant=True))
     trainer.save([])
     record = json.loads((out / "adapter" / BASE_QUANTIZATION).read_text())
@@ -204,7 +194,7 @@ def test_merge_lora_merges_into_the_full_precision_base(tiny_model_dir, tmp_path
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    _, _, trainer = trained(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
+    _, _, trainer = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
                                       merge_lora=True, merge_lora_base=str(tiny_model_dir)))
     trainer.save([])
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -220,10 +210,10 @@ def test_checkpoint_resumes_bit_for_bit(tiny_model_dir, tmp_path):
     from data.generation import BASE_QUANTIZATION
 
     save_dir = str(tmp_path / "run")
-    losses, adapters, _ = trained(qlora_cfg(tiny_model_dir, use_offload=True, checkpoint_every=2, save_dir=save_dir))
+    losses, adapters, _ = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, checkpoint_every=2, save_dir=save_dir))
     ckpt = Path(save_dir) / "checkpoints" / "step_00000002"
     assert (ckpt / "adapter" / BASE_QUANTIZATION).is_file()
-    again, resumed, _ = trained(qlora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir, resume=str(ckpt)))
+    again, resumed, _ = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir, resume=str(ckpt)))
     assert again == losses[2:]
     assert sorted(resumed) == sorted(adapters) and all(torch.equal(resumed[k], adapters[k]) for k in adapters)
 

@@ -52,12 +52,17 @@ def test_chunked_step_is_fused_adamw_bit_for_bit(monkeypatch, chunk):
         _set_grads([chunked, whole], seed=i)
         chunked.step(1e-2, coef).result()
         whole.step(1e-2, coef).result()
-    assert torch.equal(chunked.master, whole.master)
-    for a, b in zip(chunked.optimizer.param_groups, whole.optimizer.param_groups):
-        for pa, pb in zip(a["params"], b["params"]):
-            sa, sb = chunked.optimizer.state[pa], whole.optimizer.state[pb]
-            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    _assert_same_state(chunked, whole)
     assert not torch.equal(chunked.master, _store(offload=False).master)  # it did train
+
+
+def _assert_same_state(a: StageStore, b: StageStore) -> None:
+    """Bit for bit the same masters and AdamW state."""
+    assert torch.equal(a.master, b.master)
+    for ga, gb in zip(a.optimizer.param_groups, b.optimizer.param_groups):
+        for pa, pb in zip(ga["params"], gb["params"]):
+            sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
 def _bf16_resident_pair():
@@ -458,11 +463,7 @@ def test_device_step_is_the_host_step(monkeypatch, chunk, dtype):
             assert torch.equal(host.dev, device.dev) and torch.equal(device.dev, device.master.to(dtype))
             for st in (host, device):
                 st.drop()
-    assert torch.equal(host.master, device.master)
-    for a, b in zip(host.optimizer.param_groups, device.optimizer.param_groups):
-        for pa, pb in zip(a["params"], b["params"]):
-            sa, sb = host.optimizer.state[pa], device.optimizer.state[pb]
-            assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    _assert_same_state(host, device)
     assert not torch.equal(host.master, _store(offload=True).master)  # it did train
 
 
