@@ -56,8 +56,8 @@ DEFAULT_ROWS = ("lora@65536,lora@longest,lora@32768,lora@131072,lora@short,full@
                 "lora@4096,full@4096,full@32768,full@262144,lora32@short")
 LORA_FLAGS = ["--lora_rank", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
 # seconds per step on an H200 (rough: this project's earlier long-row and LoRA rows) and a start-up's
-STEP_S = {"full": {4096: 1.0, 32768: 4.0, 65536: 11.0, 131072: 40.0, 262144: 250.0}, "lora": {4096: 1.5, 32768: 6.0, 65536: 16.0,
-          131072: 50.0}, "lora32": {4096: 6.0}}
+STEP_S = {"full": {4096: 1.0, 32768: 4.0, 65536: 11.0, 131072: 40.0, 262144: 250.0},
+          "lora": {4096: 1.5, 32768: 6.0, 65536: 16.0, 131072: 50.0}, "lora32": {4096: 6.0}}
 START_S = {"full": 90.0, "lora": 100.0, "lora32": 240.0}
 
 

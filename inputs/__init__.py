@@ -8,5 +8,5 @@ from inputs.args import NumberParser, join_negative_values
 from inputs.files import (InputError, YamlLoader, check_utf8, first_bad_json, read_json, read_json_lines, read_text,
                           read_yaml, utf8_text)
 
-__all__ = ["InputError", "NumberParser", "YamlLoader", "check_utf8", "first_bad_json", "join_negative_values", "read_json",
-           "read_json_lines", "read_text", "read_yaml", "utf8_text"]
+__all__ = ["InputError", "NumberParser", "YamlLoader", "check_utf8", "first_bad_json", "join_negative_values",
+           "read_json", "read_json_lines", "read_text", "read_yaml", "utf8_text"]

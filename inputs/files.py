@@ -176,5 +176,5 @@ def read_yaml(path, what: str) -> Any:
         raise InputError(f"{what} {_shown(path)} is not valid YAML{where}: {problem}") from None
 
 
-__all__ = ["InputError", "YamlLoader", "check_utf8", "first_bad_json", "read_json", "read_json_lines", "read_text", "read_yaml",
-           "utf8_text"]
+__all__ = ["InputError", "YamlLoader", "check_utf8", "first_bad_json", "read_json", "read_json_lines", "read_text",
+           "read_yaml", "utf8_text"]

@@ -154,8 +154,9 @@ def test_plan_advice_includes_its_own_choice_of_stages(capsys, monkeypatch):
     capsys.readouterr()
     assert main.main(argv + ["--num_stages", "-1"]) == 0
     [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("longest row")]
-    longest = re.fullmatch(r"longest row that fits 8\.00 GiB \(8 micro-batches of 1 row, the plan's estimate, in steps of "
-                           r"1024\): (\d+) tokens with num_stages (\d+), seq_chunks (\d+), tiled_mlp (\w+)", row)
+    longest = re.fullmatch(r"longest row that fits 8\.00 GiB \(8 micro-batches of 1 row, the plan's estimate, in "
+                           r"steps of 1024\): (\d+) tokens with num_stages (\d+), seq_chunks (\d+), tiled_mlp (\w+)",
+                           row)
     assert longest, row
     tokens, stages, chunks, tiled = longest.groups()
     at = ["--seq_length", tokens, "--num_stages", stages, "--seq_chunks", chunks, "--tiled_mlp", tiled,

@@ -162,8 +162,9 @@ def test_adapter_records_its_4bit_base_and_generates(tiny_model_dir, tmp_path, c
     from data.generation import BASE_QUANTIZATION, main as generate_main
 
     out = tmp_path / "run"
-    _, adapters, trainer = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
-                                             bnb_4bit_use_double_quant=True))
+    cfg = qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
+                    bnb_4bit_use_double_quant=True)
+    _, adapters, trainer = train_adapters(cfg)
     trainer.save([])
     record = json.loads((out / "adapter" / BASE_QUANTIZATION).read_text())
     assert record == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
@@ -195,7 +196,7 @@ def test_merge_lora_merges_into_the_full_precision_base(tiny_model_dir, tmp_path
 
     out = tmp_path / "run"
     _, _, trainer = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_model=True, save_dir=str(out),
-                                      merge_lora=True, merge_lora_base=str(tiny_model_dir)))
+                                             merge_lora=True, merge_lora_base=str(tiny_model_dir)))
     trainer.save([])
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     expected = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload().state_dict()
@@ -210,10 +211,12 @@ def test_checkpoint_resumes_bit_for_bit(tiny_model_dir, tmp_path):
     from data.generation import BASE_QUANTIZATION
 
     save_dir = str(tmp_path / "run")
-    losses, adapters, _ = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, checkpoint_every=2, save_dir=save_dir))
+    cfg = qlora_cfg(tiny_model_dir, use_offload=True, checkpoint_every=2, save_dir=save_dir)
+    losses, adapters, _ = train_adapters(cfg)
     ckpt = Path(save_dir) / "checkpoints" / "step_00000002"
     assert (ckpt / "adapter" / BASE_QUANTIZATION).is_file()
-    again, resumed, _ = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir, resume=str(ckpt)))
+    again, resumed, _ = train_adapters(qlora_cfg(tiny_model_dir, use_offload=True, save_dir=save_dir,
+                                                 resume=str(ckpt)))
     assert again == losses[2:]
     assert sorted(resumed) == sorted(adapters) and all(torch.equal(resumed[k], adapters[k]) for k in adapters)
 
