@@ -17,6 +17,7 @@ HOST_FLOOR = 0.10  # share of the host's memory a row leaves available
 # a killed row's log ends with one of these (then the limit, and "]")
 HOST_STOPPED = "[stopped: host memory under"
 TIMED_OUT = "[killed: past its time limit"
+STOPPED_STATUS = f"stopped (host memory under {HOST_FLOOR:.0%})"  # a row's status in the drivers' tables
 
 
 @dataclass
@@ -72,4 +73,4 @@ def run_guarded(cmd: list[str], env: dict, timeout_s: float, log_path: Path, cwd
                    timed_out, stopped)
 
 
-__all__ = ["HOST_FLOOR", "HOST_STOPPED", "Outcome", "TIMED_OUT", "host_short", "meminfo", "run_guarded"]
+__all__ = ["HOST_FLOOR", "HOST_STOPPED", "Outcome", "STOPPED_STATUS", "TIMED_OUT", "host_short", "meminfo", "run_guarded"]

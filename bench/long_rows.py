@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from guarded import HOST_STOPPED, TIMED_OUT, run_guarded  # noqa: E402
+from guarded import HOST_STOPPED, STOPPED_STATUS, TIMED_OUT, run_guarded  # noqa: E402
 
 GiB = 2**30
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -225,7 +225,7 @@ def status_of(rc: int, log: str) -> str:
     if TIMED_OUT in log:
         return "killed (time limit)"
     if HOST_STOPPED in log:
-        return "stopped (host memory under 10%)"
+        return STOPPED_STATUS
     if "ran out of GPU memory" in log or "OutOfMemory" in log or "out of memory" in log.lower():
         return "OOM"
     if "this configuration does not fit" in log:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from guarded import HOST_STOPPED, TIMED_OUT, run_guarded  # noqa: E402
+from guarded import HOST_STOPPED, STOPPED_STATUS, TIMED_OUT, run_guarded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("prefetch", "noprefetch", "hybrid", "delayed", "actoff", "resident", "fsdp2")
@@ -109,7 +109,7 @@ def failure(log: str, rc: int) -> str:
     if TIMED_OUT in log:
         return "killed (time limit)"
     if HOST_STOPPED in log:
-        return "stopped (host memory under 10%)"
+        return STOPPED_STATUS
     return f"failed (rc {rc})"
 
 

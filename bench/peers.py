@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload_bench  # noqa: E402
 import peer_lora  # noqa: E402
 import sweep  # noqa: E402
-from guarded import run_guarded  # noqa: E402
+from guarded import STOPPED_STATUS, run_guarded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("fsdp2", "deepspeed", "roundpipe")
@@ -119,7 +119,7 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path, budget_s: float) ->
     cmd, env_add = peer_command(peer, args, json_path, budget_s)
     got = run_guarded(cmd, {**os.environ, **env_add}, budget_s + KILL_GRACE_S, out / f"{peer}.log", cwd=ROOT,
                       header=f"$ {' '.join(f'{k}={v}' for k, v in env_add.items())} {' '.join(cmd)}\n")
-    status = "stopped (host memory under 10%)" if got.host_stopped else run_status(got.rc, got.timed_out)
+    status = STOPPED_STATUS if got.host_stopped else run_status(got.rc, got.timed_out)
     return {"peer": peer, "rc": got.rc, "wall_s": round(got.wall_s, 1), "budget_s": round(budget_s), "status": status}
 
 

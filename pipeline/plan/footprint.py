@@ -405,6 +405,17 @@ COMPILED_HOST_BYTES = int(3.0 * GiB)
 BUILD_PROCESS_BYTES = int(1.75 * GiB)
 
 
+def offloaded_host_bytes(inp: "MemoryInputs", s: int) -> int:
+    """What the store of offloaded stage ``s`` holds in host memory: LoRA's frozen base as stored,
+    else the masters, their gradient, AdamW's moments (on the device with ``device_steps``) and
+    the compute copy."""
+    st, d = inp.stages[s], inp.dtype_bytes
+    if inp.lora_rank:
+        return stage_frozen_bytes(st, d)
+    moved = st.numel * DEVICE_MOMENT_BYTES if s in inp.device_stepped else 0
+    return param_bytes_host(st.numel, d, inp.delayed) - moved
+
+
 def startup_host_bytes(inp: "MemoryInputs", mine: list[int], offloaded: frozenset[int]) -> int:
     """The host's peak while a rank builds its stages (``pipeline.run.build``, in stage order): a
     stage is made (read or drawn) in float32 on the CPU and its store then copies it, into host
@@ -413,15 +424,11 @@ def startup_host_bytes(inp: "MemoryInputs", mine: list[int], offloaded: frozense
     weights are never whole in float32 (``build_stage``: layer by layer). Where a stage of
     Llama-3-8B holds the embedding, this is above the training's peak: all stages resident, 11.18
     GiB measured against 5.56 for training."""
-    d, shape, lora = inp.dtype_bytes, inp.shape, bool(inp.lora_rank)
+    d, shape = inp.dtype_bytes, inp.shape
     held = peak = 0
     for s in sorted(mine):
         st = inp.stages[s]
-        store = 0
-        if s in offloaded:
-            store = stage_frozen_bytes(st, d) if lora else param_bytes_host(st.numel, d, inp.delayed)
-            if not lora and s in inp.device_stepped:  # device_steps: its moments are made on the device
-                store -= st.numel * DEVICE_MOMENT_BYTES
+        store = offloaded_host_bytes(inp, s) if s in offloaded else 0
         made = 4 * (st.numel + st.adapter - st.quantized.numel + st.quantized.numel // max(st.num_layers, 1))
         convert = 0 if s in offloaded else max(shape.largest, shape.vocab * shape.hidden if st.first or st.last
                                                else 0) * d
@@ -461,26 +468,24 @@ class Ledger:
         d = inp.dtype_bytes
         self.inp, self.rank = inp, rank
         self.tokens = inp.micro_batch * inp.seq_len
-        mine = [s for s, r in enumerate(inp.mapping) if r == rank]
+        self.mine = mine = [s for s, r in enumerate(inp.mapping) if r == rank]
         self.out = out = RankMemory(rank)
         self.offloaded = offloaded = offloaded_stages({rank: actions}) if inp.offload else frozenset()
         self.lora = bool(inp.lora_rank)
+        out.host = sum(offloaded_host_bytes(inp, s) for s in mine if s in offloaded)
         if self.lora:  # frozen base weights in host memory (offloaded) or on the device; adapters on the device
-            out.host = sum(stage_frozen_bytes(inp.stages[s], d) for s in mine if s in offloaded)
             self.params_static = sum(param_bytes_resident(inp.stages[s].adapter, d, inp.summed)
                                      + (0 if s in offloaded else stage_frozen_bytes(inp.stages[s], d)) for s in mine)
             # counted throughout: the peaks are in the computes, where it exists
             self.params_static += dequantized_bytes([inp.stages[s] for s in mine], d)
         else:
-            out.host = sum(param_bytes_host(inp.stages[s].numel, d, inp.delayed) for s in mine if s in offloaded)
             self.params_static = sum(param_bytes_resident(inp.stages[s].numel, d, inp.summed)
                                      for s in mine if s not in offloaded)
         # the trained parameters of the stages that step on the device (LoRA: every stage's adapters)
         self.device_stepped = {s: inp.stages[s].adapter if self.lora else inp.stages[s].numel
                                for s in mine if self.lora or s not in offloaded}
         moved = [inp.stages[s].numel for s in mine if s in inp.device_stepped and s in offloaded]
-        if moved:  # device_steps: the moments go to the device, the step's buffers are made once
-            out.host -= sum(moved) * DEVICE_MOMENT_BYTES
+        if moved:  # device_steps: the moments on the device (offloaded_host_bytes), the step's buffers made once
             self.params_static += sum(moved) * DEVICE_MOMENT_BYTES
             if not inp.cpu:  # as the staging buffer below: the streams', not a store's
                 self.params_static += device_step_buffers(max(moved))
@@ -595,12 +600,11 @@ class Ledger:
                                   process=PROCESS_HOST_BYTES + (COMPILED_HOST_BYTES if inp.compiled else 0))
             out.host += out.host_parts["stash"] + out.host_parts["carried_kv"] + out.host_parts["process"]
             # the start-up's peak, when above the training's: the resident set keeps its high-water mark
-            mine = [s for s, r in enumerate(inp.mapping) if r == self.rank]
-            out.host_parts["startup"] = startup_host_bytes(inp, mine, self.offloaded)
+            out.host_parts["startup"] = startup_host_bytes(inp, self.mine, self.offloaded)
             out.host = max(out.host, out.host_parts["startup"])
         return out
 
 
 __all__ = ["GiB", "Ledger", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "attention_work",
            "dequantized_bytes", "gib", "layer_saved_bytes_per_token", "mlp_work", "norm_backward", "per_token",
-           "stage_frozen_bytes", "startup_host_bytes", "weight_grad_bytes"]
+           "offloaded_host_bytes", "stage_frozen_bytes", "startup_host_bytes", "weight_grad_bytes"]
