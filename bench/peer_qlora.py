@@ -130,6 +130,8 @@ def step_fn(model, opt, params, batch: torch.Tensor, micro: int, args, device: t
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the memory cap and the generator want an index
+        device = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
     if device.type == "cuda" and args.mem_cap_gb:
         total = torch.cuda.get_device_properties(device).total_memory

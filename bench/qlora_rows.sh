@@ -16,10 +16,13 @@
 #            plan's stages, segments and tiling
 # ROWS [70b,8b,8b-bf16,peer] picks them. Every row's plan (--plan of the same flags: the peaks to set
 # beside the measured ones) is written first, all plans at once on the CPU. Each row runs within its
-# limit (ROW_S_70B [230], ROW_S_8B [80] each 8B row, ROW_S_PEER [100], ROW_S_LONG [150]) and what is
-# left of TOTAL_S [480]; torchrun gets 30 s more to stop its workers. Writes $OUT/qlora/<row>/
-# (plan.txt, train.log, results.json), $OUT/qlora/peers/peft-qlora.json, and the table
-# $OUT/qlora/table.md (bench/qlora_table.py).
+# limit (ROW_S_70B [230], ROW_S_8B [80] the 4-bit 8B row, ROW_S_BF16 [130] the bf16 one, whose start-up
+# draws and converts 16 GB of weights: 42 s on 2026-12-02, ROW_S_PEER [100], ROW_S_LONG [150]) and what is
+# left of TOTAL_S [480]; torchrun gets 30 s more to stop its workers. The 70b row runs as one process
+# under bench/memory_at_peak.py (PEAK_70B [1]; 0: torchrun), whose peak.txt says what the GPU held at
+# its peak. Writes $OUT/qlora/<row>/ (plan.txt, train.log, results.json, peak.txt),
+# $OUT/qlora/peers/peft-qlora.json, the table $OUT/qlora/table.md (bench/qlora_table.py), and all of
+# it as $OUT/qlora.tgz (a device call brings back only a few files).
 set -u
 out=${OUT:-/tmp/out}/qlora; iters=${NUM_ITERATIONS:-3}; t0=$(date +%s); total=${TOTAL_S:-480}
 rows=",${ROWS:-70b,8b,8b-bf16,peer},"
@@ -55,14 +58,17 @@ done
 wait
 echo "plans done at $(( $(date +%s) - t0 ))s"
 for r in "${ours[@]}"; do
-  case "$r" in 70b) cap=${ROW_S_70B:-230} ;; 8b-long) cap=${ROW_S_LONG:-150} ;; *) cap=${ROW_S_8B:-80} ;; esac
+  case "$r" in 70b) cap=${ROW_S_70B:-230} ;; 8b-long) cap=${ROW_S_LONG:-150} ;; 8b-bf16) cap=${ROW_S_BF16:-130} ;;
+    *) cap=${ROW_S_8B:-80} ;; esac
   s=$(limit "$cap")
   if [ "$s" -lt 30 ]; then echo "$r: not run (budget)" | tee "$out/$r/train.log"; continue; fi
   echo "== $r within ${s}s"; grep -E "^ +0 |^GPU|^host" "$out/$r/plan.txt"
+  launch=(python3 -m torch.distributed.run --standalone --nproc_per_node 1 main.py)
+  if [ "$r" = 70b ] && [ "${PEAK_70B:-1}" = 1 ]; then launch=(python3 bench/memory_at_peak.py --out "$out/$r/peak.txt" --); fi
   # torchrun stops its workers on SIGTERM (they run in sessions of their own): -k leaves it the time
   # shellcheck disable=SC2046
-  timeout -k 30 "$s" python3 -m torch.distributed.run --standalone --nproc_per_node 1 main.py "${common[@]}" \
-    --save_dir "$out/$r/run" --save_results "$out/$r/results.json" $(job "$r") > "$out/$r/train.log" 2>&1
+  timeout -k 30 "$s" "${launch[@]}" "${common[@]}" --save_dir "$out/$r/run" --save_results "$out/$r/results.json" \
+    $(job "$r") > "$out/$r/train.log" 2>&1
   echo "$r: rc $? at $(( $(date +%s) - t0 ))s"; grep -E "^(step|summary|error)" "$out/$r/train.log" | tail -4
 done
 if [[ $rows == *",peer,"* ]]; then
@@ -77,3 +83,4 @@ if [[ $rows == *",peer,"* ]]; then
 fi
 python3 bench/qlora_table.py "$out" --warmup 1
 echo "done at $(( $(date +%s) - t0 ))s"
+tar czf "$out.tgz" --exclude=run -C "$(dirname "$out")" "$(basename "$out")"

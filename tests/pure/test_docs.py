@@ -98,11 +98,9 @@ def test_relative_links_exist(doc):
     assert not broken, f"{doc}: broken relative links {broken}"
 
 
-# The peers' table the README quotes: one call, every system back to back at its best point.
-# The README's performance paragraph: the ratios after its last "One GPU:" come from the first table,
-# those after "Two GPUs:" from the second's.
-PEER_TABLES = {"One GPU:": ROOT / "bench/results/2026-11-28_two_gpus_parity/call3/peers.json",
-               "Two GPUs:": ROOT / "bench/results/2026-11-28_two_gpus_parity/call2/peers.json"}
+# The peers' table the README quotes: one call, every system back to back at its best point. The
+# README's performance paragraph: the ratios after its last "One GPU:" come from that table.
+PEER_TABLES = {"One GPU:": ROOT / "bench/results/2026-12-02_one_gpu_table/peers.json"}
 PEER_WORDS = {"RoundPipe's inexact step": "roundpipe-async", "RoundPipe's exact step": "roundpipe-sync",
               "DeepSpeed": "deepspeed", "FSDP2": "fsdp2"}
 

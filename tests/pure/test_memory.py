@@ -406,33 +406,49 @@ def test_posted_receives_are_counted_until_their_compute():
 
 
 # Rows outside the 10% band, and why (bench/results/2026-12-02_plan_matrix/NOTES.md): still never under the plan.
-BAND_MISSES = {("2026-12-02_plan_matrix/call3", "lora@131072"): "GPU: a recomputed 86K-token segment's backward"}
+BAND_MISSES = {("2026-12-02_plan_matrix/call3", "lora@131072"): "GPU: a recomputed 86K-token segment's backward",
+               ("2026-12-02_plan_matrix/call5", "full@262144"): "GPU: an 82K-token first segment's backward"}
+# Until data.synthetic held them in an int32 array, the rows the matrix trains on were two Python lists of
+# ints a row, 44 bytes a token (0.75 GiB for the 64 rows of 256K tokens, measured on the CPU): in every
+# host peak measured so far, and in no figure of the plan's.
+LIST_BYTES_PER_TOKEN = 44
+
+
+def _rows_bytes(row: dict) -> float:
+    """The synthetic rows' lists a matrix row measured: 64 rows of a long row's tokens, 256 of 512."""
+    short = "--num_chunks" in row["flags"] and row["flags"][row["flags"].index("--num_chunks") + 1] != "1"
+    return LIST_BYTES_PER_TOKEN * (256 * 512 if short else 64 * row["tokens"])
 
 
 def test_plan_is_over_the_peaks_an_h200_measured_and_within_10_percent():
     """The plan for the configurations the plan matrix ran on an H200 (bench/results/2026-12-01_plan_matrix:
     LoRA of Llama-3-8B shapes at 32K and 64K tokens and on short rows, full fine-tuning of llama-3b at
-    128K; 2026-12-02: LoRA at 4K, 32K, 64K, 128K and short rows, Qwen2.5-32B LoRA) is never under a
-    measured GPU peak and at most 10% over it (but for BAND_MISSES); the host figure never under the
-    peak resident set, but for the one row whose stash torch's pinned allocator rounded up (gone now)."""
+    128K; 2026-12-02: LoRA at 4K, 32K, 64K, 128K and short rows, Qwen2.5-32B LoRA, llama-3b at 4K, 32K
+    and 256K) is never under a measured GPU peak and at most 10% over it (but for BAND_MISSES); the host
+    figure never under the peak resident set less the synthetic rows' lists, but for the one row whose
+    stash torch's pinned allocator rounded up (gone now)."""
     import json
 
+    from pipeline.plan.footprint import GiB
     from tests.helpers.bench import load_bench
     from tests.helpers.paths import ROOT
 
     replan = load_bench("plan_matrix").replan
     counts = {}
-    for folder in ("2026-12-01_plan_matrix", "2026-12-02_plan_matrix/call2", "2026-12-02_plan_matrix/call3"):
+    folders = ("2026-12-01_plan_matrix", "2026-12-02_plan_matrix/call2", "2026-12-02_plan_matrix/call3",
+               "2026-12-02_plan_matrix/call4", "2026-12-02_plan_matrix/call5")
+    for folder in folders:
         rows = json.loads((ROOT / "bench/results" / folder / "matrix.json").read_text())["rows"]
         measured = [r for r in rows if r.get("gpu_gib") is not None]
         counts[folder] = len(measured)
-        for line in replan(measured).splitlines()[2:]:
+        for row, line in zip(measured, replan(measured).splitlines()[2:]):
             name, gpu, _, gpu_plan, _, host, _, host_plan, _ = [c.strip() for c in line.strip("|").split("|")]
+            assert name == row["name"]
             assert float(gpu) <= float(gpu_plan), line
             assert (folder, name) in BAND_MISSES or float(gpu_plan) <= float(gpu) / 0.9, line
             if name != "full@131072":
-                assert float(host) <= float(host_plan), line
-    assert list(counts.values()) == [4, 4, 2], counts
+                assert float(host) - _rows_bytes(row) / GiB <= float(host_plan), line
+    assert list(counts.values()) == [4, 4, 2, 2, 1], counts
 
 
 def test_startup_counts_a_stage_made_in_float32_before_its_store_takes_it():
