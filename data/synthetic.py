@@ -11,7 +11,7 @@ from data.tokenization import Example
 class SyntheticExamples(Sequence[Example]):
     """Rows of uniform random tokens, every token trained, held as one int32 array and made into
     ``Example``s when read: as Python lists the ids and labels of every row take about 44 bytes a
-    token of host memory (0.7 GiB for the 64 rows of 256K tokens a long-row run draws), where the
+    token of host memory (0.75 GiB for the 64 rows of 256K tokens a long-row run draws), where the
     plan's allowance for a process (``footprint.PROCESS_HOST_BYTES``) has room for the array's 4."""
 
     def __init__(self, num_examples: int, seq_length: int, vocab_size: int, seed: int):

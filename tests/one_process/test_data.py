@@ -423,7 +423,7 @@ def test_half_written_model_dir_is_rebuilt(tmp_path):
 
 def test_synthetic_rows_are_the_drawn_tokens_held_in_four_bytes_a_token():
     """The rows are numpy's draw for the seed, every token trained, served as lists by index and
-    slice; the array behind them is int32 (not two Python lists a row: 0.7 GiB at 64 x 256K)."""
+    slice; the array behind them is int32 (not two Python lists a row: 0.75 GiB at 64 x 256K)."""
     import numpy as np
 
     from data.synthetic import synthetic_examples
