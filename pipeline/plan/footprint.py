@@ -456,9 +456,9 @@ class Ledger:
       the compute that takes one, whose runner counts what it keeps of it;
     * ``sent``: activation_offload's sent tensors, released at the next compute;
     * ``stashed`` (peak ``stash_peak``): stage inputs in host memory;
-    * ``kv_host``: carried keys/values off the device, by (stage, micro-batch), as (bytes back on the
-      device at its first backward, bytes of them in host memory: every layer's but the first's, which
-      that backward makes again); the peak of the second in ``kv_host_peak``;
+    * ``kv_host``: carried keys/values off the device, by (stage, micro-batch), as (bytes in host
+      memory not yet prefetched back, bytes of the first layer's that the micro-batch's first
+      backward there makes again, bytes in host memory); the peak of the last in ``kv_host_peak``;
     * the parameter buffers: resident stages' (``params_static``) and the offload pool's
       (``pool_bytes``, replayed take by take as ``offload/streams.py``'s ``BufferPool``; ``pool``:
       the buffers an earlier iteration made, ``pool_made`` after its walk).
@@ -503,7 +503,7 @@ class Ledger:
         self.per_mb: dict[tuple[int, int, int | str | None], float] = {}
         self.stashed = self.stash_peak = 0.0
         self.sent = 0.0
-        self.kv_host: dict[tuple[int, int], tuple[float, float]] = {}
+        self.kv_host: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.kv_host_peak = 0.0
         # each backward that recomputes starts bringing back the next backward's inputs
         order = [(a.stage, a.mb, a.seg) for a in actions if a.op is Op.BACKWARD]

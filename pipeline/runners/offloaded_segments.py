@@ -86,11 +86,12 @@ class OffloadedSegments:
     def account(cls, a: Action, ledger: "Ledger") -> None:
         """As a recomputing stage (``offloaded.recomputed``), and the carried keys/values: a
         forward keeps its segment's on the device for the later segments (the last segment's
-        nothing attends to); a backward brings its micro-batch's back (its own, or prefetched by
-        the backward before), frees its segment's and leaves the gradients of the earlier
-        segments'. On a GPU they wait in host memory from the micro-batch's last forward here, but
-        the first layer's, which the first backward makes again from the segments' inputs (on the
-        CPU too, where the others stay where they are)."""
+        nothing attends to); a backward brings its micro-batch's back, frees its segment's and
+        leaves the gradients of the earlier segments'. On a GPU they wait in host memory from the
+        micro-batch's last forward here, but the first layer's, which the first backward makes
+        again from the segments' inputs (on the CPU too, where the others stay where they are):
+        the backward before prefetches those in host memory (``HostActivations.input_back``), not
+        the first layer's, which only the micro-batch's own first backward here makes."""
         s, n, _ = ledger.compute(a)
         inp, key = ledger.inp, (s, a.mb, a.seg)
         last_segment = a.seg == len(inp.segments) - 1
@@ -99,8 +100,13 @@ class OffloadedSegments:
             ledger.per_mb[key] = 0.0 if last_segment else kv_bytes(inp, s, n)
             ledger.saved += ledger.per_mb[key]
         else:
-            for mb_key in {(s, a.mb), ledger.next_backward.get(key, (None, None))[:2]}:
-                ledger.saved += ledger.kv_host.pop(mb_key, (0.0, 0.0))[0]  # back on the device (its own, or prefetched)
+            back, remade, _ = ledger.kv_host.pop((s, a.mb), (0.0, 0.0, 0.0))
+            ledger.saved += back + remade
+            nxt = ledger.next_backward.get(key, (None, None))[:2]
+            if nxt in ledger.kv_host:  # prefetched: back on the device from here
+                back, remade, held = ledger.kv_host[nxt]
+                ledger.saved += back
+                ledger.kv_host[nxt] = (0.0, remade, held)
             carried = ledger.per_mb.pop(key)
             ledger.saved += kv_grads_change(inp, a, ledger.per_mb)
         recomputed(a, ledger)
@@ -109,10 +115,10 @@ class OffloadedSegments:
             carried_mb = sum(v for (st_, mb_, sg), v in ledger.per_mb.items() if (st_, mb_) == (s, a.mb) and sg != "kv")
             layers = inp.stages[s].num_layers
             first = carried_mb / layers if layers else 0.0  # let go on the CPU too: the backward remakes it
-            moved = carried_mb if inp.kv_offload else first
-            ledger.kv_host[(s, a.mb)] = (moved, carried_mb - first if inp.kv_offload else 0.0)
-            ledger.saved -= moved
-            ledger.kv_host_peak = max(ledger.kv_host_peak, sum(held for _, held in ledger.kv_host.values()))
+            in_host = carried_mb - first if inp.kv_offload else 0.0
+            ledger.kv_host[(s, a.mb)] = (in_host, first, in_host)
+            ledger.saved -= in_host + first
+            ledger.kv_host_peak = max(ledger.kv_host_peak, sum(held for *_, held in ledger.kv_host.values()))
 
 
 __all__ = ["OffloadedSegments"]
