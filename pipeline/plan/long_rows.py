@@ -10,7 +10,8 @@ import torch
 import schedule as sched
 from models import spec_for
 from pipeline.config import TrainConfig
-from pipeline.plan.fit import USABLE_FRACTION, Assessment, assess, auto_capacity, device_type, gpu_capacity
+from pipeline.plan.fit import (USABLE_FRACTION, Assessment, assess, auto_capacity, device_type, gpu_capacity,
+                               host_capacity)
 from pipeline.plan.memory import gib
 
 
@@ -45,7 +46,7 @@ def _fewest_stages(cfg: TrainConfig, hf_config, size: int, stages: list[int], da
     ``data_parallel``."""
     def fits(S: int) -> bool:
         trial = dataclasses.replace(cfg, num_stages=S)
-        return _fits_here(assess(trial, hf_config, sched.round_robin(S, size), replicas=(1, data_parallel)))
+        return _fits_here(assess(trial, hf_config, sched.round_robin(S, size), replicas=(1, data_parallel)), trial)
 
     if not fits(stages[-1]):
         return None
@@ -59,11 +60,11 @@ def _fewest_stages(cfg: TrainConfig, hf_config, size: int, stages: list[int], da
     return dataclasses.replace(cfg, num_stages=stages[hi])
 
 
-def _fits_here(a: "Assessment") -> bool:
-    """What an automatic choice must fit: the GPU, and on a machine with one (the machine that
-    trains) its host memory too; ``--plan`` for a GPU on a machine without one checks the GPU
-    alone (this machine's host memory says nothing about the other's)."""
-    return a.fits if torch.cuda.is_available() else a.gpu_fits
+def _fits_here(a: "Assessment", cfg: TrainConfig) -> bool:
+    """What an automatic choice must fit: the GPU, and the host memory of the machine that trains
+    where it is known: on a machine with a GPU (that machine), or ``host_memory_gb`` given; ``--plan``
+    for a GPU on a machine without one, told nothing of the other's host, checks the GPU alone."""
+    return a.fits if torch.cuda.is_available() or cfg.host_memory_gb else a.gpu_fits
 
 
 def resolve_long_rows(cfg: TrainConfig, hf_config, world_size: int, data_parallel: int = 1
@@ -112,14 +113,14 @@ def longest_row(cfg: TrainConfig, hf_config, world_size: int, limit: int = 2**20
     with its automatic long-row choices would accept: some configuration of those ``cfg`` leaves
     open (``_auto_options``: stages, whole rows or segments, tiled or not) fits, as
     ``resolve_long_rows`` and ``check_fits`` would find it (the same ``_fits_here``: on a machine
-    with a GPU, its host memory too). Returns (tokens, the configuration ``resolve_long_rows``
+    with a GPU, or with ``host_memory_gb``, the host memory too). Returns (tokens, the configuration ``resolve_long_rows``
     picks at that length, the longest as whole rows); (0, None, 0) when not even ``step`` fits."""
     stages, chunks, tiles = _auto_options(dataclasses.replace(cfg, seq_length=limit), hf_config, world_size)
     base = dataclasses.replace(cfg, allow_long_sequences=True)
 
     def fits(n: int, ks: list[int]) -> bool:
         # the most stages hold the least a stage; whether fewer would do is resolve_long_rows' to find
-        return any(_fits_here(assess(t, hf_config, sched.round_robin(t.num_stages, world_size)))
+        return any(_fits_here(assess(t, hf_config, sched.round_robin(t.num_stages, world_size)), t)
                    for k in ks if k <= n * step for tiled in tiles
                    for t in [dataclasses.replace(base, seq_length=n * step, num_stages=stages[-1], seq_chunks=k,
                                                  tiled_mlp=tiled)])
@@ -145,6 +146,8 @@ def longest_row_line(cfg: TrainConfig, hf_config, world_size: int) -> str:
     """``--plan``'s line on the longest row that fits this GPU (``longest_row``): what a run of
     that length would be given, and the longest as whole rows where segments go further."""
     cap = gib(gpu_capacity(cfg) or 0)
+    if torch.cuda.is_available() or cfg.host_memory_gb:
+        cap += f" and {gib(host_capacity(cfg) or 0)} of host memory"
     rows = cfg.batch_size // cfg.num_chunks
     mbs = f"{cfg.num_chunks} micro-batch{'es' if cfg.num_chunks > 1 else ''}"
     head = f"longest row that fits {cap} ({mbs} of {rows} row{'s' if rows > 1 else ''}, the plan's " \

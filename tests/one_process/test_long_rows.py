@@ -421,7 +421,7 @@ def test_longest_row_is_what_a_run_of_that_length_accepts(monkeypatch):
     from pipeline.plan.source import preset_config
     from schedule import round_robin
 
-    monkeypatch.setattr(long_rows, "_fits_here", lambda a: a.fits)  # the host counts, as on the GPU machine
+    monkeypatch.setattr(long_rows, "_fits_here", lambda a, cfg: a.fits)  # the host counts, as on the GPU machine
     hf = preset_config("llama-3b")
     cfg = _long_cfg(num_stages=-1, seq_chunks=-1, tiled_mlp="auto", host_memory_gb=100.0)
     tokens, chosen, whole = long_rows.longest_row(cfg, hf, 1, limit=2**19, step=8192)
@@ -430,6 +430,30 @@ def test_longest_row_is_what_a_run_of_that_length_accepts(monkeypatch):
     assert a.fits and chosen.seq_length == tokens, (a.worst.device_peak, a.total_host)
     longer, _ = long_rows.resolve_long_rows(dataclasses.replace(cfg, seq_length=tokens + 8192), hf, 1)
     assert not assess(longer, hf, round_robin(longer.num_stages, 1)).fits
+
+
+def test_a_given_host_size_bounds_the_longest_row_on_a_machine_without_a_gpu():
+    """``--plan`` here for another machine whose host memory is given: the longest-row line is what
+    the plan accepts at that length, host included (LoRA of Llama-3-8B at 24 GiB and 123 GiB of host
+    memory: the GPU alone took 464,896 tokens, whose plan then needed 133.5 GiB of host memory), and
+    the line says the host is counted."""
+    from pipeline.plan import long_rows
+    from pipeline.plan.fit import assess
+    from pipeline.plan.source import preset_config
+    from schedule import round_robin
+
+    hf = preset_config("llama-3-8b")
+    cfg = _long_cfg(model="llama-3-8b", num_stages=-1, seq_chunks=-1, tiled_mlp="auto", host_memory_gb=40.0,
+                    lora_rank=16, lora_target_modules="all-linear")
+    tokens, chosen, _ = long_rows.longest_row(cfg, hf, 1, limit=2**19, step=16384)
+    a = assess(chosen, hf, round_robin(chosen.num_stages, 1))
+    assert tokens > 0 and a.fits and a.gpu_fits, (tokens, a.total_host / 2**30)
+    gpu_only, _, _ = long_rows.longest_row(dataclasses.replace(cfg, host_memory_gb=0.0), hf, 1, limit=2**19,
+                                           step=16384)
+    assert gpu_only > tokens, (gpu_only, tokens)  # the host is what bounds it here
+    longer, _ = long_rows.resolve_long_rows(dataclasses.replace(cfg, seq_length=tokens + 16384), hf, 1)
+    assert not assess(longer, hf, round_robin(longer.num_stages, 1)).fits
+    assert "fits 24.00 GiB and 40.00 GiB of host memory" in long_rows.longest_row_line(cfg, hf, 1)
 
 
 def test_out_of_memory_line_names_the_action_the_plan_and_a_change():
