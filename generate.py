@@ -7,7 +7,7 @@ import sys
 
 if __name__ == "__main__":
     from data.generation import main
-    from pipeline.plan.lora import adapter_fits  # the adapter's shapes against the base's family
+    from pipeline.spec.lora import adapter_fits  # the adapter's shapes against the base's family
     from pipeline.plan.source import saved_model_dir  # 'generated' and the presets: main.py's model names
     from pipeline.stage.quantized import quiet_bitsandbytes
 

@@ -26,7 +26,7 @@ step time the issue measured (x1.5, at least 60 s more), cut to what is left of 
 row whose estimate no longer fits is skipped ("skipped (budget)"), and a row that fails or runs
 out of memory leaves its status and log. ``OUT/long_rows.json`` is rewritten after every row
 (rows, plan figures, versions); ``OUT/long_rows.md`` and stdout get the table at the end:
-s/step, tokens/s, model TFLOP/s (``pipeline.plan.shapes.model_flops_per_token``: matmuls and attention,
+s/step, tokens/s, model TFLOP/s (``pipeline.spec.shapes.model_flops_per_token``: matmuls and attention,
 causal, no recompute), peak GPU memory (allocated) and for this project the plan's figure, its
 error against the peak, and the configuration the plan chose.
 """
@@ -234,7 +234,7 @@ def status_of(rc: int, log: str) -> str:
 
 
 def flops_per_token(args, tokens: int) -> float:
-    from pipeline.plan.shapes import model_flops_per_token
+    from pipeline.spec.shapes import model_flops_per_token
     from pipeline.plan.source import preset_config
 
     hf = preset_config("tiny" if args.smoke else args.model)

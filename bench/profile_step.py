@@ -11,7 +11,7 @@ operators). Each kernel is put in one kind by its name (``KINDS``, first match w
 products, attention, norms / rotary / activations, the optimizer, element-wise, copies
 (host<->device, device<->device), communication (NCCL), other; ``idle`` is the step's wall time
 that no kernel covers on the compute device. The floor is the step's model FLOPs
-(``pipeline.plan.shapes.model_flops_per_token``: matmuls and causal attention, no recompute) at
+(``pipeline.spec.shapes.model_flops_per_token``: matmuls and causal attention, no recompute) at
 ``--matmul_tflops`` (measured once here with a large bf16 product unless given). Writes ``OUT/profile.json``, ``OUT/profile.md`` (the table) and
 the Chrome trace ``OUT/trace.json`` (https://ui.perfetto.dev).
 """
@@ -114,7 +114,7 @@ def main() -> None:
 
     from pipeline.config import parse_args
     from pipeline.dist import DistEnv
-    from pipeline.plan.shapes import model_flops_per_token
+    from pipeline.spec.shapes import model_flops_per_token
     from pipeline.train import Trainer
 
     flags = [f for f in args.flags if f != "--"]

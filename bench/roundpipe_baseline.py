@@ -192,7 +192,7 @@ def active_params(model_name: str) -> int:
     model FLOP rate counts, as for this project's rows."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from pipeline.plan.source import preset_config
-    from pipeline.plan.shapes import stage_num_params
+    from pipeline.spec.shapes import stage_num_params
 
     config = preset_config(model_name)
     return stage_num_params(config, range(config.num_hidden_layers), True, True, active=True)

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from pipeline.dist import cap_gpu_memory  # noqa: E402
 from pipeline.plan.source import PRESETS, preset_config
-from pipeline.plan.shapes import stage_num_params  # noqa: E402
+from pipeline.spec.shapes import stage_num_params  # noqa: E402
 
 GIB = 2**30
 BYTES_PER_PARAM = 16  # float32 weight + gradient + two AdamW moments; activations are small with checkpointing

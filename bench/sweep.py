@@ -31,7 +31,7 @@ def model_params(name: str) -> int | None:
     if root not in sys.path:
         sys.path.insert(0, root)
     from pipeline.plan.source import PRESETS, preset_config
-    from pipeline.plan.shapes import stage_num_params
+    from pipeline.spec.shapes import stage_num_params
 
     if name not in PRESETS:
         return None

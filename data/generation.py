@@ -10,7 +10,7 @@ applies a LoRA run's peft adapter (``save_dir/adapter``) to the base model ``--m
 trained it: in 4 bits (transformers' ``BitsAndBytesConfig``) when the adapter records a 4-bit base
 (``BASE_QUANTIZATION``, a ``load_in_4bit`` run's), and says which. A model name that is not a
 directory (``generated``) and that check are the entry point's (``generate.py`` passes
-``pipeline.plan.source.saved_model_dir`` and ``pipeline.plan.lora.adapter_fits``: this layer
+``pipeline.plan.source.saved_model_dir`` and ``pipeline.spec.lora.adapter_fits``: this layer
 knows no run's model names, nor the model families). Greedy by default, sampled with
 ``--do_sample``; on a GPU when there is one. Bad input is one ``error:`` line and exit status 2.
 """

@@ -13,14 +13,14 @@ import schedule as sched
 from schedule.ir import offloaded_stages, tied_stages
 from models import attn_implementation, head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
-from pipeline.plan.lora import (adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, quantized,
+from pipeline.spec.lora import (adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, quantized,
                                 trained_adapters)
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
 from pipeline.plan.partition import predicted_step_time, stage_layers
 from pipeline.plan.layout import shards_step
-from pipeline.plan.programs import program_spec, tied_across_stages, trains_tied_copies
-from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
-from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
+from pipeline.spec.programs import program_spec, tied_across_stages, trains_tied_copies
+from pipeline.spec.settings import compiles_layers, compute_dtype, fuses_last_stage
+from pipeline.spec.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).

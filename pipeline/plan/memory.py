@@ -43,7 +43,7 @@ by the same ``runner_for`` from the same mode. The walk has no mode of its own.
 """
 from __future__ import annotations
 
-from pipeline.plan.footprint import (GiB, Ledger, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
+from pipeline.spec.footprint import (GiB, Ledger, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
                                      layer_saved_bytes_per_token)
 from pipeline.runners import Mode, runner_for
 from schedule.ir import Action, Op

@@ -14,9 +14,9 @@ import functools
 
 import schedule as sched
 from pipeline.config import TrainConfig, partition_counts
-from pipeline.plan.programs import program_spec
-from pipeline.plan.settings import fuses_last_stage
-from pipeline.plan.shapes import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
+from pipeline.spec.programs import program_spec
+from pipeline.spec.settings import fuses_last_stage
+from pipeline.spec.shapes import forward_flops_per_token, layer_ranges, partition_layers, stage_num_params
 from schedule.costmodel import predict
 from schedule.partition import choose_counts
 from schedule.spec import ProgramSpec

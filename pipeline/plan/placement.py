@@ -15,8 +15,8 @@ import torch
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv
 from pipeline.plan.partition import stage_layers
-from pipeline.plan.programs import program_spec
-from pipeline.plan.shapes import stage_param_counts
+from pipeline.spec.programs import program_spec
+from pipeline.spec.shapes import stage_param_counts
 from pipeline.plan.topology import GpuLink, Topology, discover, load_topology_file
 from schedule.mapping import MappingChoice, choose_mapping, describe_plan
 

@@ -41,9 +41,9 @@ from models import supported_types, tied
 from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
 from pipeline.plan import saved
 from pipeline.plan.fit import device_type
-from pipeline.plan.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
-from pipeline.plan.settings import eval_source, lacks_validation_split
-from pipeline.plan.shapes import size_differences
+from pipeline.spec.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
+from pipeline.spec.settings import eval_source, lacks_validation_split
+from pipeline.spec.shapes import size_differences
 from pipeline.plan.source import (ModelSource, PRESETS, build_generated_model, generated_model_dir, model_dir,
                                   needs_generated, resolve_model, tokenizer_dir)
 
@@ -570,7 +570,7 @@ def check_model_weights(cfg: TrainConfig, source: ModelSource) -> None:
     rules and --plan read none)."""
     if source.weights_dir is None:
         return
-    from pipeline.plan.weight_files import check_tied_checkpoint, check_weight_files
+    from pipeline.spec.weight_files import check_tied_checkpoint, check_weight_files
 
     try:
         check_weight_files(source.weights_dir)
@@ -614,7 +614,7 @@ def check_base_4bit(cfg: TrainConfig, source: ModelSource) -> None:
     if differ:
         raise ConfigError(f"merge_lora_base {cfg.merge_lora_base!r} is not the model's full-precision base: "
                           f"{', '.join(differ)}")
-    from pipeline.plan.weight_files import check_weight_files
+    from pipeline.spec.weight_files import check_weight_files
 
     try:
         check_weight_files(path)

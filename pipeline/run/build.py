@@ -20,13 +20,13 @@ from offload.streams import BufferPool, Streams
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
 from pipeline.plan.layout import Layout, layout, shards_step
-from pipeline.plan.lora import LoraSettings, lora_settings
+from pipeline.spec.lora import LoraSettings, lora_settings
 from pipeline.plan.partition import stage_layers
 from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
-from pipeline.plan.programs import build_programs, program_spec
+from pipeline.spec.programs import build_programs, program_spec
 from pipeline.plan.resolve import Resolved, resolve_run
-from pipeline.plan.settings import compiles_layers, compute_dtype, fuses_last_stage
-from pipeline.plan.shapes import mlp_tile_tokens, model_key_cost
+from pipeline.spec.settings import compiles_layers, compute_dtype, fuses_last_stage
+from pipeline.spec.shapes import mlp_tile_tokens, model_key_cost
 from pipeline.plan.source import ModelSource, resolve_model
 from pipeline.run import checkpoint
 from pipeline.run.comm import P2P

@@ -153,7 +153,7 @@ def _merge_adapter_parts(out_dir: Path, settings, base_model: str | None, dtype:
     from safetensors.torch import load_file, save_file
 
     from data.generation import BASE_QUANTIZATION
-    from pipeline.plan.lora import ADAPTER_WEIGHTS
+    from pipeline.spec.lora import ADAPTER_WEIGHTS
     from pipeline.stage.lora import peft_config
 
     parts = sorted(out_dir.glob("stage*.safetensors"))

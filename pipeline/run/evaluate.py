@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 from pipeline.config import TrainConfig
-from pipeline.plan.settings import eval_source
+from pipeline.spec.settings import eval_source
 
 
 def build_eval_batches(cfg: TrainConfig, source) -> list:

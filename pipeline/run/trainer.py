@@ -17,10 +17,10 @@ import torch
 from pipeline.config import TrainConfig, report_targets
 from pipeline.dist import DistEnv, gather_objects
 from pipeline.plan.layout import replica_share
-from pipeline.plan.lora import trained_adapters
+from pipeline.spec.lora import trained_adapters
 from pipeline.plan.preflight import installed
 from pipeline.plan.resolve import Resolved
-from pipeline.plan.shapes import model_flops_per_token
+from pipeline.spec.shapes import model_flops_per_token
 from pipeline.plan.source import ModelSource
 from pipeline.run import checkpoint, faults, orphans
 from pipeline.run.build import build_rank

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.plan.shapes import segment_bounds, segment_lengths
+from pipeline.spec.shapes import segment_bounds, segment_lengths
 from pipeline.runners.base import Iteration, Mode, Runner
 from pipeline.runners.fused_last import FusedLast
 from pipeline.runners.offloaded import HostActivations, OffloadedRows
@@ -36,7 +36,7 @@ class RankRunners:
         stages, stores: this rank's stages and their parameter stores, by stage id.
         num_stages: of the whole pipeline (the last computes the loss).
         num_segments, key_cost: ``seq_chunks`` and the attention's cost per key, by which a row is
-            cut into segments (``pipeline.plan.shapes.segment_lengths``).
+            cut into segments (``pipeline.spec.shapes.segment_lengths``).
         activation_offload, fused_last: the run's settings (``fuse_last_stage`` resolved).
     """
 

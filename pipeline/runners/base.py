@@ -19,7 +19,7 @@ from pipeline.stage.model import backward_where_needed
 from schedule.ir import Action
 
 if TYPE_CHECKING:
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
 
 Key = tuple[int, int, "int | None"]  # (stage, micro-batch, segment): what buffers are keyed by
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.plan.footprint import MemoryInputs, per_token, weight_grad_bytes
+from pipeline.spec.footprint import MemoryInputs, per_token, weight_grad_bytes
 from pipeline.runners.base import Arrival, Iteration, Key, Mode, forward_input, routing
 from schedule.ir import Action, Op
 
 if TYPE_CHECKING:
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
     from pipeline.runners.offloaded import HostActivations
 
 

@@ -13,13 +13,13 @@ import torch
 
 from offload.activations import ActivationStash
 from offload.kv import CarriedKV
-from pipeline.plan.footprint import MemoryInputs, attention_work, mlp_work, per_token, weight_grad_bytes
+from pipeline.spec.footprint import MemoryInputs, attention_work, mlp_work, per_token, weight_grad_bytes
 from pipeline.runners.base import (Arrival, Iteration, Key, Mode, differentiate, forward_input,
                                    forward_result, routing, whole_pass)
 from schedule.ir import Action, Op, crosses
 
 if TYPE_CHECKING:
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
 
 
 class HostActivations:

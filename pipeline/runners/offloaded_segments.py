@@ -21,7 +21,7 @@ from pipeline.stage.segments import SegmentStage
 from schedule.ir import Action, Op
 
 if TYPE_CHECKING:
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
 
 
 class OffloadedSegments:

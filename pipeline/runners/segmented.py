@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.plan.footprint import MemoryInputs
+from pipeline.spec.footprint import MemoryInputs
 from pipeline.runners.base import (Arrival, Iteration, Key, Mode, forward_input, forward_result, normalised,
                                    routing)
 from pipeline.runners.whole_rows import kept_graph
@@ -19,7 +19,7 @@ from pipeline.stage.segments import SegmentStage
 from schedule.ir import Action
 
 if TYPE_CHECKING:
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
     from pipeline.runners.offloaded import HostActivations
 
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pipeline.plan.footprint import per_token, weight_grad_bytes
+from pipeline.spec.footprint import per_token, weight_grad_bytes
 from pipeline.runners.base import (Arrival, Iteration, Key, Mode, differentiate, forward_input,
                                    forward_result, routing, whole_pass)
 from schedule.ir import Action, Op
 
 if TYPE_CHECKING:
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
     from pipeline.runners.offloaded import HostActivations
 
 

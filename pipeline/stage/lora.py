@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload.streams import flat_views
-from pipeline.plan.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, LoraSettings
+from pipeline.spec.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, LoraSettings
 from pipeline.stage.quantized import quiet_bitsandbytes
 from pipeline.stage.weights import read_weights
 

@@ -1,7 +1,7 @@
 """A Hugging Face decoder LM cut into pipeline stages.
 
 Stage 0 holds the token embedding, the last stage the final norm and ``lm_head``; decoder
-layers are spread evenly (``pipeline.plan.shapes.partition_layers``) or by cost
+layers are spread evenly (``pipeline.spec.shapes.partition_layers``) or by cost
 (``pipeline.plan.partition``). A stage's ``state_dict`` keys are exactly the Hugging Face keys
 (``model.layers.7.mlp.up_proj.weight``), so loading reads only the owned tensors from the
 safetensors (or ``.bin``) files (``pipeline.stage.weights``) and saving writes a shard a stage.
@@ -20,9 +20,9 @@ from torch.utils.checkpoint import checkpoint
 from models import (attn_implementation, head_dim, kv_heads, logit_softcap, materialize_, set_attn_implementation,
                     skeleton, spec_for, tied)
 from models.moe import Routing
-from pipeline.plan.lora import Base4bit
-from pipeline.plan.programs import tied_across_stages
-from pipeline.plan.shapes import loss_chunk_tokens
+from pipeline.spec.lora import Base4bit
+from pipeline.spec.programs import tied_across_stages
+from pipeline.spec.shapes import loss_chunk_tokens
 from pipeline.stage import attention, quantized
 from pipeline.stage.attention import AttnMask, attend_mask
 from pipeline.stage.tiled import tile_mlps

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pipeline.plan.lora import Base4bit
+from pipeline.spec.lora import Base4bit
 
 INSTALL = ("python3 -m pip install bitsandbytes==0.50.2 (requirements.txt; a GPU machine without network: "
            "bench/bnb_wheel.sh makes its wheel)")

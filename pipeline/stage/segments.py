@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pipeline.plan.shapes import segment_bounds
+from pipeline.spec.shapes import segment_bounds
 from pipeline.stage.attention import AttnMask, attend_mask
 from pipeline.stage.model import Stage, additive_mask, backward_where_needed, cache_keyword
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models import spec_for
-from pipeline.plan.weight_files import read_tensors, weight_files
+from pipeline.spec.weight_files import read_tensors, weight_files
 
 if TYPE_CHECKING:
     from pipeline.stage.model import Stage

@@ -58,7 +58,7 @@ def test_segment_attention_holds_no_scores(heads, kv_heads, head_dim):
 def _stage_grads(stage, x, targets, lengths, mode: str, doc=None, pos=None):
     import pipeline.stage.attention as attention
     from pipeline.stage.segments import SegmentStage
-    from pipeline.plan.shapes import segment_bounds
+    from pipeline.spec.shapes import segment_bounds
 
     stage.zero_grad(set_to_none=True)
     runner, loss = SegmentStage(stage, lengths), 0

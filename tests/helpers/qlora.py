@@ -18,7 +18,7 @@ def streamed_grad(device: torch.device, compiled: bool = False) -> tuple[torch.T
     from offload.adamw import OptimSettings
     from offload.store import make_store
     from offload.streams import BufferPool, Streams
-    from pipeline.plan.lora import Base4bit
+    from pipeline.spec.lora import Base4bit
     from pipeline.stage.quantized import Packed4bit, quantized_linear
 
     torch.manual_seed(0)

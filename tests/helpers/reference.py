@@ -86,7 +86,7 @@ def quantization(cfg: TrainConfig, compute_dtype: torch.dtype, device: str) -> d
     """``from_pretrained``'s arguments for ``load_in_4bit``: transformers' own 4-bit loading
     (``BitsAndBytesConfig``, bitsandbytes' kernels; on the CPU its CPU path), the run's quantization
     settings, placed on ``device``; none without it."""
-    from pipeline.plan.lora import base_4bit
+    from pipeline.spec.lora import base_4bit
 
     base = base_4bit(cfg)
     if base is None:
@@ -101,7 +101,7 @@ def _with_adapters(cfg: TrainConfig, source, model, mixed: bool):
     """LoRA (``cfg.lora_rank``): ``model`` as a peft ``PeftModel`` with the run's adapters, their
     initial values the pipeline's (``pipeline.stage.lora.init_adapters``) or ``cfg.lora_adapter``'s;
     None for full fine-tuning."""
-    from pipeline.plan.lora import lora_settings
+    from pipeline.spec.lora import lora_settings
 
     settings = lora_settings(cfg, source.config)
     if settings is None:
@@ -230,7 +230,7 @@ def stages_forward(config, path: Path, x: torch.Tensor, num_stages: int, mutate=
     """The pipeline's forward without an executor: ``num_stages`` stages built from ``path``
     (seed 0) run one after another on ``x`` without gradients; ``mutate(stage)`` changes each stage
     first (the mutation tests)."""
-    from pipeline.plan.shapes import partition_layers
+    from pipeline.spec.shapes import partition_layers
     from pipeline.stage.model import build_stage
 
     parts = partition_layers(config.num_hidden_layers, num_stages)

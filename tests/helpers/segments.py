@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from pipeline.plan.shapes import segment_bounds
+from pipeline.spec.shapes import segment_bounds
 from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from schedule.costmodel import balanced_segments
@@ -55,7 +55,7 @@ def make_stages(config, num_stages: int = 1) -> list:
     """The model as ``num_stages`` stages with random weights; the 1-D ones (norms, biases)
     moved off their init so that they matter. Tied over several stages, the head copies the
     embedding (what the TIE action keeps equal)."""
-    from pipeline.plan.shapes import partition_layers
+    from pipeline.spec.shapes import partition_layers
 
     parts = partition_layers(config.num_hidden_layers, num_stages)
     stages = [build_stage(config, s, num_stages, parts[s], model_dir=None, seed=3) for s in range(num_stages)]

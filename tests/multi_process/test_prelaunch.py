@@ -183,7 +183,7 @@ def test_bin_weights_load_like_safetensors(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from pipeline.stage.model import build_stage
-    from pipeline.plan.shapes import partition_layers
+    from pipeline.spec.shapes import partition_layers
     from pipeline.stage.weights import weight_files
     from pipeline.plan.source import resolve_model
     from pipeline.config import make_config
@@ -223,7 +223,7 @@ def test_truncated_weight_file_is_one_line(tiny_model_dir, tmp_path):
     (check_files makes it one error: line), not safetensors' own traceback."""
     from safetensors.torch import load_file, save_file
 
-    from pipeline.plan.weight_files import check_weight_files
+    from pipeline.spec.weight_files import check_weight_files
 
     weights = [p.name for p in tiny_model_dir.glob("model*.safetensors*")]
     single = _model_copy(tiny_model_dir, tmp_path / "single", drop=weights)

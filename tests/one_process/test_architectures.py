@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.plan.shapes import stage_num_params
+from pipeline.spec.shapes import stage_num_params
 from pipeline.stage.model import build_stage
 from tests.helpers.architectures import WINDOW, SEQ, ARCHS, make_model, tiny_cfg
 from tests.helpers.reference import (assert_same_training, hf_model, in_process_trainer, reference_train, stages_forward,
@@ -116,7 +116,7 @@ def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path, mon
     """transformers loads a tied model whose checkpoint holds a different lm_head.weight untied:
     the checks of the files refuse it before launch; the model source (and so ``--plan``) reads
     no tensor."""
-    from pipeline.plan import weight_files
+    from pipeline.spec import weight_files
     from pipeline.plan.preflight import check_files
     from pipeline.plan.source import resolve_model
 

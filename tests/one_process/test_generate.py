@@ -199,7 +199,7 @@ def test_generate_refuses_an_adapter_of_another_model_before_loading(tiny_model_
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.plan.lora import adapter_fits
+    from pipeline.spec.lora import adapter_fits
 
     small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512))

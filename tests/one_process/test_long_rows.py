@@ -25,12 +25,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pipeline.plan.shapes as shapes
+import pipeline.spec.shapes as shapes
 import pipeline.stage.attention as attention
 import pipeline.stage.segments as segments
 import pipeline.stage.tiled as tiled
 from offload.kv import CarriedKV
-from pipeline.plan.shapes import segment_bounds
+from pipeline.spec.shapes import segment_bounds
 from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from tests.helpers.reference import assert_same_training, reference_train, train_in_process

@@ -340,8 +340,8 @@ def test_plan_counts_frozen_weights_once_and_adapters_on_the_gpu():
     masters, gradients and AdamW state the GPU's; a Llama-3-70B LoRA of every linear layer, 4K-token
     rows, plans within 24 GiB on each of two GPUs, without a GPU."""
     from pipeline.plan.fit import memory_plan
-    from pipeline.plan.lora import adapter_numel, lora_settings
-    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.spec.lora import adapter_numel, lora_settings
+    from pipeline.spec.shapes import stage_param_counts
     from pipeline.plan.source import preset_config
     from pipeline.config import make_config
 
@@ -369,8 +369,8 @@ def test_lora_counts_the_flops_it_does(tiny_model_dir):
     """LoRA computes no frozen weight's gradient: a step's matmuls are twice the forward's (forward
     and input gradients), attention's three passes and the adapters' own products, about 2/3 of full
     fine-tuning's 3x the forward on short rows; the step line's tflops (the trainer's count) uses it."""
-    from pipeline.plan.lora import trained_adapters
-    from pipeline.plan.shapes import attention_flops_per_token, forward_flops_per_token, model_flops_per_token
+    from pipeline.spec.lora import trained_adapters
+    from pipeline.spec.shapes import attention_flops_per_token, forward_flops_per_token, model_flops_per_token
     from pipeline.plan.source import preset_config
 
     hf = preset_config("llama-3-8b")

@@ -163,7 +163,7 @@ def test_a_peer_lost_at_the_end_of_a_step_is_named_in_one_line():
 
 
 def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
-    from pipeline.plan.settings import needs_norm
+    from pipeline.spec.settings import needs_norm
 
     assert needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
     assert not needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.plan.shapes import partition_layers, stage_num_params
+from pipeline.spec.shapes import partition_layers, stage_num_params
 from pipeline.plan.source import preset_config
 from pipeline.stage.model import build_stage
 from tests.helpers.reference import hf_model

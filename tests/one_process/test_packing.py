@@ -13,7 +13,7 @@ import torch
 from data import IGNORE_INDEX, BatchStream, DataError, Example, collate, collate_packed
 from data.batching import pack_rows
 from pipeline.config import make_config
-from pipeline.plan.shapes import partition_layers
+from pipeline.spec.shapes import partition_layers
 from pipeline.stage.model import build_stage
 from tests.helpers.architectures import make_model
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trained

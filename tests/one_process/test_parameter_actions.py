@@ -1,6 +1,6 @@
 """L1: the memory plan's parameter actions against what the stores move, on the CPU in one process.
 
-The plan (``pipeline.plan.footprint.Ledger``) assumes, per stage: LOAD takes a buffer of the
+The plan (``pipeline.spec.footprint.Ledger``) assumes, per stage: LOAD takes a buffer of the
 stage's compute-dtype weights from the device pool, the first gradient-making compute of the
 iteration takes one for the gradients, DROP gives the weights' back and OFFLOAD_GRADS both (a
 LoRA stage's: the frozen weights' only); resident stages hold their copies, gradients, masters
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import schedule as sched
-from pipeline.plan import footprint
+from pipeline.spec import footprint
 from tests.helpers.reference import in_process_trainer
 from tests.helpers.runs import tiny_cfg
 

@@ -83,7 +83,7 @@ def test_base_is_4bit_in_the_store_as_planned(tiny_model_dir):
     store's byte buffer (host memory for an offloaded stage, unchanged by training); the embedding,
     norms and head in the compute dtype; each stage's frozen bytes are the memory plan's."""
     from pipeline.plan.fit import _memory_inputs
-    from pipeline.plan.footprint import stage_frozen_bytes
+    from pipeline.spec.footprint import stage_frozen_bytes
     from pipeline.stage.quantized import linear_class
 
     cfg = qlora_cfg(tiny_model_dir, use_offload=True, resident_stages=1, num_iterations=2)
@@ -267,8 +267,8 @@ def test_plan_counts_the_4bit_base():
     absmax per 64) and the rest in bf16 (under 64 GiB, bf16 LoRA's 131 GiB), and the plan fits."""
     from pipeline.config import make_config
     from pipeline.plan.fit import memory_plan
-    from pipeline.plan.lora import Base4bit, quantized
-    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.spec.lora import Base4bit, quantized
+    from pipeline.spec.shapes import stage_param_counts
     from pipeline.plan.source import preset_config
 
     hf = preset_config("llama-3-70b")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pipeline.stage.segments as segments
-from pipeline.plan.shapes import segment_bounds
+from pipeline.spec.shapes import segment_bounds
 from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from schedule.costmodel import balanced_segments

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pipeline.plan.shapes as shapes
+import pipeline.spec.shapes as shapes
 import pipeline.stage.segments as segments
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.preflight import check_config

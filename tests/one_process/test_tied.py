@@ -117,7 +117,7 @@ def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     from pipeline.config import make_config
     from pipeline.dist import DistEnv
     from pipeline.plan.source import preset_config
-    from pipeline.plan.programs import program_spec, tied_across_stages
+    from pipeline.spec.programs import program_spec, tied_across_stages
 
     hf = preset_config("qwen3-4b")  # tie_word_embeddings
     cfg = make_config({"num_stages": 4, "num_chunks": 4, "batch_size": 4, "seq_length": 64, "use_offload": True,

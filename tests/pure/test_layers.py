@@ -20,12 +20,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("offload",),
     ("pipeline.config", "pipeline.dist"),
-    ("pipeline.plan.shapes", "pipeline.plan.settings", "pipeline.plan.programs", "pipeline.plan.lora",
-     "pipeline.plan.weight_files", "pipeline.plan.footprint"),
+    ("pipeline.spec",),
     ("pipeline.stage",),
     ("pipeline.runners",),
-    # the rest of the plan: the memory plan (after the runners), the model source and the model's
-    # rules (model_rules, after the stage: an unregistered family must pass its self-check)
+    # the plan: the memory plan (after the runners), the model source and the model's rules
+    # (model_rules, after the stage: an unregistered family must pass its self-check)
     ("pipeline.plan",),
     ("pipeline.run",),
     ("pipeline.train", "pipeline.launch", "main", "generate"),
@@ -96,20 +95,20 @@ def test_a_planted_upward_import_is_reported():
     is written (top level, inside a function, ``from`` a package of a module, relative); the
     same imports from a later layer, or within one, are not."""
     planted = {
-        "pipeline.plan.shapes": "import torch\nfrom schedule.ir import Op\n",
-        "pipeline.plan.footprint": "def walk():\n    from pipeline.runners import runner_for\n",
+        "pipeline.spec.shapes": "import torch\nfrom schedule.ir import Op\n",
+        "pipeline.spec.footprint": "def walk():\n    from pipeline.runners import runner_for\n",
         "models.spec": "from pipeline.stage import model\n",
         "offload.store": "if True:\n    import pipeline.run.executor\n",
         "pipeline.stage.weights": "from ..plan import memory\n",
         "pipeline.stage.model": "",
-        "pipeline.plan.memory": "from pipeline.runners import runner_for\nfrom pipeline.plan.footprint import Ledger\n",
-        "pipeline.runners": "from pipeline.plan.footprint import Ledger\nfrom . import base\n",
+        "pipeline.plan.memory": "from pipeline.runners import runner_for\nfrom pipeline.spec.footprint import Ledger\n",
+        "pipeline.runners": "from pipeline.spec.footprint import Ledger\nfrom . import base\n",
         "pipeline.runners.base": "",
         "pipeline.run.executor": "",
     }
     found = violations(planted)
     assert [line.split(" imports ")[0] for line in found] == [
-        "models.spec:1", "offload.store:2", "pipeline.plan.footprint:2", "pipeline.stage.weights:1"], found
+        "models.spec:1", "offload.store:2", "pipeline.spec.footprint:2", "pipeline.stage.weights:1"], found
     assert "imports pipeline.stage.model (layer 8" in found[0] and "from layer 3 (models)" in found[0], found
     assert "imports pipeline.plan.memory (layer 10" in found[3], found
 
@@ -121,3 +120,67 @@ def test_design_md_states_the_layers():
     rows = [line for line in section.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
     stated = tuple(tuple(re.findall(r"`([\w.]+)`", row.split("|")[2])) for row in rows)
     assert stated == LAYERS, f"docs/design.md's layers {stated} differ from tests/pure/test_layers.py's {LAYERS}"
+
+
+def unit(module: str, sources: dict[str, str]) -> str | None:
+    """The folder of ``pipeline`` a module belongs to (``pipeline.plan`` for ``pipeline.plan.fit``),
+    or the module itself where it sits in ``pipeline`` directly (``pipeline.config``); None outside."""
+    parts = module.split(".")
+    if parts[0] != "pipeline" or len(parts) < 2:
+        return None
+    folder = ".".join(parts[:2])
+    return folder if is_package(folder, sources) else module
+
+
+def folder_cycle(sources: dict[str, str]) -> list[str]:
+    """One cycle of any length in the graph of ``pipeline``'s folders (an edge where a module of
+    one imports a module of another), as the folders in order, the first again at the end; [] when
+    the graph has none."""
+    edges: dict[str, set[str]] = {}
+    for module, source in sources.items():
+        here = unit(module, sources)
+        for target, _ in imports(module, source, sources):
+            there = unit(target, sources)
+            if here and there and there != here:
+                edges.setdefault(here, set()).add(there)
+    state: dict[str, str] = {}  # "open" while on the path, "done" after
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = "done"
+        return []
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return []
+
+
+def test_pipelines_folders_import_one_way():
+    """Each folder of ``pipeline`` is declared once in ``LAYERS`` (none split across two layers),
+    and no chain of imports between the folders comes back to where it started."""
+    sources = package_sources()
+    names = [name for layer in LAYERS for name in layer if name.startswith("pipeline.")]
+    assert [name for name in names if unit(name, sources) != name] == [], "a layer names part of a folder"
+    assert len(set(names)) == len(names), names
+    assert folder_cycle(sources) == [], folder_cycle(sources)
+
+
+def test_a_planted_cycle_of_three_folders_is_reported():
+    planted = {
+        "pipeline.stage.model": "from pipeline.runners.base import Mode\n",
+        "pipeline.runners.base": "def account():\n    from pipeline.plan.fit import assess\n",
+        "pipeline.plan.fit": "from pipeline.stage import model\nfrom pipeline.config import TrainConfig\n",
+        "pipeline.config": "",
+        "pipeline.spec.shapes": "from pipeline.config import TrainConfig\n",
+    }
+    cycle = folder_cycle(planted)
+    assert len(cycle) == 4 and cycle[0] == cycle[-1], cycle
+    assert set(cycle) == {"pipeline.stage", "pipeline.runners", "pipeline.plan"}, cycle
+    del planted["pipeline.runners.base"]
+    assert folder_cycle(planted) == []

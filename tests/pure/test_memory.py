@@ -106,8 +106,8 @@ def test_compiled_layer_backward_peak_is_counted_and_not_more(lora):
     tensors in the backward, which ``mlp_work`` counts (``lora_mlp``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pipeline.plan.footprint import per_token
-    from pipeline.plan.lora import LoraSettings, adapts_mlp_width
+    from pipeline.spec.footprint import per_token
+    from pipeline.spec.lora import LoraSettings, adapts_mlp_width
     from pipeline.stage import lora as peft_layers
 
     torch._dynamo.reset()
@@ -211,7 +211,7 @@ def test_resident_stages_move_their_state_from_host_to_gpu():
     """Each resident stage keeps its weights, gradients, masters and AdamW moments on the GPU
     (16 bytes a parameter in bf16; 20 with replicas, whose sum needs an fp32 copy of the
     gradient) and none of them in host memory."""
-    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.spec.shapes import stage_param_counts
     from pipeline.plan.fit import memory_plan
 
     hf = preset_config("llama-2-7b")
@@ -232,8 +232,8 @@ def test_device_steps_move_the_last_offloaded_stages_moments_to_the_gpu():
     """device_steps 1: each rank's last offloaded stage keeps its AdamW moments (8 bytes a
     parameter) on the GPU instead of in host memory, beside the step's two chunk buffers."""
     from pipeline.plan.fit import memory_plan
-    from pipeline.plan.footprint import device_step_buffers
-    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.spec.footprint import device_step_buffers
+    from pipeline.spec.shapes import stage_param_counts
 
     hf = preset_config("llama-2-7b")
     base = dict(model="llama-2-7b", num_stages=8, num_chunks=16, batch_size=64, seq_length=512, use_offload=True,
@@ -309,7 +309,7 @@ def test_auto_kept_layers_fill_the_spare_gpu_memory():
 def test_kept_layers_count_their_activations():
     """A kept layer's saved bytes replace its checkpointed input; keeping them all is the
     estimate without checkpointing, the head aside (it is recomputed either way)."""
-    from pipeline.plan.footprint import MemoryInputs, StagePlan, per_token
+    from pipeline.spec.footprint import MemoryInputs, StagePlan, per_token
 
     m = ModelShape.of(preset_config("llama-2-7b"))
     stages = [StagePlan(1, 4, False, False)]
@@ -324,8 +324,8 @@ def test_checkpointed_head_counts_one_loss_chunk():
     """A 128K vocabulary (Llama-3): checkpointed, the head's logits exist for one chunk of
     tokens at a time, so its transient is the chunk's, not the micro-batch's; unchunked
     (no checkpointing) it is the whole micro-batch's."""
-    from pipeline.plan.footprint import MemoryInputs, StagePlan, per_token
-    from pipeline.plan.shapes import LOSS_CHUNK_BYTES
+    from pipeline.spec.footprint import MemoryInputs, StagePlan, per_token
+    from pipeline.spec.shapes import LOSS_CHUNK_BYTES
 
     m = ModelShape(hidden=4096, q_dim=4096, kv_dim=1024, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
     last = [StagePlan(1, 0, False, True)]  # the head alone
@@ -377,7 +377,7 @@ def test_cudnn_whole_rows_count_no_query_gradient_accumulator():
     forward is the same either way."""
     import dataclasses
 
-    from pipeline.plan.footprint import MemoryInputs, StagePlan, attention_work, head_pad
+    from pipeline.spec.footprint import MemoryInputs, StagePlan, attention_work, head_pad
 
     m = ModelShape.of(preset_config("llama-3b"))
     flash = MemoryInputs(m, [StagePlan(1, 2, False, False)], [0], 1, 16384, 2, True, True, segments=(8192, 8192))
@@ -398,7 +398,7 @@ def test_a_stage_of_one_layer_gets_back_only_its_own_carried_keys_at_its_first_b
     from unittest import mock
 
     from pipeline.plan import fit
-    from pipeline.plan.footprint import Ledger
+    from pipeline.spec.footprint import Ledger
     from pipeline.runners.segmented import kv_bytes
     from schedule.ir import Op
 
@@ -469,7 +469,7 @@ def test_plan_is_over_the_peaks_an_h200_measured_and_within_10_percent():
     stash torch's pinned allocator rounded up (gone now)."""
     import json
 
-    from pipeline.plan.footprint import GiB
+    from pipeline.spec.footprint import GiB
     from tests.helpers.bench import load_bench
     from tests.helpers.paths import ROOT
 
@@ -496,8 +496,8 @@ def test_startup_counts_a_stage_made_in_float32_before_its_store_takes_it():
     and embedding in float32 (8.46 GiB) beside the process (11.18 GiB measured on an H200, the
     training 5.56); the host figure is that peak, not the training's."""
     from pipeline.plan.fit import memory_plan
-    from pipeline.plan.footprint import BUILD_PROCESS_BYTES, GiB
-    from pipeline.plan.shapes import stage_param_counts
+    from pipeline.spec.footprint import BUILD_PROCESS_BYTES, GiB
+    from pipeline.spec.shapes import stage_param_counts
 
     hf = preset_config("llama-3-8b")
     kw = dict(model="llama-3-8b", num_stages=4, num_chunks=1, batch_size=1, seq_length=4096, use_offload=True,

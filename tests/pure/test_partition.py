@@ -9,7 +9,7 @@ import pytest
 import schedule as sched
 from pipeline.config import ConfigError, make_config
 from pipeline.plan.partition import predicted_step_time, stage_costs, stage_layers
-from pipeline.plan.shapes import partition_layers, stage_num_params
+from pipeline.spec.shapes import partition_layers, stage_num_params
 from pipeline.plan.source import preset_config
 from schedule.partition import balance_layers, choose_counts
 from tests.helpers.partition import stage_counts

@@ -15,8 +15,8 @@ from pathlib import Path
 from offload.slices import PACK_ALIGN
 from inputs import InputError, read_json
 from pipeline.config import ALL_LINEAR, TrainConfig, lora_targets
-from pipeline.plan.shapes import SIZE_KEYS, size_differences
-from pipeline.plan.weight_files import tensor_shapes
+from pipeline.spec.shapes import SIZE_KEYS, size_differences
+from pipeline.spec.weight_files import tensor_shapes
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -285,7 +285,7 @@ def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
 def adapts_mlp_width(hf_config, settings: LoraSettings | None) -> bool:
     """Whether an adapted linear of a decoder layer makes an MLP-wide output (gate, up): peft adds
     its adapter's output to the base output as a new tensor of that width, and a compiled layer's
-    backward then holds more MLP-wide tensors (``pipeline.plan.footprint.mlp_work``)."""
+    backward then holds more MLP-wide tensors (``pipeline.spec.footprint.mlp_work``)."""
     if settings is None:
         return False
     width = getattr(hf_config, "intermediate_size", 0)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, fields
 
 from models import LayerShape, counts, spec_for
 from offload.slices import GRAD_SLICE_NUMEL, MASTER_SLICE_NUMEL
-from pipeline.plan.lora import Quantized
-from pipeline.plan.shapes import loss_chunk_tokens
+from pipeline.spec.lora import Quantized
+from pipeline.spec.shapes import loss_chunk_tokens
 from schedule.ir import RECV_OPS, Action, Op, crosses, offloaded_stages, recv_for
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import schedule as sched
 from models import tied
 from pipeline.config import TrainConfig
-from pipeline.plan.settings import needs_norm
+from pipeline.spec.settings import needs_norm
 from schedule.spec import ProgramSpec
 
 
