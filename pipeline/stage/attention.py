@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "mmoc_sdpa"
-KERNELS = ("causal", "cudnn", "lower_right", "flex", "reference")
 BACKENDS = ("auto", "flash")  # what a whole causal row takes on a GPU: cuDNN where it can, or flash
 _BACKEND = ["auto"]
 # (device, dtype, heads, kv heads, head dim) -> whether sdpa's cuDNN kernel takes such a row
@@ -328,6 +327,6 @@ def register() -> str:
     return NAME
 
 
-__all__ = ["AttentionKernelError", "AttnMask", "BACKENDS", "FLEX_BLOCK", "KERNELS", "KERNEL_CALLS", "NAME",
+__all__ = ["AttentionKernelError", "AttnMask", "BACKENDS", "FLEX_BLOCK", "KERNEL_CALLS", "NAME",
            "attend_mask", "attention", "choose", "cudnn_takes", "kernels", "lower_right", "padded_causal", "register",
            "use_backend"]
