@@ -113,8 +113,9 @@ def longest_row(cfg: TrainConfig, hf_config, world_size: int, limit: int = 2**20
     with its automatic long-row choices would accept: some configuration of those ``cfg`` leaves
     open (``_auto_options``: stages, whole rows or segments, tiled or not) fits, as
     ``resolve_long_rows`` and ``check_fits`` would find it (the same ``_fits_here``: on a machine
-    with a GPU, or with ``host_memory_gb``, the host memory too). Returns (tokens, the configuration ``resolve_long_rows``
-    picks at that length, the longest as whole rows); (0, None, 0) when not even ``step`` fits."""
+    with a GPU, or with ``host_memory_gb``, the host memory too). Returns (tokens, the
+    configuration ``resolve_long_rows`` picks at that length, the longest as whole rows);
+    (0, None, 0) when not even ``step`` fits."""
     stages, chunks, tiles = _auto_options(dataclasses.replace(cfg, seq_length=limit), hf_config, world_size)
     base = dataclasses.replace(cfg, allow_long_sequences=True)
 
