@@ -60,11 +60,16 @@ def _fewest_stages(cfg: TrainConfig, hf_config, size: int, stages: list[int], da
     return dataclasses.replace(cfg, num_stages=stages[hi])
 
 
+def _host_known(cfg: TrainConfig) -> bool:
+    """Whether the training machine's host memory is known here: on a machine with a GPU (that
+    machine), or ``host_memory_gb`` given; ``--plan`` for a GPU on a machine without one, told
+    nothing of the other's host, knows only the GPU's."""
+    return torch.cuda.is_available() or bool(cfg.host_memory_gb)
+
+
 def _fits_here(a: "Assessment", cfg: TrainConfig) -> bool:
-    """What an automatic choice must fit: the GPU, and the host memory of the machine that trains
-    where it is known: on a machine with a GPU (that machine), or ``host_memory_gb`` given; ``--plan``
-    for a GPU on a machine without one, told nothing of the other's host, checks the GPU alone."""
-    return a.fits if torch.cuda.is_available() or cfg.host_memory_gb else a.gpu_fits
+    """What an automatic choice must fit: the GPU, and the host memory where it is known."""
+    return a.fits if _host_known(cfg) else a.gpu_fits
 
 
 def resolve_long_rows(cfg: TrainConfig, hf_config, world_size: int, data_parallel: int = 1
@@ -147,7 +152,7 @@ def longest_row_line(cfg: TrainConfig, hf_config, world_size: int) -> str:
     """``--plan``'s line on the longest row that fits this GPU (``longest_row``): what a run of
     that length would be given, and the longest as whole rows where segments go further."""
     cap = gib(gpu_capacity(cfg) or 0)
-    if torch.cuda.is_available() or cfg.host_memory_gb:
+    if _host_known(cfg):
         cap += f" and {gib(host_capacity(cfg) or 0)} of host memory"
     rows = cfg.batch_size // cfg.num_chunks
     mbs = f"{cfg.num_chunks} micro-batch{'es' if cfg.num_chunks > 1 else ''}"

@@ -148,8 +148,8 @@ def folder_cycle(sources: dict[str, str]) -> list[str]:
     def visit(node: str, path: list[str]) -> list[str]:
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if state.get(nxt) == "open":  # on the path (no folder imports itself here)
+                return path[path.index(nxt):] + [node, nxt]
             if nxt not in state and (found := visit(nxt, path + [node])):
                 return found
         state[node] = "done"
