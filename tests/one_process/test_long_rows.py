@@ -228,6 +228,27 @@ def test_tiled_mlp_equals_the_untiled(arch, checkpointing):
         torch.testing.assert_close(stage(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_pass_no_longer_than_a_tile_keeps_no_mlp_intermediates():
+    """The plan counts a tiled MLP's pass shorter than a tile as one recomputed tile; kept
+    intermediates (intermediate_size wide) in a fused last stage put a 4-bit 70B run at 4K tokens
+    over its plan."""
+    config = make_config("llama", "sdpa")
+    (plain,) = make_stages(config)
+    x, targets = make_batch(config.vocab_size)
+    stage = _tiled_stage(config, plain, x.numel())
+    widths = []
+
+    def keep(t):
+        widths.append(t.shape[-1] if t.dim() else 0)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        got = reference(stage, x, targets)
+    assert config.intermediate_size not in widths, sorted(set(widths))
+    ref = reference(plain, x, targets)
+    assert not mismatch(ref, got, noise_floor(plain, x, targets, ref))
+
+
 def test_a_dropped_tile_fails(monkeypatch):
     config = make_config("llama", "sdpa")
     (plain,) = make_stages(config)
