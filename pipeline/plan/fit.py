@@ -16,7 +16,7 @@ from pipeline.config import ConfigError, TrainConfig, partition_counts
 from pipeline.spec.lora import (adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, quantized,
                                 trained_adapters)
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
-from pipeline.plan.partition import predicted_step_time, stage_layers
+from pipeline.spec.partition import predicted_step_time, stage_layers
 from pipeline.plan.layout import shards_step
 from pipeline.spec.programs import program_spec, tied_across_stages, trains_tied_copies
 from pipeline.spec.settings import compiles_layers, compute_dtype, fuses_last_stage

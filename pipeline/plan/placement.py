@@ -14,7 +14,7 @@ import torch
 
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv
-from pipeline.plan.partition import stage_layers
+from pipeline.spec.partition import stage_layers
 from pipeline.spec.programs import program_spec
 from pipeline.spec.shapes import stage_param_counts
 from pipeline.plan.topology import GpuLink, Topology, discover, load_topology_file

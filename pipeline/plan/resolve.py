@@ -21,7 +21,7 @@ from pipeline.plan.fit import resolve_kept, resolve_resident
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import resolve_long_rows
 from pipeline.plan.model_rules import check_choices
-from pipeline.plan.partition import stage_layers
+from pipeline.spec.partition import stage_layers
 from pipeline.plan.saved import saved_partition
 from pipeline.stage.selfcheck import generic_path_line
 

@@ -21,7 +21,7 @@ from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
 from pipeline.plan.layout import Layout, layout, shards_step
 from pipeline.spec.lora import LoraSettings, lora_settings
-from pipeline.plan.partition import stage_layers
+from pipeline.spec.partition import stage_layers
 from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
 from pipeline.spec.programs import build_programs, program_spec
 from pipeline.plan.resolve import Resolved, resolve_run
@@ -121,7 +121,7 @@ class Rank:
         placement: the stage -> rank mapping and why (``placement.choice``).
         loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
         schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
-        parts: each stage's decoder layers (``pipeline.plan.partition.stage_layers``).
+        parts: each stage's decoder layers (``pipeline.spec.partition.stage_layers``).
         stages, stores: this rank's stages and their parameter stores, by stage id.
         replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
         adapters: LoRA's settings (the stores train the adapters only), None for full fine-tuning.

@@ -113,7 +113,8 @@ def test_a_tie_right_after_the_last_stage_backward_deadlocks():
 def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     """``program_spec`` decides ``tied`` once, from the config and the model config: the run, the
     memory plan, the cost partition and the mapping planner all get the program with its TIE."""
-    from pipeline.plan import fit as plan, partition, placement
+    from pipeline.plan import fit as plan, placement
+    from pipeline.spec import partition
     from pipeline.config import make_config
     from pipeline.dist import DistEnv
     from pipeline.plan.source import preset_config

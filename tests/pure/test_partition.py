@@ -8,7 +8,7 @@ import pytest
 
 import schedule as sched
 from pipeline.config import ConfigError, make_config
-from pipeline.plan.partition import predicted_step_time, stage_costs, stage_layers
+from pipeline.spec.partition import predicted_step_time, stage_costs, stage_layers
 from pipeline.spec.shapes import partition_layers, stage_num_params
 from pipeline.plan.source import preset_config
 from schedule.partition import balance_layers, choose_counts
@@ -75,7 +75,7 @@ def test_stage_costs_count_the_head_and_recompute():
 @pytest.mark.parametrize("vocab", [512, 4096])
 @pytest.mark.parametrize("offload", [False, True])
 def test_cost_partition_covers_every_layer_once(stages, ranks, schedule, vocab, offload):
-    from pipeline.plan.partition import _cost_counts
+    from pipeline.spec.partition import _cost_counts
 
     hf = _llama(vocab)
     cfg = _cfg(num_stages=stages, schedule=schedule, use_offload=offload)
