@@ -546,5 +546,5 @@ def test_the_plan_asks_the_gpu_for_cudnn_in_the_dtype_it_will_compute_in(monkeyp
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(attention, "cudnn_takes", lambda device, dtype, *shape: asked.append((device, dtype)) or True)
     cfg = tiny_cfg(tiny_model_dir, dtype="auto", device="cuda", attn_implementation="auto")
-    assert fit._takes_cudnn(cfg, AutoConfig.from_pretrained(tiny_model_dir), "cuda")
+    assert fit.plan_spec(cfg, AutoConfig.from_pretrained(tiny_model_dir), 1, "cuda").kernels.cudnn
     assert asked == [(torch.device("cuda", 0), torch.bfloat16)]

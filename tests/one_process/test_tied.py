@@ -133,7 +133,7 @@ def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     seen = []
     monkeypatch.setattr(placement, "choose_mapping", lambda mode, n, s, **kw: seen.append(s) or
                         sched.round_robin(4, n))
-    placement.decide_placement(cfg, DistEnv(0, 2, 0, 2), hf, torch.device("cpu"), torch.float32)
+    placement.decide_placement(plan.plan_spec(cfg, hf, 2, "cpu"), DistEnv(0, 2, 0, 2), torch.device("cpu"))
     assert seen == [spec]
 
 

@@ -127,7 +127,7 @@ def test_memory_plan_and_plan_report_use_the_partition():
     counts = [len(p) for p in stage_layers(cfg, hf, 2)]
     assert counts != [1, 2, 2, 1] and sum(counts[1::2]) < 3, counts  # rank 1 (the head's) gives layers away
     parts = stage_layers(cfg, hf, 2)
-    inp, _ = plan._memory_inputs(cfg, hf, mapping, "cpu")
+    inp, _ = plan.memory_inputs(plan.plan_spec(cfg, hf, 2, "cpu"), mapping)
     assert [s.num_layers for s in inp.stages] == counts
     assert [s.numel for s in inp.stages] == [stage_num_params(hf, p, s == 0, s == 3) for s, p in enumerate(parts)]
     assert f"decoder layers per stage: {counts} (partition cost: predicted step " in plan.report(cfg, hf, mapping, 2)
