@@ -207,7 +207,7 @@ def build_log(cfg: TrainConfig, env: DistEnv, lay: Layout, placement: Placement)
 
 
 def build_weights(cfg: TrainConfig, spec: RunSpec, source: ModelSource, resume_point: checkpoint.ResumePoint | None,
-                  log: Log):
+                  log: Log) -> tuple:
     """(the directory the stages read their weights from, the saved adapter LoRA starts from or
     None). A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume
     from. LoRA: the base weights are the model's; a checkpoint holds only the adapters."""
@@ -364,6 +364,8 @@ def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None
     source = source or resolve_model(cfg, env.world_size)
     resolved = resolved or resolve_run(cfg, env.world_size, source.config)
     cfg, spec = resolved.cfg, resolved.spec
+    # rank 0 derived the spec (its dtype, kernels) for the device it saw; every rank computes on one alike
+    assert spec.device == device.type, f"the run spec is for {spec.device}, this rank computes on {device.type}"
     # data_parallel: this process is pipeline rank ``position`` of replica ``lay.replica``;
     # schedules, placement and plans are of one replica's pipeline (pipeline.run.replicas)
     lay = layout(cfg, env.rank, env.world_size)
