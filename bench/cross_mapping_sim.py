@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.config import TrainConfig, make_config  # noqa: E402
 from pipeline.plan.source import preset_config
 from pipeline.spec.shapes import stage_param_counts  # noqa: E402
-from pipeline.plan.partition import stage_layers  # noqa: E402
+from pipeline.spec.partition import stage_layers  # noqa: E402
 from pipeline.spec.programs import program_spec  # noqa: E402
 from schedule.mapping import compare_mappings  # noqa: E402
 

@@ -123,7 +123,7 @@ def our_plan(args, tokens: int, variant: str | None) -> dict:
     except Exception as e:  # noqa: BLE001 - a plan error is the row's status, not the bench's end
         return {"plan_error": f"{type(e).__name__}: {e}"}
     one = resolved.replica
-    a = plan_mod.assess(one, hf, round_robin(one.num_stages, args.gpus), resolved.kept)
+    a = plan_mod.assess_spec(resolved.spec, round_robin(one.num_stages, args.gpus))
     worst = a.worst
     return {"num_stages": one.num_stages, "seq_chunks": one.seq_chunks, "tiled_mlp": one.tiled_mlp,
             "plan_gib": worst.device_peak / GiB, "plan_at": worst.at, "plan_fits": a.fits,

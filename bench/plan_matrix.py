@@ -90,7 +90,7 @@ def row_flags(job: str, tokens: int | None, short: bool, cap_gb: float, host_gb:
 def plan_of(flags: list[str]) -> dict:
     """What the plan resolves and estimates for ``flags`` (on this machine: its GPU's kernels)."""
     from pipeline.config import parse_args
-    from pipeline.plan.fit import assess
+    from pipeline.plan.fit import assess_spec
     from pipeline.plan.preflight import read_model
     from pipeline.plan.resolve import resolve
     from schedule import round_robin
@@ -102,7 +102,7 @@ def plan_of(flags: list[str]) -> dict:
     except Exception as e:  # noqa: BLE001 - a plan error is the row's status, not the bench's end
         return {"plan_error": f"{type(e).__name__}: {e}"}
     one = r.replica
-    a = assess(one, hf, round_robin(one.num_stages, 1), r.kept)
+    a = assess_spec(r.spec, round_robin(one.num_stages, 1))
     return {"num_stages": one.num_stages, "seq_chunks": one.seq_chunks, "tiled_mlp": one.tiled_mlp,
             "resident_stages": one.resident_stages, "plan_gib": a.worst.device_peak / GiB, "plan_at": a.worst.at,
             "plan_host_gib": a.total_host / GiB, "plan_fits": a.fits,
@@ -347,12 +347,12 @@ def replan(rows: list[dict]) -> str:
     from pipeline.plan.resolve import resolve
     from schedule import round_robin
 
-    def as_on_a_gpu(cfg, hf, device):
-        return device == "cuda" and cfg.attention_backend == "auto" and not cfg.packing
+    def as_on_a_gpu(dtype, *heads):  # the GPU's answer where the rows are cuDNN's candidates
+        return True
 
     out = ["| row | GPU GiB measured | plan then | plan now | under plan now | host GiB measured | plan then | "
            "plan now | under plan now |", "|---|---|---|---|---|---|---|---|---|"]
-    probe = contextlib.nullcontext() if torch.cuda.is_available() else mock.patch.object(fit, "_takes_cudnn",
+    probe = contextlib.nullcontext() if torch.cuda.is_available() else mock.patch.object(fit, "cudnn_probe",
                                                                                         as_on_a_gpu)
     with probe:
         for r in rows:
@@ -367,7 +367,7 @@ def replan(rows: list[dict]) -> str:
             cfg, _, _ = parse_args(flags)
             hf = read_model(cfg, 1).config
             res = resolve(cfg, 1, hf)
-            a = fit.assess(res.replica, hf, round_robin(cfg.num_stages, 1), res.kept)
+            a = fit.assess_spec(res.spec, round_robin(cfg.num_stages, 1))
             gpu, host = a.worst.device_peak / GiB, a.total_host / GiB
             out.append(f"| {r['name']} | {r['gpu_gib']:.2f} | {r['plan_gib']:.2f} | {gpu:.2f} | "
                        f"{100 * (1 - r['gpu_gib'] / gpu):.1f}% | {r['rss_gib']:.2f} | {r['plan_host_gib']:.2f} | "

@@ -29,7 +29,7 @@ from pipeline.config import make_config  # noqa: E402
 from pipeline.plan.source import PRESETS, preset_config
 from pipeline.spec.shapes import stage_param_counts  # noqa: E402
 from pipeline.spec.settings import compute_dtype  # noqa: E402
-from pipeline.plan.partition import stage_layers  # noqa: E402
+from pipeline.spec.partition import stage_layers  # noqa: E402
 from pipeline.spec.programs import program_spec  # noqa: E402
 from pipeline.plan.layout import replica_config  # noqa: E402
 from pipeline.run.timeline import calibrated_prediction, measured_step_time, read_chrome_trace  # noqa: E402

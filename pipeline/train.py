@@ -8,7 +8,7 @@ import torch
 import schedule as sched
 from pipeline.config import TrainConfig
 from pipeline.dist import DistEnv, broadcast_object
-from pipeline.plan.fit import assess, assessment_report, device_type, gpu_capacity, machine_line
+from pipeline.plan.fit import assess_spec, assessment_report, gpu_capacity, machine_line
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import longest_row_line
 from pipeline.plan.placement import load_topology, plan_text
@@ -27,17 +27,18 @@ def plan_report(cfg: TrainConfig, world_size: int) -> tuple[str, bool]:
         build_model(cfg)
     source = read_model(cfg, world_size)
     whole, resolved = cfg, resolve_run(cfg, world_size, source.config)
-    cfg, world_size = resolved.replica, resolved.pipeline_size  # data_parallel: one replica's pipeline
+    spec = resolved.spec
+    cfg, world_size = spec.cfg, spec.num_ranks  # data_parallel: one replica's pipeline
     mapping = sched.round_robin(cfg.num_stages, world_size)
-    a = assess(cfg, source.config, mapping, resolved.kept, replicas=(whole.data_parallel, whole.data_parallel))
-    first, *rest = assessment_report(a, cfg, source.config, mapping, world_size).split("\n")
+    a = assess_spec(spec, mapping, here=whole.data_parallel)
+    first, *rest = assessment_report(a, spec, mapping).split("\n")
     text = "\n".join([first, machine_line(whole, whole.data_parallel * world_size), *rest])
     text += "".join(f"\n{line}" for line in resolved.lines)
-    if device_type(cfg) == "cuda" and gpu_capacity(cfg) is not None:
+    if spec.device == "cuda" and gpu_capacity(cfg) is not None:
         text += "\n" + longest_row_line(replica_config(whole), source.config, world_size)
     topo = load_topology(cfg, discover_ok=torch.cuda.is_available())
     if topo is not None:
-        text += "\n" + plan_text(cfg, source.config, topo)
+        text += "\n" + plan_text(spec, topo)
     if whole.data_parallel > 1:
         text += (f"\ndata_parallel: {whole.data_parallel} replicas of this {world_size}-rank pipeline, "
                  f"{whole.data_parallel * world_size} processes; each replica runs {cfg.num_chunks} of the "
@@ -74,19 +75,17 @@ def train(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None) -> 
     # Before any weight is read: a run that cannot fit stops here, with advice. What is checked
     # is one replica's pipeline; any mapping the placement picks gives each rank the stages of
     # some rank under round-robin, so the per-rank estimates are the same.
-    replica_cfg, size = resolved.replica, resolved.pipeline_size
-    here = max(1, min(cfg.data_parallel, env.local_world_size // size))  # the replicas on this node
-    check_fits(replica_cfg, source.config, sched.round_robin(replica_cfg.num_stages, size), size, resolved.kept,
-               replicas=(here, cfg.data_parallel))
+    spec = resolved.spec
+    here = max(1, min(cfg.data_parallel, env.local_world_size // spec.num_ranks))  # the replicas on this node
+    mapping = sched.round_robin(spec.num_stages, spec.num_ranks)
+    check_fits(spec, mapping, here)
     trainer = Trainer(cfg, env, source, resolved)
     try:
         history = trainer.train()
     except OutOfMemory as e:  # one line with the plan's figure and what to change, not a traceback
         from pipeline.plan.fit import out_of_memory_line
 
-        raise TrainingError(out_of_memory_line(e, replica_cfg, source.config,
-                                               sched.round_robin(replica_cfg.num_stages, size), size,
-                                               resolved.kept, (here, cfg.data_parallel))) from None
+        raise TrainingError(out_of_memory_line(e, spec, mapping, here)) from None
     cfg = trainer.cfg
     if trainer.start_iteration >= cfg.num_iterations:
         return history  # a finished run resumed: its outputs are there already

@@ -11,16 +11,14 @@ import torch
 
 import schedule as sched
 from schedule.ir import offloaded_stages, tied_stages
-from models import attn_implementation, head_dim, kv_heads, spec_for
 from pipeline.config import ConfigError, TrainConfig, partition_counts
-from pipeline.spec.lora import (adapted_per_layer, adapter_numel, adapts_mlp_width, lora_settings, quantized,
-                                trained_adapters)
+from pipeline.spec.lora import adapted_per_layer, adapter_numel, adapts_mlp_width, quantized
 from pipeline.plan.memory import MemoryInputs, ModelShape, RankMemory, StagePlan, estimate, estimate_rank, gib
-from pipeline.plan.partition import predicted_step_time, stage_layers
+from pipeline.spec.partition import predicted_step_time
 from pipeline.plan.layout import shards_step
-from pipeline.spec.programs import program_spec, tied_across_stages, trains_tied_copies
-from pipeline.spec.settings import compiles_layers, compute_dtype, fuses_last_stage
-from pipeline.spec.shapes import mlp_tile_tokens, model_key_cost, partition_layers, segment_lengths, stage_param_counts
+from pipeline.spec.programs import tied_across_stages, trains_tied_copies
+from pipeline.spec.run_spec import RunSpec, build_run_spec
+from pipeline.spec.shapes import partition_layers, stage_param_counts
 
 # Share of the GPU memory the estimate may use: the CUDA context, NCCL buffers and the caching
 # allocator's fragmentation take the rest (peak reserved runs a few percent above allocated).
@@ -65,8 +63,26 @@ def machine_line(cfg: TrainConfig, world_size: int) -> str:
     return f"machine: {where}; {host}"
 
 
-def dtype_bytes(cfg: TrainConfig, device: str) -> int:
-    return compute_dtype(cfg, torch.device(device)).itemsize
+def plan_spec(cfg: TrainConfig, hf_config, num_ranks: int, device: str | None = None,
+              kept: tuple[int, ...] | None = None, data_parallel: int = 1) -> RunSpec:
+    """The run spec of ``cfg`` (one replica's pipeline, of ``data_parallel``, on ``num_ranks``
+    ranks) as the plan weighs it: on ``device`` (default: the one ``--plan`` plans for), the GPU
+    asked whether cuDNN takes its rows. ``resolve`` builds the run's with it, the searches and
+    the advice each candidate's."""
+    return build_run_spec(cfg, hf_config, num_ranks, device or device_type(cfg), kept=kept,
+                          data_parallel=data_parallel, cudnn_probe=cudnn_probe)
+
+
+def cudnn_probe(dtype: torch.dtype, heads: int, kv: int, head_size: int) -> bool:
+    """Whether sdpa's cuDNN kernel takes whole rows of these heads in ``dtype``, asked of the GPU
+    itself (``pipeline.stage.attention``); no without a visible GPU. Otherwise the plan counts
+    flash's buffers (the larger: a run the plan accepts must not run out of memory whichever
+    kernel it meets)."""
+    if not torch.cuda.is_available():
+        return False
+    from pipeline.stage import attention as kernels
+
+    return kernels.cudnn_takes(torch.device("cuda", torch.cuda.current_device()), dtype, heads, kv, head_size)
 
 
 def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
@@ -75,70 +91,31 @@ def memory_plan(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
     resolved by ``resolve_resident``, ``kept`` by ``resolve_kept``; unresolved, -1 counts as 0).
     ``cfg`` is one replica's pipeline; ``data_parallel``: of how many (the replicas' gradient sum
     keeps an fp32 copy of each resident stage's gradient)."""
-    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept, data_parallel)
-    return estimate(inp, program), program
+    spec = plan_spec(cfg, hf_config, len(set(mapping)), device, kept, data_parallel)
+    inp, program = memory_inputs(spec, mapping)
+    return estimate(inp, program, spec.modes), program
 
 
-def _memory_inputs(cfg: TrainConfig, hf_config, mapping: list[int], device: str,
-                   kept: tuple[int, ...] | None = None, data_parallel: int = 1) -> tuple[MemoryInputs, dict]:
-    S = cfg.num_stages
-    parts = stage_layers(cfg, hf_config, len(set(mapping)))
-    counts = stage_param_counts(hf_config, S, parts)
-    adapters = lora_settings(cfg, hf_config)
+def memory_inputs(spec: RunSpec, mapping: list[int]) -> tuple[MemoryInputs, dict]:
+    """What the memory plan walks for ``spec`` with the stages on ``mapping``, and every rank's
+    program: read from the spec alone."""
+    cfg, hf_config, S, adapters = spec.cfg, spec.model, spec.num_stages, spec.adapters
+    counts = stage_param_counts(hf_config, S, list(spec.parts))
     base = adapters.base if adapters is not None else None
-    stages = [StagePlan(counts[s], len(parts[s]), s == 0, s == S - 1, adapter_numel(hf_config, adapters, parts[s]),
-                        quantized(hf_config, base, parts[s])) for s in range(S)]
-    spec = program_spec(cfg, hf_config)
-    program = spec.build(mapping)
+    stages = [StagePlan(counts[s], len(part), s == 0, s == S - 1, adapter_numel(hf_config, adapters, part),
+                        quantized(hf_config, base, part)) for s, part in enumerate(spec.parts)]
+    program = spec.program.build(mapping)
     inp = MemoryInputs(ModelShape.of(hf_config), stages, mapping, cfg.batch_size // cfg.num_chunks, cfg.seq_length,
-                       dtype_bytes(cfg, device), cfg.use_offload, cfg.activation_checkpointing,
-                       attn=attention(cfg, hf_config), cpu=device == "cpu",
-                       kept=kept if kept is not None else (max(cfg.keep_layers, 0),) * S,
-                       segments=_segments(cfg, hf_config), activation_offload=cfg.activation_offload,
-                       fused_last=fuses_last_stage(cfg), mlp_tile_tokens=_tile_tokens(cfg, hf_config, device),
-                       compiled=compiles_layers(cfg, device, spec_for(hf_config).moe is not None),
-                       cudnn=_takes_cudnn(cfg, hf_config, device), lora_rank=cfg.lora_rank,
+                       spec.dtype.itemsize, cfg.use_offload, cfg.activation_checkpointing,
+                       attn=spec.kernels.attention, cpu=spec.device == "cpu", kept=spec.kept,
+                       segments=spec.segments, activation_offload=cfg.activation_offload,
+                       mlp_tile_tokens=spec.kernels.mlp_tile_tokens, compiled=spec.kernels.compiled,
+                       cudnn=spec.kernels.cudnn,
+                       lora_rank=adapters.rank if adapters is not None else 0,
                        lora_modules=adapted_per_layer(hf_config, adapters),
                        lora_mlp=adapts_mlp_width(hf_config, adapters), delayed=cfg.delayed_update,
-                       summed=data_parallel > 1, device_stepped=spec.device_stepped(mapping))
+                       summed=spec.data_parallel > 1, device_stepped=spec.program.device_stepped(mapping))
     return inp, program
-
-
-def _takes_cudnn(cfg: TrainConfig, hf_config, device: str) -> bool:
-    """Whether this run's whole rows take sdpa's cuDNN kernel (``pipeline.stage.attention``), asked
-    of the GPU itself: plain causal rows of a model with no sliding window, the ``auto`` backend,
-    a visible GPU. Otherwise the plan counts flash's buffers (the larger: a run the plan accepts
-    must not run out of memory whichever kernel it meets)."""
-    if device != "cuda" or cfg.attention_backend != "auto" or cfg.packing or not torch.cuda.is_available():
-        return False
-    if attention(cfg, hf_config) != "sdpa" or any(k.window for k in spec_for(hf_config).layer_kinds(hf_config)):
-        return False
-    from pipeline.stage import attention as kernels
-
-    gpu = torch.device("cuda", torch.cuda.current_device())
-    return kernels.cudnn_takes(gpu, compute_dtype(cfg, gpu),
-                               hf_config.num_attention_heads, kv_heads(hf_config), head_dim(hf_config))
-
-
-def _tile_tokens(cfg: TrainConfig, hf_config, device: str) -> int:
-    """Tokens per MLP tile with ``tiled_mlp: true`` (0 untiled; auto counts as untiled until resolved)."""
-    if cfg.tiled_mlp != "true":
-        return 0
-    return mlp_tile_tokens(ModelShape.of(hf_config).intermediate, dtype_bytes(cfg, device))
-
-
-def attention(cfg: TrainConfig, hf_config) -> str:
-    """The attention kernel the run uses (``source.attention_kernel`` resolved ``auto`` into the
-    model config; a config not resolved yet counts as sdpa)."""
-    if cfg.attn_implementation != "auto":
-        return cfg.attn_implementation
-    kernel = attn_implementation(hf_config)
-    return kernel if kernel in ("eager", "sdpa") else "sdpa"
-
-
-def _segments(cfg: TrainConfig, hf_config) -> tuple[int, ...]:
-    """The segment lengths of a full-width row (``seq_chunks``), () for whole rows."""
-    return segment_lengths(cfg.seq_length, cfg.seq_chunks, model_key_cost(hf_config)) if cfg.seq_chunks > 1 else ()
 
 
 def gpu_capacity(cfg: TrainConfig) -> int | None:
@@ -225,32 +202,32 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int, data_parallel: in
     ``AUTO_RESIDENT_FRACTION`` of the GPU, after ``resolve_resident`` has spent its share: each
     kept layer saves one layer forward per micro-batch in backward. Without a GPU it is 0."""
     S = cfg.num_stages
-    layers = [len(p) for p in stage_layers(cfg, hf_config, world_size)]
+    spec = plan_spec(cfg, hf_config, world_size, kept=(0,) * S, data_parallel=data_parallel)
+    layers = [len(p) for p in spec.parts]
     if not cfg.activation_checkpointing:
         return (0,) * S, ""
     if cfg.activation_offload:
         # nothing to choose: the backward recomputes each stage whole, once, from its input
         return (0,) * S, f"recompute: activation_offload recomputes every stage whole in its backward, " \
                          f"0 of {sum(layers)} decoder layers checkpointed (keep_layers unused)"
-    device = device_type(cfg)
     # The fused last stage recomputes nothing: every layer of it keeps its activations (for the
     # one micro-batch whose forward runs its backward), whatever keep_layers says.
-    fused = fuses_last_stage(cfg)
+    fused = spec.modes[-1].fused_last
     if cfg.keep_layers >= 0:
         kept, why = [min(cfg.keep_layers, n) for n in layers], "as set"
-    elif device != "cuda":
+    elif spec.device != "cuda":
         kept, why = [0] * S, "auto: no GPU"
     else:
         cap = auto_capacity(cfg, "keep_layers", "0 or more (layers per stage)")
         limit, mapping = AUTO_RESIDENT_FRACTION * cap, sched.round_robin(S, world_size)
-        inp, program = _memory_inputs(cfg, hf_config, mapping, device, (0,) * S, data_parallel)
+        inp, program = memory_inputs(spec, mapping)
         kept = [0] * (S - 1) + [layers[-1] if fused else 0]
 
         def peak_with(s: int) -> int:
             trial = dataclasses.replace(inp, kept=tuple(k + (i == s) for i, k in enumerate(kept)))
-            return estimate_rank(trial, mapping[s], program[mapping[s]]).device_peak
+            return estimate_rank(trial, mapping[s], program[mapping[s]], spec.modes).device_peak
 
-        peaks = {r: estimate_rank(inp, r, program[r]).device_peak for r in program}
+        peaks = {r: estimate_rank(inp, r, program[r], spec.modes).device_peak for r in program}
         trials = {s: peak_with(s) for s in range(S) if kept[s] < layers[s]}
         while True:
             fits = [(trials[s] - peaks[mapping[s]], -s) for s in trials if trials[s] <= limit]
@@ -272,9 +249,9 @@ def resolve_kept(cfg: TrainConfig, hf_config, world_size: int, data_parallel: in
     return tuple(kept), line
 
 
-def partition_line(cfg: TrainConfig, hf_config, num_ranks: int) -> str:
+def partition_line(spec: RunSpec) -> str:
     """The decoder layers per stage, and with ``partition: cost`` the step times it compared."""
-    parts = stage_layers(cfg, hf_config, num_ranks)
+    cfg, hf_config, num_ranks, parts = spec.cfg, spec.model, spec.num_ranks, list(spec.parts)
     line = f"decoder layers per stage: {[len(p) for p in parts]} (partition {cfg.partition}"
     if cfg.partition == "cost" and cfg.num_stages > 1:
         even = partition_layers(hf_config.num_hidden_layers, cfg.num_stages)
@@ -360,20 +337,29 @@ class Assessment:
 def assess(cfg: TrainConfig, hf_config, mapping: list[int], kept: tuple[int, ...] | None = None,
            replicas: tuple[int, int] = (1, 1)) -> Assessment:
     """``cfg``'s memory against this machine's (``cfg`` of one pipeline; ``replicas``: with
-    ``data_parallel``, how many replicas this host holds and of how many)."""
-    device = device_type(cfg)
+    ``data_parallel``, how many replicas this host holds and of how many): a candidate's, whose
+    spec ``plan_spec`` builds."""
     here, D = replicas
-    inp, program = _memory_inputs(cfg, hf_config, mapping, device, kept, D)
-    return Assessment(estimate(inp, program), program, device, gpu_capacity(cfg) if device == "cuda" else None,
-                      host_capacity(cfg), here, D, _sharded_adamw(cfg, hf_config, inp, program, D))
+    return assess_spec(plan_spec(cfg, hf_config, len(set(mapping)), kept=kept, data_parallel=D), mapping, here)
 
 
-def _sharded_adamw(cfg: TrainConfig, hf_config, inp: MemoryInputs, program: dict, D: int) -> int:
-    """AdamW bytes of the stages whose CPU step ``D`` replicas shard (``layout.shards_step``)."""
+def assess_spec(spec: RunSpec, mapping: list[int], here: int = 1) -> Assessment:
+    """The memory of the run ``spec`` with its stages on ``mapping`` against this machine's
+    (``here``: with ``data_parallel``, the replicas this host holds)."""
+    cfg = spec.cfg
+    inp, program = memory_inputs(spec, mapping)
+    return Assessment(estimate(inp, program, spec.modes), program, spec.device,
+                      gpu_capacity(cfg) if spec.device == "cuda" else None, host_capacity(cfg), here,
+                      spec.data_parallel, _sharded_adamw(spec, inp, program))
+
+
+def _sharded_adamw(spec: RunSpec, inp: MemoryInputs, program: dict) -> int:
+    """AdamW bytes of the stages whose CPU step the replicas shard (``layout.shards_step``)."""
+    cfg, D = spec.cfg, spec.data_parallel
     if D == 1:
         return 0
     whole = dataclasses.replace(cfg, data_parallel=D)  # ``cfg`` is one replica's
-    tied = set(tied_stages(cfg.num_stages)) if tied_across_stages(cfg.num_stages, hf_config) else set()
+    tied = set(tied_stages(cfg.num_stages)) if tied_across_stages(cfg.num_stages, spec.model) else set()
     off = offloaded_stages(program)
     return sum(8 * inp.stages[s].numel for s in range(cfg.num_stages)
                if shards_step(whole, s in off, s in tied, inp.stages[s].numel))
@@ -407,10 +393,11 @@ def _auto_stages(cfg: TrainConfig, hf_config, world_size: int) -> list[tuple[str
     return [(f"num_stages: -1 (the plan picks {chosen.num_stages})", chosen)]
 
 
-def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
-               kept: tuple[int, ...] | None = None, replicas: tuple[int, int] = (1, 1)) -> None:
-    """Raise ConfigError, with advice, when the estimate exceeds the GPU (or host) memory."""
-    a = assess(cfg, hf_config, mapping, kept, replicas)
+def check_fits(spec: RunSpec, mapping: list[int], here: int = 1) -> None:
+    """Raise ConfigError, with advice, when the estimate of ``spec`` on ``mapping`` exceeds the
+    GPU (or host) memory (``here`` as for ``assess_spec``)."""
+    cfg = spec.cfg
+    a = assess_spec(spec, mapping, here)
     if a.fits:
         return
     if not a.gpu_fits:
@@ -419,18 +406,18 @@ def check_fits(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
     else:
         need = f"needs about {gib(a.total_host)} of host memory but {gib(a.host or 0)} is " + \
             ("host_memory_gb" if cfg.host_memory_gb else "available")
-    tips = advice(cfg, hf_config, world_size, replicas)
+    tips = advice(cfg, spec.model, spec.num_ranks, (here, spec.data_parallel))
     hint = "; try one of: " + "; ".join(tips) if tips else \
         "; no single change of checkpointing, offload, micro-batch size, stages, schedule or seq_chunks is enough"
     raise ConfigError(f"this configuration does not fit: it {need}{hint} (--plan shows each rank's memory)")
 
 
-def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
-                       kept: tuple[int, ...] | None = None, replicas: tuple[int, int] = (1, 1)) -> str:
+def out_of_memory_line(err, spec: RunSpec, mapping: list[int], here: int = 1) -> str:
     """One line for a run that ran out of GPU memory although the plan accepted it: the action
     and what it asked for (``executor.OutOfMemory``), the plan's peak for that rank, and the single
-    changes whose plans leave the margin the run lacked (``replicas`` as for ``assess``)."""
-    a = assess(cfg, hf_config, mapping, kept, replicas)
+    changes whose plans leave the margin the run lacked (``here`` as for ``assess_spec``)."""
+    cfg, hf_config, world_size, replicas = spec.cfg, spec.model, spec.num_ranks, (here, spec.data_parallel)
+    a = assess_spec(spec, mapping, here)
     rank = next((r for r in a.ranks if r.rank == err.rank), a.worst)
     tried = err.tried or 0
     need = err.allocated + tried
@@ -455,14 +442,13 @@ def out_of_memory_line(err, cfg: TrainConfig, hf_config, mapping: list[int], wor
                    "; no single change leaves that margin: use a shorter seq_length or more GPUs")
 
 
-def _lora_lines(cfg: TrainConfig, hf_config, device: str) -> list[str]:
+def _lora_lines(spec: RunSpec) -> list[str]:
     """LoRA's line of the plan: what trains, and what the frozen base weights cost."""
-    adapters = lora_settings(cfg, hf_config)
+    cfg, hf_config, adapters = spec.cfg, spec.model, spec.adapters
     if adapters is None:
         return []
-    S, d = cfg.num_stages, dtype_bytes(cfg, device)
-    trained = trained_adapters(cfg, hf_config)
-    frozen = sum(stage_param_counts(hf_config, S, stage_layers(cfg, hf_config, 1)))
+    d, trained = spec.dtype.itemsize, spec.trained_adapters
+    frozen = sum(stage_param_counts(hf_config, spec.num_stages, list(spec.parts)))
     q = quantized(hf_config, adapters.base, range(hf_config.num_hidden_layers))
     held = (f"{gib((frozen - q.numel) * d + q.nbytes)}: {q.numel / 1e9:.2f}B of them in {adapters.base.describe()} "
             f"with their scales ({gib(q.nbytes)}), the rest in the compute dtype" if adapters.base is not None
@@ -475,24 +461,25 @@ def _lora_lines(cfg: TrainConfig, hf_config, device: str) -> list[str]:
 
 def report(cfg: TrainConfig, hf_config, mapping: list[int], world_size: int,
            kept: tuple[int, ...] | None = None) -> str:
-    """The text ``--plan`` prints."""
-    return assessment_report(assess(cfg, hf_config, mapping, kept), cfg, hf_config, mapping, world_size)
+    """The text ``--plan`` prints for a candidate ``cfg`` (one pipeline on ``world_size`` ranks)."""
+    spec = plan_spec(cfg, hf_config, world_size, kept=kept)
+    return assessment_report(assess_spec(spec, mapping), spec, mapping)
 
 
-def assessment_report(a: Assessment, cfg: TrainConfig, hf_config, mapping: list[int], world_size: int) -> str:
-    """The text ``--plan`` prints of the assessment ``a`` of ``cfg``."""
+def assessment_report(a: Assessment, spec: RunSpec, mapping: list[int]) -> str:
+    """The text ``--plan`` prints of the assessment ``a`` of ``spec`` on ``mapping``."""
+    cfg, hf_config, world_size = spec.cfg, spec.model, spec.num_ranks
     tokens = cfg.batch_size // cfg.num_chunks * cfg.seq_length
-    segs = f" in {cfg.seq_chunks} sequence segments of {list(_segments(cfg, hf_config))} columns" \
-        if cfg.seq_chunks > 1 else ""
+    segs = f" in {cfg.seq_chunks} sequence segments of {list(spec.segments)} columns" if cfg.seq_chunks > 1 else ""
     lines = [f"plan: {cfg.num_stages} stages of {hf_config.num_hidden_layers} layers on {world_size} processes "
-             f"({a.device}, {dtype_bytes(cfg, a.device) * 8}-bit compute), schedule {cfg.schedule}, "
+             f"({a.device}, {spec.dtype.itemsize * 8}-bit compute), schedule {cfg.schedule}, "
              f"{cfg.num_chunks} micro-batches of {cfg.batch_size // cfg.num_chunks}x{cfg.seq_length} "
              f"({tokens} tokens){segs}, offload={cfg.use_offload} prefetch={cfg.use_prefetch} "
              f"{f'resident_stages={cfg.resident_stages} ' if cfg.use_offload else ''}"
              f"checkpointing={cfg.activation_checkpointing} activation_offload={cfg.activation_offload}",
              f"stage -> rank: {mapping}",
-             partition_line(cfg, hf_config, len(set(mapping))),
-             *_lora_lines(cfg, hf_config, a.device),
+             partition_line(spec),
+             *_lora_lines(spec),
              "rank  stages      peak device  (params / activations / in flight / transient)  at     host"]
     for r in a.ranks:
         mine = [s for s, m in enumerate(mapping) if m == r.rank]
@@ -518,6 +505,6 @@ def assessment_report(a: Assessment, cfg: TrainConfig, hf_config, mapping: list[
     return "\n".join(lines)
 
 
-__all__ = ["Assessment", "advice", "assess", "assessment_report", "check_fits", "host_capacity", "machine_line",
-           "memory_plan", "out_of_memory_line", "partition_line", "report", "resolve_kept",
-           "resolve_resident"]
+__all__ = ["Assessment", "advice", "assess", "assess_spec", "assessment_report", "check_fits", "cudnn_probe",
+           "host_capacity", "machine_line", "memory_inputs", "memory_plan", "out_of_memory_line", "partition_line",
+           "plan_spec", "report", "resolve_kept", "resolve_resident"]

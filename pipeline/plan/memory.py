@@ -4,7 +4,7 @@ No weights are loaded and no tensor is made: the estimate walks each rank's acti
 keeps a ledger of what the executor and the stores hold at every action (``footprint.Ledger``).
 The walk counts the parameter actions itself; every FORWARD and BACKWARD is counted by its
 stage's runner (``pipeline.runners``: ``Runner.account``), the same object that runs it, chosen
-by the same ``runner_for`` from the same mode. The walk has no mode of its own.
+by the same ``runner_for`` from the same mode (``RunSpec.modes``). The walk has no mode of its own.
 
 * **Parameters.** Resident stages keep the compute copy, its gradient, the fp32 masters, their
   gradient and AdamW's two moments on the device. For offloaded stages (with offload, those
@@ -43,22 +43,23 @@ by the same ``runner_for`` from the same mode. The walk has no mode of its own.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from pipeline.spec.footprint import (GiB, Ledger, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
                                      layer_saved_bytes_per_token)
 from pipeline.runners import Mode, runner_for
 from schedule.ir import Action, Op
 
 
-def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMemory:
-    """Walk one rank's action list and return its peak device memory and its host memory.
+def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action], modes: Sequence[Mode]) -> RankMemory:
+    """Walk one rank's action list and return its peak device memory and its host memory;
+    ``modes``: each stage's in training (``RunSpec.modes``), whose runners count its computes.
 
     The offload pool keeps its buffers from one iteration to the next: a buffer the first
     iteration makes late (a first stage's gradients, say) is on the device through the next
     iteration's earlier actions too. So the list is walked twice, and the second walk, which
     starts with every buffer the first made, is the estimate."""
-    segmented = bool(inp.segments)
-    runners = {s: runner_for(Mode(True, st.last, inp.fused_last, inp.activation_offload, segmented))
-               for s, st in enumerate(inp.stages) if inp.mapping[s] == rank}
+    runners = {s: runner_for(modes[s]) for s in range(len(inp.stages)) if inp.mapping[s] == rank}
 
     def walk(pool: dict[int, int] | None) -> Ledger:
         ledger = Ledger(inp, rank, actions, pool)
@@ -75,8 +76,8 @@ def estimate_rank(inp: MemoryInputs, rank: int, actions: list[Action]) -> RankMe
     return walk(first.pool_made).finish()
 
 
-def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]]) -> list[RankMemory]:
-    return [estimate_rank(inp, r, schedule[r]) for r in sorted(schedule)]
+def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]], modes: Sequence[Mode]) -> list[RankMemory]:
+    return [estimate_rank(inp, r, schedule[r], modes) for r in sorted(schedule)]
 
 
 __all__ = ["GiB", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "estimate", "estimate_rank", "gib",

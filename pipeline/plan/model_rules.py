@@ -20,7 +20,7 @@ from typing import Any, Callable
 from models import UnsupportedModel, spec_for, supports_sdpa
 from pipeline.config import ALL_LINEAR, ConfigError, TrainConfig, lora_targets
 from pipeline.spec.lora import adapter_config, adapter_flags, adapter_mismatches, linear_names, lora_settings
-from pipeline.plan.partition import given_counts
+from pipeline.spec.partition import given_counts
 from pipeline.spec.programs import trains_tied_copies
 from pipeline.stage.selfcheck import family_spec
 

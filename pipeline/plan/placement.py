@@ -14,8 +14,7 @@ import torch
 
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv
-from pipeline.plan.partition import stage_layers
-from pipeline.spec.programs import program_spec
+from pipeline.spec.run_spec import RunSpec, build_run_spec
 from pipeline.spec.shapes import stage_param_counts
 from pipeline.plan.topology import GpuLink, Topology, discover, load_topology_file
 from schedule.mapping import MappingChoice, choose_mapping, describe_plan
@@ -82,15 +81,16 @@ def load_topology(cfg: TrainConfig, discover_ok: bool) -> Topology | None:
     return discover() if discover_ok else None
 
 
-def decide_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device, dtype: torch.dtype) -> Placement:
-    S = cfg.num_stages
-    elem = torch.empty(0, dtype=dtype).element_size()
-    stage_bytes = [n * elem for n in stage_param_counts(hf_config, S, stage_layers(cfg, hf_config, env.world_size))]
+def decide_placement(spec: RunSpec, env: DistEnv, device: torch.device) -> Placement:
+    """The mapping of ``spec``'s stages onto the ``env.world_size`` ranks of one pipeline."""
+    cfg = spec.cfg
+    elem = torch.empty(0, dtype=spec.dtype).element_size()
+    stage_bytes = [n * elem for n in stage_param_counts(spec.model, spec.num_stages, list(spec.parts))]
     topo = load_topology(cfg, discover_ok=device.type == "cuda" and cfg.mapping == "planned")
     groups, links, why = rank_topology(topo, env)
     try:
         choice = choose_mapping(
-            cfg.mapping, env.world_size, program_spec(cfg, hf_config), rank_groups=groups, rank_link_gbps=links,
+            cfg.mapping, env.world_size, spec.program, rank_groups=groups, rank_link_gbps=links,
             stage_bytes=stage_bytes, tokens_per_microbatch=cfg.batch_size // cfg.num_chunks * cfg.seq_length,
             tflops=cfg.plan_tflops, has_gpus=device.type == "cuda", stagger=cfg.stagger_loads,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -100,11 +100,15 @@ def decide_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.de
     return Placement(choice, groups, links, stage_bytes)
 
 
-def plan_text(cfg: TrainConfig, hf_config, topology: Topology) -> str:
-    """``schedule.mapping.describe_plan`` for a run's config and model config (for ``--plan``);
-    assumes bf16 parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``."""
-    params = stage_param_counts(hf_config, cfg.num_stages, stage_layers(cfg, hf_config, len(topology.groups())))
-    return describe_plan(topology.groups(), params, program_spec(cfg, hf_config), cfg.seq_length,
+def plan_text(spec: RunSpec, topology: Topology) -> str:
+    """``schedule.mapping.describe_plan`` for a run's spec (for ``--plan``); assumes bf16
+    parameters, ``cfg.plan_tflops``, and one rank per GPU of ``topology``: where those are
+    another number than the spec's ranks, the stages are cut for them."""
+    if len(topology.groups()) != spec.num_ranks:
+        spec = build_run_spec(spec.cfg, spec.model, len(topology.groups()), spec.device)
+    cfg = spec.cfg
+    params = stage_param_counts(spec.model, cfg.num_stages, list(spec.parts))
+    return describe_plan(topology.groups(), params, spec.program, cfg.seq_length,
                          cfg.batch_size // cfg.num_chunks, gpu_ids=topology.indices(),
                          link_gbps=topology.link_gbps(), tflops=cfg.plan_tflops)
 

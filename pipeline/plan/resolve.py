@@ -6,10 +6,12 @@ MLPs; then the resident stages and the layers that keep their activations, all f
 plan of one replica's pipeline), keeps a resumed checkpoint's
 layers per stage, and says so in log lines (and that a family not registered runs on the
 self-checked generic path).
-Training runs it on rank 0 (auto reads that rank's GPU) and broadcasts the result; ``--plan``
-and a ``Trainer`` built directly (tests) run it themselves, all three through ``resolve_run``.
-Everything after it reads the ``Resolved`` and decides nothing again. The model's rules on what
-it decided (``model_rules.check_choices``) run on its answer.
+Its answer holds the run's spec (``pipeline.spec.run_spec``): each stage's layers and mode, the
+kernels, the programs and the adapters, derived from the decided settings once. Training runs it
+on rank 0 (auto reads that rank's GPU) and broadcasts the result; ``--plan`` and a ``Trainer``
+built directly (tests) run it themselves, all three through ``resolve_run``. Everything after it
+reads the ``Resolved`` and decides or derives nothing again. The model's rules on what it decided
+(``model_rules.check_choices``) run on its answer.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipeline.config import TrainConfig, partition_counts
-from pipeline.plan.fit import resolve_kept, resolve_resident
+from pipeline.plan.fit import plan_spec, resolve_kept, resolve_resident
 from pipeline.plan.layout import replica_config
 from pipeline.plan.long_rows import resolve_long_rows
 from pipeline.plan.model_rules import check_choices
-from pipeline.plan.partition import stage_layers
+from pipeline.spec.partition import stage_layers
 from pipeline.plan.saved import saved_partition
+from pipeline.spec.run_spec import RunSpec
 from pipeline.stage.selfcheck import generic_path_line
 
 
@@ -31,22 +34,22 @@ class Resolved:
     """What every rank runs.
 
     Attributes:
-        cfg: the configuration with ``resident_stages`` decided (global batch, all replicas).
-        kept: per stage, the decoder layers that keep their activations under checkpointing.
-        pipeline_size: the ranks of one pipeline (processes / ``data_parallel``).
+        cfg: the configuration with every automatic choice decided (global batch, all replicas):
+            what the data and the checkpoints take.
+        spec: one replica's pipeline (``pipeline.run.replicas``) derived from it once: each
+            stage's layers and mode, the layers that keep their activations, the kernels, the
+            programs, the adapters, the ranks of one pipeline (processes / ``data_parallel``).
         lines: what the automatic choices were, one log line each.
     """
 
     cfg: TrainConfig
-    kept: tuple[int, ...]
-    pipeline_size: int
+    spec: RunSpec
     lines: tuple[str, ...] = ()
 
     @property
     def replica(self) -> TrainConfig:
-        """One replica's pipeline as the config of a single pipeline (``pipeline.run.replicas``):
-        what schedules, placement and the memory plan take."""
-        return replica_config(self.cfg)
+        """One replica's pipeline as the config of a single pipeline (``RunSpec.cfg``)."""
+        return self.spec.cfg
 
 
 def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int] | None = None) -> Resolved:
@@ -63,8 +66,9 @@ def resolve(cfg: TrainConfig, world_size: int, hf_config, saved_parts: list[int]
     kept, recompute = resolve_kept(replica_cfg, hf_config, size, cfg.data_parallel)
     cfg = dataclasses.replace(cfg, resident_stages=replica_cfg.resident_stages)
     check_choices(cfg, hf_config, size)
-    return Resolved(cfg, kept, size, tuple(line for line in (generic_path_line(hf_config), long_rows, partition,
-                                                             resident, recompute) if line))
+    spec = plan_spec(replica_config(cfg), hf_config, size, kept=kept, data_parallel=cfg.data_parallel)
+    return Resolved(cfg, spec, tuple(line for line in (generic_path_line(hf_config), long_rows, partition, resident,
+                                                       recompute) if line))
 
 
 def resolve_run(cfg: TrainConfig, world_size: int, hf_config) -> Resolved:

@@ -1,6 +1,8 @@
-"""A rank's parts of the job, each made by a small builder: device, data, programs, stages and
-their stores, p2p and the executor, into a ``Rank`` (``build_rank``); the ``Trainer`` runs them.
-Nothing here decides an automatic choice: ``resolve`` made them all."""
+"""A rank's parts of the job, each made by a small builder (``build_*``): device, placement, log,
+weights, data, programs, stages and their stores, p2p and the executor, into a ``Rank``
+(``build_rank``); the ``Trainer`` runs them. Nothing here decides an automatic choice or derives
+a fact of the run: ``resolve`` made the choices, and each builder reads the run's spec
+(``Resolved.spec``)."""
 from __future__ import annotations
 
 import os
@@ -20,13 +22,11 @@ from offload.streams import BufferPool, Streams
 from pipeline.config import ConfigError, TrainConfig
 from pipeline.dist import DistEnv, Log, broadcast_object, cap_gpu_memory, pick_device
 from pipeline.plan.layout import Layout, layout, shards_step
-from pipeline.spec.lora import LoraSettings, lora_settings
-from pipeline.plan.partition import stage_layers
+from pipeline.spec.lora import LoraSettings
 from pipeline.plan.placement import Placement, decide_placement, load_topology, local_gpus
-from pipeline.spec.programs import build_programs, program_spec
+from pipeline.spec.programs import build_programs
 from pipeline.plan.resolve import Resolved, resolve_run
-from pipeline.spec.settings import compiles_layers, compute_dtype, fuses_last_stage
-from pipeline.spec.shapes import mlp_tile_tokens, model_key_cost
+from pipeline.spec.run_spec import RunSpec
 from pipeline.plan.source import ModelSource, resolve_model
 from pipeline.run import checkpoint
 from pipeline.run.comm import P2P
@@ -114,24 +114,24 @@ def adamw_cpus(cfg: TrainConfig, share: list[int]) -> list[int]:
 
 @dataclass
 class Rank:
-    """One rank's parts of the job, made by ``build_rank``; the ``Trainer`` runs them.
+    """One rank's parts of the job, made by ``build_rank``'s steps; the ``Trainer`` runs them.
 
     Attributes:
-        cfg: the resolved configuration (``Resolved.cfg``).
+        cfg: the resolved configuration (``Resolved.cfg``: the global batch, all replicas).
+        spec: one pipeline's run spec (``Resolved.spec``): each stage's layers and mode, the
+            kernels, the programs' spec, the adapters, the compute dtype.
         placement: the stage -> rank mapping and why (``placement.choice``).
         loss_rank: the global rank whose loss and metrics are reported (replica 0's last stage).
         schedule: every rank's program; ``actions`` and ``eval_actions`` are this rank's.
-        parts: each stage's decoder layers (``pipeline.plan.partition.stage_layers``).
         stages, stores: this rank's stages and their parameter stores, by stage id.
         replicas: the gradient sum over the replicas (``data_parallel`` > 1), else None.
-        adapters: LoRA's settings (the stores train the adapters only), None for full fine-tuning.
     """
 
     cfg: TrainConfig
+    spec: RunSpec
     env: DistEnv
     source: ModelSource
     device: torch.device
-    dtype: torch.dtype
     layout: Layout
     placement: Placement
     loss_rank: int
@@ -142,28 +142,41 @@ class Rank:
     schedule: sched.Schedule
     actions: list
     eval_actions: list
-    parts: list
     stages: dict
     stores: dict
     streams: Streams
     replicas: GradSync | None
     executor: Executor
     scaler: LossScaler | None
-    adapters: LoraSettings | None = None
 
     @property
     def mapping(self) -> list[int]:
         return self.placement.choice.stage_to_rank
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
 
-def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.device,
-                      dtype: torch.dtype) -> Placement:
-    """Rank 0 decides the mapping, every rank gets the same ``Placement`` or rank 0's refusal
-    (collective)."""
+    @property
+    def parts(self) -> list[range]:
+        """Each stage's decoder layers (``RunSpec.parts``)."""
+        return list(self.spec.parts)
+
+    @property
+    def adapters(self) -> LoraSettings | None:
+        """LoRA's settings (the stores train the adapters only), None for full fine-tuning."""
+        return self.spec.adapters
+
+
+def resolve_placement(spec: RunSpec, env: DistEnv, device: torch.device) -> Placement:
+    """Rank 0 decides the mapping of one pipeline's stages, every rank gets the same
+    ``Placement`` or rank 0's refusal (collective)."""
+    size = spec.num_ranks
     result: Placement | ConfigError | None = None
     if env.rank == 0:
         try:
-            result = decide_placement(cfg, env, hf_config, device, dtype)
+            result = decide_placement(spec, DistEnv(env.rank, size, env.local_rank, min(env.local_world_size, size)),
+                                      device)
         except ConfigError as e:
             result = e
     result = broadcast_object(result)
@@ -172,12 +185,40 @@ def resolve_placement(cfg: TrainConfig, env: DistEnv, hf_config, device: torch.d
     return result
 
 
-def build_device(cfg: TrainConfig, env: DistEnv) -> tuple[torch.device, torch.dtype]:
-    """This rank's device, capped at ``gpu_memory_gb``, and the compute dtype."""
+def build_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
+    """This rank's device, capped at ``gpu_memory_gb``."""
     device = pick_device(cfg.device, env)
     if device.type == "cuda" and cfg.gpu_memory_gb:
         cap_gpu_memory(device, cfg.gpu_memory_gb)
-    return device, compute_dtype(cfg, device)
+    return device
+
+
+def build_log(cfg: TrainConfig, env: DistEnv, lay: Layout, placement: Placement) -> tuple[int, Log]:
+    """The global rank whose loss is reported (replica 0's last stage) and this rank's logger,
+    which speaks when that rank is this one; the placement's reason logged."""
+    loss_rank = lay.global_rank(placement.choice.stage_to_rank[-1], replica=0)  # replica 0's speaks
+    log = Log(env.rank, speaker=loss_rank)
+    if cfg.data_parallel > 1 and env.rank == 0 and env.local_world_size % lay.pipeline_size:
+        # torchrun numbers a node's processes consecutively: whole replicas per node need a multiple of P
+        log.warn(f"{env.local_world_size} processes per node is not a multiple of the pipeline's "
+                 f"{lay.pipeline_size} ranks: some replicas span nodes, and their activations cross the network")
+    log.info(placement.choice.reason)
+    return loss_rank, log
+
+
+def build_weights(cfg: TrainConfig, spec: RunSpec, source: ModelSource, resume_point: checkpoint.ResumePoint | None,
+                  log: Log) -> tuple:
+    """(the directory the stages read their weights from, the saved adapter LoRA starts from or
+    None). A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume
+    from. LoRA: the base weights are the model's; a checkpoint holds only the adapters."""
+    adapters = spec.adapters
+    if adapters is None:
+        return (resume_point.path if resume_point else source.weights_dir), None
+    adapter_dir = checkpoint.adapter_dir(resume_point.path) if resume_point else (cfg.lora_adapter or None)
+    log.info(f"lora: rank {adapters.rank}, alpha {adapters.alpha:g}, dropout {adapters.dropout:g} on "
+             f"{','.join(adapters.targets)}; adapters "
+             + (f"from {adapter_dir}" if adapter_dir else "initialised (peft's scheme, seeded)"))
+    return source.weights_dir, adapter_dir
 
 
 def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchStream, list]:
@@ -189,29 +230,30 @@ def build_data(cfg: TrainConfig, source: ModelSource, log: Log) -> tuple[BatchSt
     return stream, build_eval_batches(cfg, source) if cfg.eval_every else []
 
 
-def _log_layers(log: Log, cfg: TrainConfig, base, dtype: torch.dtype, device: torch.device, tile: int,
-                compiled: bool) -> None:
+def _log_layers(log: Log, cfg: TrainConfig, spec: RunSpec, device: torch.device) -> None:
     """How the stages' decoder layers hold their weights and compute: 4-bit, tiled, compiled."""
+    base = spec.adapters.base if spec.adapters is not None else None
     if base is not None:
         log.info(f"load_in_4bit: the decoder layers' linear weights in {base.describe()} (bitsandbytes, blocks of "
-                 f"{base.blocksize}, compute {str(dtype).removeprefix('torch.')}), quantized on {device.type} as "
-                 "each layer is read; the embedding, norms and head in the compute dtype")
-    if tile:
-        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {tile} tokens, each recomputed in its backward")
-    if compiled:
+                 f"{base.blocksize}, compute {str(spec.dtype).removeprefix('torch.')}), quantized on {device.type} "
+                 "as each layer is read; the embedding, norms and head in the compute dtype")
+    if spec.kernels.mlp_tile_tokens:
+        log.info(f"tiled_mlp: each decoder layer's MLP runs in tiles of {spec.kernels.mlp_tile_tokens} tokens, each "
+                 "recomputed in its backward")
+    if spec.kernels.compiled:
         log.info(f"compile_layers {cfg.compile_layers}: decoder layers run through torch.compile (the first step "
                  "compiles them)")
 
 
-def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts: list, kept: tuple[int, ...],
-                 offloaded: list[int], weights_dir, device: torch.device, dtype: torch.dtype,
-                 replicas: GradSync | None, log: Log, adapters: LoraSettings | None = None,
+def build_stages(cfg: TrainConfig, spec: RunSpec, env: DistEnv, stage_ids: list[int], offloaded: list[int],
+                 weights_dir, device: torch.device, replicas: GradSync | None, log: Log,
                  adapter_dir=None, device_stepped: frozenset[int] = frozenset()) -> tuple[dict, dict, Streams]:
-    """This rank's stages (only those are ever built) and their stores. ``adapters`` (LoRA):
-    peft's adapters go into every stage, from ``adapter_dir`` (a saved peft adapter) or their
-    seeded initial values; the base weights are frozen. ``device_stepped``: the offloaded stages
-    whose AdamW runs on the device (``ProgramSpec.device_stepped``)."""
-    S = cfg.num_stages
+    """This rank's stages (only those are ever built) and their stores, as ``spec`` cuts and runs
+    them (``cfg``: the whole run's settings, all replicas). LoRA (``spec.adapters``): peft's
+    adapters go into every stage, from ``adapter_dir`` (a saved peft adapter) or their seeded
+    initial values; the base weights are frozen. ``device_stepped``: the offloaded stages whose
+    AdamW runs on the device (``ProgramSpec.device_stepped``)."""
+    S, hf, dtype, adapters = spec.num_stages, spec.model, spec.dtype, spec.adapters
     streams, pool = Streams(device), BufferPool(device)
     workers, share = None, []
     if offloaded and adapters is None:  # LoRA: no CPU optimizer step, the adapters step on the device
@@ -223,10 +265,8 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
         log.info(f"optimizer: {len(cpus)} CPU threads per process (rank {env.rank}: cores {cpus[0]}-{cpus[-1]})")
     stages, stores = {}, {}
     base = adapters.base if adapters is not None else None
-    compiled = compiles_layers(cfg, device.type, spec_for(hf).moe is not None)
     attention.use_backend(cfg.attention_backend)
-    tile = mlp_tile_tokens(spec_for(hf).shape(hf).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
-    _log_layers(log, cfg, base, dtype, device, tile, compiled)
+    _log_layers(log, cfg, spec, device)
     built = placed = 0.0  # seconds: weights made or read; weights, gradients and AdamW state placed
     # Start-up zeroes and copies tens of GB of host state: on the rank's share of the cores,
     # not torchrun's one thread.
@@ -235,10 +275,11 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
             t0 = time.perf_counter()
             # activation_offload: the backward recomputes the stage whole, once, so no layer of it is
             # checkpointed (recomputed) a second time inside that recompute
-            stage = build_stage(hf, s, S, parts[s], model_dir=weights_dir, seed=cfg.seed,
+            stage = build_stage(hf, s, S, spec.parts[s], model_dir=weights_dir, seed=cfg.seed,
                                 checkpointing=cfg.activation_checkpointing,
-                                kept_layers=len(parts[s]) if cfg.activation_offload else kept[s], init_device=device,
-                                mlp_tile_tokens=tile, base_4bit=base, dtype=dtype)
+                                kept_layers=len(spec.parts[s]) if cfg.activation_offload else spec.kept[s],
+                                init_device=device, mlp_tile_tokens=spec.kernels.mlp_tile_tokens, base_4bit=base,
+                                dtype=dtype)
             if adapters is not None:
                 lora.inject(stage, adapters)
                 if adapter_dir is not None:
@@ -246,7 +287,7 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                 else:
                     lora.init_adapters(stage, cfg.seed)
             stage.buffers_to(device)
-            if compiled:
+            if spec.kernels.compiled:
                 compile_layers(stage)
             t1 = time.perf_counter()
             # Fused AdamW everywhere (CPU and CUDA kernels): one pass over the state, and the clip
@@ -264,6 +305,15 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                                    shard=shard)
             stages[s] = stage
             built, placed = built + t1 - t0, placed + time.perf_counter() - t1
+    _log_stores(log, cfg, env, stage_ids, stores, device_stepped, replicas)
+    log.info(f"start-up (rank {env.rank}): stages built in {built:.1f}s, their weights, gradients "
+             f"and AdamW state placed in {placed:.1f}s")
+    return stages, stores, streams
+
+
+def _log_stores(log: Log, cfg: TrainConfig, env: DistEnv, stage_ids: list[int], stores: dict,
+                device_stepped: frozenset[int], replicas: GradSync | None) -> None:
+    """Which of this rank's stages step on the GPU, and which share their CPU step with the replicas."""
     if device_stepped & set(stage_ids):
         log.info(f"optimizer: stages {sorted(device_stepped & set(stage_ids))} step on the GPU (device_steps "
                  f"{cfg.device_steps}), their AdamW moments there; the CPU steps the other offloaded stages")
@@ -275,9 +325,6 @@ def build_stages(cfg: TrainConfig, env: DistEnv, hf, stage_ids: list[int], parts
                  f"{sum(stores[s].numel for s in sharded)} parameters; "
                  + ("the peers on this node share one copy of the masters and sum their gradients in host memory)"
                     if replicas.shared else "gradients summed and stepped ranges exchanged over gloo)"))
-    log.info(f"start-up (rank {env.rank}): stages built in {built:.1f}s, their weights, gradients "
-             f"and AdamW state placed in {placed:.1f}s")
-    return stages, stores, streams
 
 
 def build_router_loss(cfg: TrainConfig, hf, stages: dict, device: torch.device) -> RouterLoss | None:
@@ -289,80 +336,68 @@ def build_router_loss(cfg: TrainConfig, hf, stages: dict, device: torch.device) 
     return RouterLoss(stages, moe.experts(hf), moe.aux_coef(hf), routed, cfg.num_chunks, device)
 
 
+def build_executor(cfg: TrainConfig, spec: RunSpec, lay: Layout, placement: Placement, stages: dict, stores: dict,
+                   replicas: GradSync | None, device: torch.device) -> Executor:
+    """This rank's executor: p2p to the other ranks, and each stage's runners, chosen once here
+    from its mode (``pipeline.runners``)."""
+    mapping, position = placement.choice.stage_to_rank, lay.position
+    p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.program.tied, replicas=cfg.data_parallel)
+    runners = RankRunners(stages, stores, spec, device=device)
+    return Executor(position, stores, mapping, p2p, runners, device=device, dtype=spec.dtype,
+                    hidden_size=spec.model.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
+                    start_offset_s=placement.choice.start_offset_s[position],
+                    router_loss=build_router_loss(cfg, spec.model, stages, device))
+
+
 def build_rank(cfg: TrainConfig, env: DistEnv, source: ModelSource | None = None,
                resolved: Resolved | None = None) -> Rank:
     """Build everything this rank runs: device, placement, data, programs, stages and stores,
-    p2p and executor. Collective (the placement's broadcast, the replicas' groups, the resume
-    point): every rank calls it alike.
+    p2p and executor, each by its step from the run's spec, which none of them derives again.
+    Collective (the placement's broadcast, the replicas' groups, the resume point): every rank
+    calls it alike.
 
     Args:
-        resolved: the automatic choices, made by ``train()`` on rank 0; without it (tests) this
-            rank makes them.
+        resolved: the automatic choices and the spec, made by ``train()`` on rank 0; without it
+            (tests) this rank makes them.
     """
-    device, dtype = build_device(cfg, env)
+    device = build_device(cfg, env)
     source = source or resolve_model(cfg, env.world_size)
-    hf = source.config
+    resolved = resolved or resolve_run(cfg, env.world_size, source.config)
+    cfg, spec = resolved.cfg, resolved.spec
+    # rank 0 derived the spec (its dtype, kernels) for the device it saw; every rank computes on one alike
+    assert spec.device == device.type, f"the run spec is for {spec.device}, this rank computes on {device.type}"
     # data_parallel: this process is pipeline rank ``position`` of replica ``lay.replica``;
     # schedules, placement and plans are of one replica's pipeline (pipeline.run.replicas)
     lay = layout(cfg, env.rank, env.world_size)
-    position, size = lay.position, lay.pipeline_size
-    resolved = resolved or resolve_run(cfg, env.world_size, hf)
-    cfg, replica_cfg = resolved.cfg, resolved.replica
-    S = cfg.num_stages
     # Collective: rank 0 picks the stage -> rank mapping (config `mapping`), every rank gets it.
-    placement = resolve_placement(replica_cfg, DistEnv(env.rank, size, env.local_rank, min(env.local_world_size, size)),
-                                  hf, device, dtype)
+    placement = resolve_placement(spec, env, device)
     mapping = placement.choice.stage_to_rank
-    loss_rank = lay.global_rank(mapping[-1], replica=0)  # replica 0's speaks
-    log = Log(env.rank, speaker=loss_rank)
-    if cfg.data_parallel > 1 and env.rank == 0 and env.local_world_size % size:
-        # torchrun numbers a node's processes consecutively: whole replicas per node need a multiple of P
-        log.warn(f"{env.local_world_size} processes per node is not a multiple of the pipeline's {size} "
-                 "ranks: some replicas span nodes, and their activations cross the network")
-    log.info(placement.choice.reason)
-    # A checkpoint is a Hugging Face directory: its shards are the fp32 masters to resume from.
+    loss_rank, log = build_log(cfg, env, lay, placement)
     resume_point = checkpoint.find_resume(cfg.resume, cfg.save_dir, env, log)
-    weights_dir = resume_point.path if resume_point else source.weights_dir
-    adapters = lora_settings(cfg, hf)
-    adapter_dir = None
-    if adapters is not None:
-        # LoRA: the base weights are the model's; a checkpoint holds only the adapters
-        weights_dir = source.weights_dir
-        adapter_dir = checkpoint.adapter_dir(resume_point.path) if resume_point else (cfg.lora_adapter or None)
-        log.info(f"lora: rank {adapters.rank}, alpha {adapters.alpha:g}, dropout {adapters.dropout:g} on "
-                 f"{','.join(adapters.targets)}; adapters "
-                 + (f"from {adapter_dir}" if adapter_dir else "initialised (peft's scheme, seeded)"))
+    weights_dir, adapter_dir = build_weights(cfg, spec, source, resume_point, log)
     stream, eval_batches = build_data(cfg, source, log)
-    spec = program_spec(replica_cfg, hf)
-    schedule, actions, eval_actions = build_programs(spec, mapping, position, evaluate=cfg.eval_every > 0,
+    schedule, actions, eval_actions = build_programs(spec.program, mapping, lay.position, evaluate=cfg.eval_every > 0,
                                                      show=cfg.debug_schedule and env.rank == 0)
-    parts = stage_layers(replica_cfg, hf, size)
-    checkpoint.check_resume_partition(resume_point, S, parts, cfg.partition)  # before minutes of loading
-    stage_ids = sched.stages_of(position, mapping)
+    checkpoint.check_resume_partition(resume_point, spec.num_stages, list(spec.parts), cfg.partition)  # before loading
+    stage_ids = sched.stages_of(lay.position, mapping)
     # With offload, the stages the program never loads stay on the GPU (resident_stages), AdamW
     # included: the program is the one record of which stages those are.
     loaded = sched.offloaded_stages(schedule)
-    offloaded = [s for s in stage_ids if s in loaded]
     torch.manual_seed(cfg.seed)
     # Before the stores (their sharded steps use its groups), on every rank alike: group
     # creation is collective.
     replicas = GradSync(lay, cfg.comm_timeout_s, pin=device.type == "cuda") if cfg.data_parallel > 1 else None
-    stages, stores, streams = build_stages(cfg, env, hf, stage_ids, parts, resolved.kept, offloaded, weights_dir,
-                                           device, dtype, replicas, log, adapters, adapter_dir,
-                                           spec.device_stepped(mapping))
-    p2p = P2P(mapping, timeout_s=cfg.comm_timeout_s, tied=spec.tied, replicas=cfg.data_parallel)
-    # How each stage's work runs, chosen once here (pipeline.runners)
-    runners = RankRunners(stages, stores, device=device, num_stages=S, num_segments=cfg.seq_chunks,
-                          key_cost=model_key_cost(hf), activation_offload=cfg.activation_offload,
-                          fused_last=fuses_last_stage(cfg))
-    executor = Executor(position, stores, mapping, p2p, runners, device=device, dtype=dtype,
-                        hidden_size=hf.hidden_size, grad_clip=cfg.grad_clip, replicas=replicas,
-                        start_offset_s=placement.choice.start_offset_s[position],
-                        router_loss=build_router_loss(cfg, hf, stages, device))
-    scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window) if dtype == torch.float16 else None
-    return Rank(cfg, env, source, device, dtype, lay, placement, loss_rank, log, resume_point, stream, eval_batches,
-                schedule, actions, eval_actions, parts, stages, stores, streams, replicas, executor, scaler, adapters)
+    stages, stores, streams = build_stages(cfg, spec, env, stage_ids, [s for s in stage_ids if s in loaded],
+                                           weights_dir, device, replicas, log, adapter_dir,
+                                           spec.program.device_stepped(mapping))
+    return Rank(cfg=cfg, spec=spec, env=env, source=source, device=device, layout=lay, placement=placement,
+                loss_rank=loss_rank, log=log, resume_point=resume_point, stream=stream, eval_batches=eval_batches,
+                schedule=schedule, actions=actions, eval_actions=eval_actions, stages=stages, stores=stores,
+                streams=streams, replicas=replicas,
+                executor=build_executor(cfg, spec, lay, placement, stages, stores, replicas, device),
+                scaler=LossScaler(cfg.loss_scale, cfg.loss_scale_window) if spec.dtype == torch.float16 else None)
 
 
-__all__ = ["Rank", "adamw_cpus", "build_data", "build_device", "build_rank", "build_router_loss", "build_stages",
-           "build_stream", "rank_cpus", "token_line"]
+__all__ = ["Rank", "adamw_cpus", "build_data", "build_device", "build_executor", "build_log", "build_rank",
+           "build_router_loss", "build_stages", "build_stream", "build_weights", "rank_cpus", "resolve_placement",
+           "token_line"]

@@ -17,7 +17,6 @@ import torch
 from pipeline.config import TrainConfig, report_targets
 from pipeline.dist import DistEnv, gather_objects
 from pipeline.plan.layout import replica_share
-from pipeline.spec.lora import trained_adapters
 from pipeline.plan.preflight import installed
 from pipeline.plan.resolve import Resolved
 from pipeline.spec.shapes import model_flops_per_token
@@ -93,7 +92,7 @@ class Trainer:
         # means, the writer).
         self.optional: list[tuple[str, Callable[[], object]]] = []
         self.flops_per_token = model_flops_per_token(r.source.config, r.source.config.num_hidden_layers,
-                                                     r.cfg.seq_length, trained_adapters(r.cfg, r.source.config))
+                                                     r.cfg.seq_length, r.spec.trained_adapters)
         self.checkpoints = checkpoint.CheckpointManager(
             r.cfg, env, r.source, r.device, r.log, r.layout, stores=r.stores, stream=r.stream, scaler=r.scaler,
             parts=r.parts, mapping=r.mapping, adapters=r.adapters, dtype=r.dtype)

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from pipeline.spec.run_spec import RunSpec
 from pipeline.spec.shapes import segment_bounds, segment_lengths
 from pipeline.runners.base import Iteration, Mode, Runner
 from pipeline.runners.fused_last import FusedLast
@@ -34,22 +35,19 @@ class RankRunners:
 
     Args:
         stages, stores: this rank's stages and their parameter stores, by stage id.
-        num_stages: of the whole pipeline (the last computes the loss).
-        num_segments, key_cost: ``seq_chunks`` and the attention's cost per key, by which a row is
-            cut into segments (``pipeline.spec.shapes.segment_lengths``).
-        activation_offload, fused_last: the run's settings (``fuse_last_stage`` resolved).
+        spec: the run's spec: each stage's mode (``RunSpec.mode``), and ``seq_chunks`` and the
+            attention's cost per key, by which a row is cut into segments
+            (``pipeline.spec.shapes.segment_lengths``).
     """
 
-    def __init__(self, stages: dict, stores: dict, *, device: torch.device, num_stages: int, num_segments: int = 1,
-                 key_cost: float = 0.0, activation_offload: bool = False, fused_last: bool = False):
-        self.num_segments, self.key_cost = num_segments, key_cost
-        segmented = num_segments > 1
+    def __init__(self, stages: dict, stores: dict, spec: RunSpec, *, device: torch.device):
+        self.num_segments, self.key_cost = spec.cfg.seq_chunks, spec.key_cost
         # stage inputs (and carried keys/values) in host memory between forwards and backwards
-        self.host = HostActivations(device, segmented) if activation_offload else None
+        offloads = any(spec.mode(s).activation_offload for s in stages)
+        self.host = HostActivations(device, self.num_segments > 1) if offloads else None
 
         def make(training: bool) -> dict[int, Runner]:
-            return {s: runner_for(Mode(training, s == num_stages - 1, fused_last, activation_offload, segmented))(
-                stage, stores[s], self.host) for s, stage in stages.items()}
+            return {s: runner_for(spec.mode(s, training))(stage, stores[s], self.host) for s, stage in stages.items()}
 
         self.training, self.forward_only = make(True), make(False)
 

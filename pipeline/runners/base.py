@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
 
+from pipeline.spec.run_spec import Mode
 from pipeline.stage.model import backward_where_needed
 from schedule.ir import Action
 
@@ -22,19 +23,6 @@ if TYPE_CHECKING:
     from pipeline.spec.footprint import Ledger
 
 Key = tuple[int, int, "int | None"]  # (stage, micro-batch, segment): what buffers are keyed by
-
-
-@dataclass(frozen=True)
-class Mode:
-    """What decides how a stage's work runs: the run's settings and the stage's place, in
-    training or in a forward-only pass (evaluation). The runner is chosen from it once, when the
-    stage is built (``pipeline.runners.runner_for``), by the executor and the memory plan alike."""
-
-    training: bool
-    last: bool                # the stage computes the loss
-    fused_last: bool          # fuse_last_stage (resolved)
-    activation_offload: bool  # stage inputs wait in host memory; backwards recompute
-    segmented: bool           # seq_chunks > 1: actions name a segment of their micro-batch
 
 
 class Arrival:

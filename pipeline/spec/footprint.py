@@ -137,7 +137,6 @@ class MemoryInputs:
     # seq_chunks: the lengths of a row's sequence segments (their sum is seq_len); () = whole rows.
     segments: tuple[int, ...] = ()
     activation_offload: bool = False
-    fused_last: bool = False  # fuse_last_stage (whole rows only: the executor fuses no segment)
     mlp_tile_tokens: int = 0  # tiled_mlp: tokens per MLP tile (0: untiled)
     compiled: bool = False    # compile_layers: inductor's graphs keep less than eager autograd
     cudnn: bool = False       # whole rows through cuDNN's attention (no fp32 query-gradient accumulator)

@@ -262,9 +262,8 @@ def adapter_numel(hf_config, settings: LoraSettings | None, layer_ids) -> int:
     return sum(per_layer[i] for i in layer_ids)
 
 
-def trained_adapters(cfg: TrainConfig, hf_config) -> int | None:
+def trained_adapters(hf_config, settings: LoraSettings | None) -> int | None:
     """The adapter parameters a LoRA run trains over every decoder layer; None for full fine-tuning."""
-    settings = lora_settings(cfg, hf_config)
     return None if settings is None else adapter_numel(hf_config, settings, range(hf_config.num_hidden_layers))
 
 

@@ -62,7 +62,7 @@ def stage_num_params(config, layer_ids: range, first: bool, last: bool, active: 
 
 def stage_param_counts(config, num_stages: int, parts: list[range] | None = None) -> list[int]:
     """Parameter count of every stage when the model is cut into ``parts`` (default
-    ``partition_layers``: a run's are ``pipeline.plan.partition.stage_layers``)."""
+    ``partition_layers``: a run's are ``pipeline.spec.partition.stage_layers``)."""
     parts = partition_layers(config.num_hidden_layers, num_stages) if parts is None else parts
     return [stage_num_params(config, parts[s], s == 0, s == num_stages - 1) for s in range(num_stages)]
 

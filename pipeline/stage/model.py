@@ -2,7 +2,7 @@
 
 Stage 0 holds the token embedding, the last stage the final norm and ``lm_head``; decoder
 layers are spread evenly (``pipeline.spec.shapes.partition_layers``) or by cost
-(``pipeline.plan.partition``). A stage's ``state_dict`` keys are exactly the Hugging Face keys
+(``pipeline.spec.partition``). A stage's ``state_dict`` keys are exactly the Hugging Face keys
 (``model.layers.7.mlp.up_proj.weight``), so loading reads only the owned tensors from the
 safetensors (or ``.bin``) files (``pipeline.stage.weights``) and saving writes a shard a stage.
 """

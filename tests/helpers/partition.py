@@ -2,7 +2,7 @@
 tests/multi_process/test_gloo_partition.py)."""
 from __future__ import annotations
 
-from pipeline.plan.partition import stage_layers
+from pipeline.spec.partition import stage_layers
 
 
 def stage_counts(cfg, hf, ranks: int) -> list[int]:

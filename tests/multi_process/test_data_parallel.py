@@ -91,7 +91,7 @@ def test_plan_counts_every_replica_on_the_host():
     from pipeline.config import make_config
     from pipeline.plan.fit import assess
     from pipeline.plan.layout import replica_config
-    from pipeline.plan.partition import stage_layers
+    from pipeline.spec.partition import stage_layers
     from pipeline.spec.shapes import stage_param_counts
     from pipeline.plan.source import preset_config
     from schedule import round_robin

@@ -38,13 +38,14 @@ def test_peer_is_the_qlora_recipe_and_trains():
 
 def test_table_reads_the_plans_peaks():
     from pipeline.config import make_config
-    from pipeline.plan.fit import assess, assessment_report
+    from pipeline.plan.fit import assess_spec, assessment_report, plan_spec
     from pipeline.plan.source import preset_config
 
     hf = preset_config("llama-3-8b")
     cfg = make_config(dict(model="llama-3-8b", batch_size=64, num_chunks=8, seq_length=512, num_stages=4,
                            device="cuda", gpu_memory_gb=24.0, host_memory_gb=64.0, use_offload=True,
                            activation_checkpointing=True, lora_rank=16, load_in_4bit=True))
-    a = assess(cfg, hf, [0] * 4)
-    gpu, host = table.plan_peaks(assessment_report(a, cfg, hf, [0] * 4, 1))
+    spec = plan_spec(cfg, hf, 1)
+    a = assess_spec(spec, [0] * 4)
+    gpu, host = table.plan_peaks(assessment_report(a, spec, [0] * 4))
     assert gpu == round(a.worst.device_peak / 2**30, 2) and host == round(a.total_host / 2**30, 2)

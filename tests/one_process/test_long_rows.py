@@ -481,13 +481,13 @@ def test_out_of_memory_line_names_the_action_the_plan_and_a_change():
     from types import SimpleNamespace
 
     from pipeline.plan.source import preset_config
-    from pipeline.plan.fit import out_of_memory_line
+    from pipeline.plan.fit import out_of_memory_line, plan_spec
     from schedule import round_robin
 
     cfg = _long_cfg(tiled_mlp="true")
     err = SimpleNamespace(rank=0, action="24B0", text="backward of stage 24, micro-batch 0", tried=3 * 2**30,
                           allocated=19 * 2**30, reserved=20 * 2**30)
-    line = out_of_memory_line(err, cfg, preset_config("llama-3b"), round_robin(26, 1), 1)
+    line = out_of_memory_line(err, plan_spec(cfg, preset_config("llama-3b"), 1), round_robin(26, 1))
     assert "\n" not in line
     for needle in ("rank 0 ran out of GPU memory in action 24B0 (backward of stage 24", "asked for 3.00 GiB",
                    "19.00 GiB allocated", "of a 24.00 GiB cap", "the plan's peak for this rank was",
@@ -567,5 +567,5 @@ def test_the_plan_asks_the_gpu_for_cudnn_in_the_dtype_it_will_compute_in(monkeyp
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(attention, "cudnn_takes", lambda device, dtype, *shape: asked.append((device, dtype)) or True)
     cfg = tiny_cfg(tiny_model_dir, dtype="auto", device="cuda", attn_implementation="auto")
-    assert fit._takes_cudnn(cfg, AutoConfig.from_pretrained(tiny_model_dir), "cuda")
+    assert fit.plan_spec(cfg, AutoConfig.from_pretrained(tiny_model_dir), 1, "cuda").kernels.cudnn
     assert asked == [(torch.device("cuda", 0), torch.bfloat16)]

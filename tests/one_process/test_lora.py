@@ -369,13 +369,13 @@ def test_lora_counts_the_flops_it_does(tiny_model_dir):
     """LoRA computes no frozen weight's gradient: a step's matmuls are twice the forward's (forward
     and input gradients), attention's three passes and the adapters' own products, about 2/3 of full
     fine-tuning's 3x the forward on short rows; the step line's tflops (the trainer's count) uses it."""
-    from pipeline.spec.lora import trained_adapters
+    from pipeline.spec.lora import lora_settings, trained_adapters
     from pipeline.spec.shapes import attention_flops_per_token, forward_flops_per_token, model_flops_per_token
     from pipeline.plan.source import preset_config
 
     hf = preset_config("llama-3-8b")
     cfg = lora_cfg(tiny_model_dir, model="llama-3-8b", lora_rank=16)
-    adapters = trained_adapters(cfg, hf)
+    adapters = trained_adapters(hf, lora_settings(cfg, hf))
     assert adapters == 16 * 32 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
     full, lora = model_flops_per_token(hf, 32, 512), model_flops_per_token(hf, 32, 512, adapters)
     fwd, attn = forward_flops_per_token(hf, 32, True, 512), attention_flops_per_token(hf, 512)
@@ -384,4 +384,4 @@ def test_lora_counts_the_flops_it_does(tiny_model_dir):
     trainer = in_process_trainer(lora_cfg(tiny_model_dir, num_iterations=1))
     hf_tiny = trainer.rank.source.config
     assert trainer.flops_per_token == model_flops_per_token(
-        hf_tiny, hf_tiny.num_hidden_layers, 64, trained_adapters(trainer.cfg, hf_tiny))
+        hf_tiny, hf_tiny.num_hidden_layers, 64, trainer.rank.spec.trained_adapters)

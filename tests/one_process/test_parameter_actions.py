@@ -142,7 +142,7 @@ def _planned(monkeypatch, trainer):
     monkeypatch.setattr(footprint.Ledger, "arrive", at(arrive))  # every FORWARD and BACKWARD, before its account
     monkeypatch.setattr(footprint.Ledger, "take", noted("take", take))
     monkeypatch.setattr(footprint.Ledger, "give", noted("give", give))
-    memory_plan(resolved.replica, hf, sched.round_robin(trainer.cfg.num_stages, 1), "cpu", resolved.kept)
+    memory_plan(resolved.replica, hf, sched.round_robin(trainer.cfg.num_stages, 1), "cpu", resolved.spec.kept)
     return ledgers[-1]  # the walk that starts with the pool the first one left
 
 

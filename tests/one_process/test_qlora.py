@@ -82,7 +82,7 @@ def test_base_is_4bit_in_the_store_as_planned(tiny_model_dir):
     """Every decoder-layer linear weight is bitsandbytes' 4-bit module, its bytes and scales in the
     store's byte buffer (host memory for an offloaded stage, unchanged by training); the embedding,
     norms and head in the compute dtype; each stage's frozen bytes are the memory plan's."""
-    from pipeline.plan.fit import _memory_inputs
+    from pipeline.plan.fit import memory_inputs
     from pipeline.spec.footprint import stage_frozen_bytes
     from pipeline.stage.quantized import linear_class
 
@@ -90,7 +90,7 @@ def test_base_is_4bit_in_the_store_as_planned(tiny_model_dir):
     trainer = in_process_trainer(cfg)
     before = {s: st.frozen.host_packed.clone() for s, st in trainer.stores.items() if st.frozen.offload}
     trainer.train()
-    inp, _ = _memory_inputs(cfg, trainer.rank.source.config, trainer.rank.mapping, "cpu")
+    inp, _ = memory_inputs(trainer.rank.spec, trainer.rank.mapping)
     for s, store in trainer.stores.items():
         stage = trainer.stages[s]
         layers = [(n, m) for layer in stage.model.layers.values() for n, m in layer.named_modules()]

@@ -113,7 +113,8 @@ def test_a_tie_right_after_the_last_stage_backward_deadlocks():
 def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     """``program_spec`` decides ``tied`` once, from the config and the model config: the run, the
     memory plan, the cost partition and the mapping planner all get the program with its TIE."""
-    from pipeline.plan import fit as plan, partition, placement
+    from pipeline.plan import fit as plan, placement
+    from pipeline.spec import partition
     from pipeline.config import make_config
     from pipeline.dist import DistEnv
     from pipeline.plan.source import preset_config
@@ -132,7 +133,7 @@ def test_every_consumer_reasons_about_the_program_with_its_tie(monkeypatch):
     seen = []
     monkeypatch.setattr(placement, "choose_mapping", lambda mode, n, s, **kw: seen.append(s) or
                         sched.round_robin(4, n))
-    placement.decide_placement(cfg, DistEnv(0, 2, 0, 2), hf, torch.device("cpu"), torch.float32)
+    placement.decide_placement(plan.plan_spec(cfg, hf, 2, "cpu"), DistEnv(0, 2, 0, 2), torch.device("cpu"))
     assert seen == [spec]
 
 

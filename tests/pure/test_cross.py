@@ -158,12 +158,13 @@ def test_plan_text_for_a_config():
     from pipeline.config import make_config
     from pipeline.plan.source import preset_config
     from pipeline.plan.placement import plan_text
+    from pipeline.spec.run_spec import build_run_spec
 
     topo = Topology([GpuLink(i, i % 2, 0, 25.0) for i in range(4)], source="test")
     # the even partition: the GPU order this expects is the planner's answer for its stage sizes
     cfg = make_config({"num_stages": 8, "schedule": "interleaved", "num_chunks": 8, "batch_size": 8,
                        "seq_length": 512, "use_offload": True, "partition": "layers"})
-    text = plan_text(cfg, preset_config("llama-2-7b"), topo)
+    text = plan_text(build_run_spec(cfg, preset_config("llama-2-7b"), 4, "cuda"), topo)
     assert "8 stages on 4 GPUs" in text and "8 micro-batches of 1x512 tokens" in text
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in text
 

@@ -345,12 +345,12 @@ def test_refuses_a_run_that_cannot_fit_with_advice(monkeypatch):
     hf = preset_config("llama-2-7b")
     monkeypatch.setattr(plan, "host_available", lambda: 512 * 2**30)
     with pytest.raises(ConfigError) as err:
-        plan.check_fits(cfg, hf, sched.round_robin(8, 4), 4)
+        plan.check_fits(plan.plan_spec(cfg, hf, 4), sched.round_robin(8, 4))
     msg = str(err.value)
     assert "does not fit" in msg and "GPU rank 0" in msg and "activation_checkpointing: true" in msg, msg
     assert "\n" not in msg
     ok = make_config({**cfg.to_dict(), "activation_checkpointing": True})
-    plan.check_fits(ok, hf, sched.round_robin(8, 4), 4)  # the advice holds
+    plan.check_fits(plan.plan_spec(ok, hf, 4), sched.round_robin(8, 4))  # the advice holds
 
 
 def test_auto_choices_without_a_gpu_size_ask_for_it(monkeypatch):
@@ -415,9 +415,10 @@ def test_a_stage_of_one_layer_gets_back_only_its_own_carried_keys_at_its_first_b
             saved.setdefault((a.stage, a.seg), ledger.saved)
         return note(ledger, a, transient)
 
-    inp, program = fit._memory_inputs(cfg, hf, sched.round_robin(28, 1), "cuda")
+    spec = fit.plan_spec(cfg, hf, 1, "cuda")
+    inp, program = fit.memory_inputs(spec, sched.round_robin(28, 1))
     with mock.patch.object(Ledger, "note_peak", noted):
-        fit.estimate(inp, program)
+        fit.estimate(inp, program, spec.modes)
     last = len(inp.segments) - 1
     layers = [s for s, st in enumerate(inp.stages) if st.num_layers == 1]
     assert len(layers) == 26 and inp.kv_offload

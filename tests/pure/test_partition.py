@@ -8,7 +8,7 @@ import pytest
 
 import schedule as sched
 from pipeline.config import ConfigError, make_config
-from pipeline.plan.partition import predicted_step_time, stage_costs, stage_layers
+from pipeline.spec.partition import predicted_step_time, stage_costs, stage_layers
 from pipeline.spec.shapes import partition_layers, stage_num_params
 from pipeline.plan.source import preset_config
 from schedule.partition import balance_layers, choose_counts
@@ -75,7 +75,7 @@ def test_stage_costs_count_the_head_and_recompute():
 @pytest.mark.parametrize("vocab", [512, 4096])
 @pytest.mark.parametrize("offload", [False, True])
 def test_cost_partition_covers_every_layer_once(stages, ranks, schedule, vocab, offload):
-    from pipeline.plan.partition import _cost_counts
+    from pipeline.spec.partition import _cost_counts
 
     hf = _llama(vocab)
     cfg = _cfg(num_stages=stages, schedule=schedule, use_offload=offload)
@@ -127,7 +127,7 @@ def test_memory_plan_and_plan_report_use_the_partition():
     counts = [len(p) for p in stage_layers(cfg, hf, 2)]
     assert counts != [1, 2, 2, 1] and sum(counts[1::2]) < 3, counts  # rank 1 (the head's) gives layers away
     parts = stage_layers(cfg, hf, 2)
-    inp, _ = plan._memory_inputs(cfg, hf, mapping, "cpu")
+    inp, _ = plan.memory_inputs(plan.plan_spec(cfg, hf, 2, "cpu"), mapping)
     assert [s.num_layers for s in inp.stages] == counts
     assert [s.numel for s in inp.stages] == [stage_num_params(hf, p, s == 0, s == 3) for s, p in enumerate(parts)]
     assert f"decoder layers per stage: {counts} (partition cost: predicted step " in plan.report(cfg, hf, mapping, 2)
