@@ -1,5 +1,5 @@
 """What a run settles before any process group exists, and the home of the rules on files and on
-the machine: ``check_config`` (the settings, by ``pipeline.config.check_settings``; a GPU asked
+the machine: ``check_config`` (the settings, by ``settings_rules.check_settings``; a GPU asked
 for is there; the small files settings name: topology, lora_adapter) and ``check_files`` (the
 packages the settings need; the model's files, then the model read once and checked against the
 settings by ``resolve_model`` with ``pipeline.plan.model_rules``; its weight files, a tied head
@@ -38,9 +38,10 @@ import torch
 
 from inputs import InputError, first_bad_json, read_json
 from models import supported_types, tied
-from pipeline.config import ConfigError, TrainConfig, check_settings, report_targets
+from pipeline.config import ConfigError, TrainConfig, report_targets
 from pipeline.plan import saved
 from pipeline.plan.fit import device_type
+from pipeline.plan.settings_rules import check_settings
 from pipeline.spec.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from pipeline.spec.settings import eval_source, lacks_validation_split
 from pipeline.spec.shapes import size_differences
