@@ -15,6 +15,7 @@ HOMES = {
     "pipeline/plan/settings_rules.py": "the settings alone (and the number of processes): the rules between fields",
     "pipeline/plan/model_rules.py": "the settings against the model's config, after resolve_model reads it",
     "pipeline/plan/preflight.py": "the files and the machine, before any process group exists",
+    "pipeline/plan/save_dir.py": "save_dir, its lock and the checkpoint a resume names, before any process group",
 }
 # Refusals that need what only a started run has, each in the one function that can know it.
 RUN_TIME = {
