@@ -34,11 +34,11 @@ def _fail(env, message: str) -> int:
 
 
 def _release_save_dir() -> None:
-    """Rank 0's lock file in save_dir goes with the run, however it ends (before preflight is
-    imported this process holds none, and importing it would import torch)."""
-    preflight = sys.modules.get("pipeline.plan.preflight")
-    if preflight is not None:
-        preflight.release_save_dir()
+    """Rank 0's lock file in save_dir goes with the run, however it ends (before
+    pipeline.plan.save_dir is imported this process holds none, and importing it would import torch)."""
+    save_dir = sys.modules.get("pipeline.plan.save_dir")
+    if save_dir is not None:
+        save_dir.release_save_dir()
 
 
 _INTERRUPTED = threading.Lock()  # the line once, whichever thread sees the signal first
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.config import ConfigError, parse_args
         from pipeline.dist import DistEnv, cleanup, init_distributed, pick_device
         from pipeline.run.metrics import TrainingError
-        from pipeline.plan.preflight import check_config, check_files, check_save_dir, hold_save_dir, start_notes
+        from pipeline.plan.preflight import check_config, check_files, start_notes
+        from pipeline.plan.save_dir import check_save_dir, hold_save_dir
         from pipeline.train import train
     except ModuleNotFoundError as e:  # a package every run needs (torch, transformers, datasets, ...)
         if (e.name or "").split(".")[0] in ("data", "inputs", "models", "offload", "pipeline", "schedule"):

@@ -2,9 +2,12 @@
 
 Every field is a YAML key and a flag of the same name (``--batch_size 8``). A boolean field
 ``use_x`` or ``x`` is set with ``--use_x`` / ``--x`` and cleared with ``--no_x``. The fields
-fall into sections (``SECTIONS``: model, data, parallelism, offload, optimizer, lora, output, launch);
-a YAML file may give its keys flat or under their section (``optimizer: {lr: 1e-5}``), and the
-code reads them flat (``cfg.lr``).
+fall into sections (``SECTIONS``: model, data, parallelism, offload, optimizer, lora, output,
+launch), each a dataclass declared beside what it configures where the layers allow it
+(``data/settings.py``, ``schedule/settings.py``, ``offload/settings.py``; the others here, their
+owners sitting above the config). ``TrainConfig`` composes them: a YAML file may give its keys
+flat or under their section (``optimizer: {lr: 1e-5}``), and the code reads them flat (``cfg.lr``).
+The rules between fields are ``pipeline.plan.settings_rules``'s.
 """
 from __future__ import annotations
 
@@ -14,20 +17,19 @@ import difflib
 import math
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
+from data.settings import DataSettings
 from inputs import InputError, NumberParser, join_negative_values, read_yaml
-from schedule.generate import SCHEDULE_NAMES
-from schedule.mapping import MAPPING_MODES, RENAMED_MAPPING_MODES
+from inputs.settings import AT_LEAST_ONE, Check, above, at_least, fraction, setting
+from offload.settings import OffloadSettings
+from schedule.settings import PARTITIONS, ParallelismSettings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-COMPILE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("auto", "sdpa", "eager")
 ATTN_BACKENDS = ("auto", "flash")  # pipeline.stage.attention.BACKENDS (not imported: config loads no torch)
-PARTITIONS = ("cost", "layers")
 REPORT_TO = ("tensorboard", "wandb", "none")  # report_to's names, one or several comma-separated
 QUANT_TYPES = ("nf4", "fp4")  # bitsandbytes' 4-bit data types (load_in_4bit)
 
@@ -36,283 +38,149 @@ class ConfigError(ValueError):
     """Bad configuration: printed as one line by rank 0, exit code 2."""
 
 
-@dataclass(frozen=True)
-class Check:
-    """A rule on one field's value alone, declared beside the field (``_f(..., check=...)``): a
-    value for which ``ok`` is false is refused as "<name> (<value>) must be <must>"."""
+# --- the sections whose owners sit above the config (the stages, the run, train.sh) -----------
+@dataclass
+class ModelSettings:
+    """The model and its tokenizer, and the attention kernels its layers run."""
 
-    ok: Callable[[Any], bool]
-    must: str
-
-
-def at_least(low: float, meaning: str = "") -> Check:
-    """The value is ``>= low``; ``meaning`` says what the lowest values do (" (0 = off)")."""
-    return Check(lambda v: v >= low, f">= {low}{meaning}")
-
-
-def above(low: float) -> Check:
-    """The value is ``> low``."""
-    return Check(lambda v: v > low, f"> {low}")
-
-
-def fraction(upper_open: bool) -> Check:
-    """The value is in [0, 1], or [0, 1) with ``upper_open``."""
-    return Check(lambda v: 0 <= v < 1 if upper_open else 0 <= v <= 1, "in [0, 1)" if upper_open else "in [0, 1]")
-
-
-# A count of which there must be one at least.
-AT_LEAST_ONE = Check(lambda v: v >= 1, "at least 1")
-
-
-def _f(default: Any, help: str, check: Check | None = None, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, "check": check, **kw})
+    model: str = setting("generated", "Hugging Face model directory, or a preset with random weights (tiny, llama-3b, "
+                         "llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen2.5-32b, qwen3-moe-small), "
+                         "or 'generated' (small Llama made locally on first use).")
+    tokenizer: str = setting("", "Tokenizer directory; default: the model's own (presets use the generated one).")
+    num_layers: int = setting(0, "Keep only the first num_layers decoder layers (0 = all).", check=at_least(0))
+    embedding_dim: int = setting(0, "Must equal the model's hidden_size if set (0 = read from the model).",
+                                 check=at_least(0))
+    ff_dim: int = setting(0, "Must equal the model's intermediate_size if set (0 = read from the model).",
+                          check=at_least(0))
+    num_heads: int = setting(0, "Must equal the model's num_attention_heads if set (0 = read from the model).",
+                             check=at_least(0))
+    attn_implementation: str = setting("auto", "Attention kernel: sdpa, eager, or auto (sdpa where it computes the "
+                                       "family's attention; eager for soft-capped scores (Gemma 2) and attention "
+                                       "sinks (gpt-oss)).", choices=ATTN_IMPLS)
+    attention_backend: str = setting("auto", "Kernel of whole causal rows under sdpa on a GPU: auto (cuDNN where it "
+                                     "takes the model's heads, the head size zero-padded to a multiple of 8: 1.4-1.7x "
+                                     "flash-2 on Hopper; flash elsewhere) or flash (torch's own choice).",
+                                     choices=ATTN_BACKENDS)
+    cache_dir: str = setting(".cache", "Where the generated model and tokenizer are kept.")
 
 
 @dataclass
-class TrainConfig:
-    # --- model ----------------------------------------------------------------
-    model: str = _f("generated", "Hugging Face model directory, or a preset with random weights "
-                    "(tiny, llama-3b, llama-2-7b, llama-2-13b, llama-3-8b, llama-3-70b, qwen3-4b, qwen2.5-32b, "
-                    "qwen3-moe-small), or 'generated' (small Llama made locally on first use).")
-    tokenizer: str = _f("", "Tokenizer directory; default: the model's own (presets use the generated one).")
-    num_layers: int = _f(0, "Keep only the first num_layers decoder layers (0 = all).",
-                         check=at_least(0))
-    embedding_dim: int = _f(0, "Must equal the model's hidden_size if set (0 = read from the model).",
-                            check=at_least(0))
-    ff_dim: int = _f(0, "Must equal the model's intermediate_size if set (0 = read from the model).",
-                     check=at_least(0))
-    num_heads: int = _f(0, "Must equal the model's num_attention_heads if set (0 = read from the model).",
-                        check=at_least(0))
-    attn_implementation: str = _f("auto", "Attention kernel: sdpa, eager, or auto (sdpa where it computes the "
-                                  "family's attention; eager for soft-capped scores (Gemma 2) and attention sinks "
-                                  "(gpt-oss)).", choices=ATTN_IMPLS)
-    attention_backend: str = _f("auto", "Kernel of whole causal rows under sdpa on a GPU: auto (cuDNN where it "
-                                "takes the model's heads, the head size zero-padded to a multiple of 8: 1.4-1.7x "
-                                "flash-2 on Hopper; flash elsewhere) or flash (torch's own choice).",
-                                choices=ATTN_BACKENDS)
-    cache_dir: str = _f(".cache", "Where the generated model and tokenizer are kept.")
-    # --- data -----------------------------------------------------------------
-    dataset: str = _f("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a "
-                      "save_to_disk directory, .json/.jsonl/.parquet/.csv file(s), or a cached dataset name.")
-    dataset_split: str = _f("train", "Split to train on.")
-    seq_length: int = _f(256, "Maximum tokens per sequence (longer records are truncated; an XSum record keeps at "
-                         "least a quarter of seq_length of its document, else it is skipped).",
-                         check=Check(lambda v: v >= 2, "at least 2"))
-    allow_long_sequences: bool = _f(False, "Allow seq_length above the model's max_position_embeddings (RoPE then "
-                                    "runs past the positions the model was trained on).")
-    packing: bool = _f(False, "Pack several records into each row (greedy, in data order, up to seq_length): "
-                       "positions restart at 0 for each record, attention and loss never cross records; a batch "
-                       "is batch_size packed rows. Needs attn_implementation sdpa or eager. Validation is not packed.")
-    batch_size: int = _f(8, "Sequences per iteration (global batch).", check=AT_LEAST_ONE)
-    num_chunks: int = _f(4, "Micro-batches per iteration; batch_size must be divisible by it.",
-                         check=AT_LEAST_ONE)
-    eval_dataset: str = _f("", "Validation data, same forms as dataset; default: the training source's validation "
-                           "split (the bundled validation file for dataset: sample).")
-    eval_batches: int = _f(0, "Validation batches (of batch_size rows) per evaluation (0 = all).", check=at_least(0))
-    # --- parallelism ----------------------------------------------------------
-    num_stages: int = _f(4, "Pipeline stages; a multiple of the number of processes (virtual stages). -1 = auto "
-                         "(with a GPU or gpu_memory_gb): the fewest whose memory plan fits, with seq_chunks and "
-                         "tiled_mlp if those are auto too (--plan says the longest row that fits).")
-    data_parallel: int = _f(1, "Replicas of the pipeline: the processes form data_parallel pipelines of "
-                            "processes / data_parallel ranks each; each replica runs num_chunks / data_parallel of "
-                            "the global batch's micro-batches and the replicas sum their gradients before the step. "
-                            "With use_offload each replica runs 1/data_parallel of an offloaded stage's CPU AdamW "
-                            "step and holds that part of its AdamW state (ZeRO-1 on host state).")
-    schedule: str = _f("1f1b", "Pipeline schedule: 1f1b keeps fewer micro-batches in flight than gpipe and was the "
-                       "fastest on GPUs; gpipe runs every forward first; interleaved is 1F1B over virtual "
-                       "stages.", choices=SCHEDULE_NAMES)
-    seq_chunks: int = _f(1, "Sequence-level pipelining (Seq1F1B): cut every row into seq_chunks contiguous segments "
-                         "and pipeline (micro-batch, segment) pairs; a stage holds a few segments' activations "
-                         "instead of whole sequences (exact: each segment attends to the earlier segments' keys and "
-                         "values, which stay on the device until the micro-batch's backward). For long seq_length; "
-                         "segment lengths balance the attention cost (later segments are shorter). 1 = whole rows; "
-                         "-1 = auto (with a GPU or gpu_memory_gb): whole rows if the memory plan fits them, else "
-                         "the fewest segments that fit. With activation_offload the carried keys and values wait "
-                         "in host memory between a stage's forwards and its backwards.")
-    partition: str = _f("cost", "Decoder layers per stage: cost (the counts the cost model predicts fastest, from "
-                        "each stage's FLOPs, the head's 2*vocab*hidden a token included, and its parameter loads; "
-                        "the even split unless another is predicted at least 0.1% faster, and always with "
-                        "one GPU to a pipeline), layers (as even as possible, "
-                        "extra layers to the middle stages) or the counts themselves, comma-separated (\"3,5,4,4\": "
-                        "what a checkpoint's stages hold). --plan shows the layers per stage.")
-    activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward (and the "
-                                                "last stage's head and loss).")
-    keep_layers: int = _f(0, "With activation_checkpointing: decoder layers per stage that keep their activations "
-                          "for backward instead of recomputing them (the stage's last ones; exact, faster, more "
-                          "memory). N = N layers of every stage; -1 = auto: with a GPU, layer by layer where the "
-                          "memory plan's peak grows least (stages with few micro-batches in flight first) while it "
-                          "stays in 90% of the GPU beside the resident stages (not yet measured on GPUs).",
-                          check=Check(lambda v: v >= -1, "-1 (auto) or >= 0 (layers per stage)"))
-    compile_layers: str = _f("auto", "Regional torch.compile of every decoder layer (one compiled graph serves "
-                             "all layers of a shape): fused norms, activations and rotary embeddings, the same "
-                             "arithmetic up to rounding, as any kernel fusion. auto = true on a GPU (Triton) without "
-                             "seq_chunks, false on the CPU (where compiling takes longer than a short run saves); "
-                             "the first step is slower while it compiles.", choices=COMPILE_CHOICES)
-    activation_offload: bool = _f(False, "Exact low-memory mode: a stage's forward builds no graph and its input "
-                                  "(the activation from the previous stage) waits for the backward in host memory; "
-                                  "the backward copies it back (the next one's copy prefetched) and recomputes the "
-                                  "stage whole, once. GPU memory then holds one stage's activations of one "
-                                  "micro-batch (with seq_chunks: of one segment, beside the carried keys and values "
-                                  "of the micro-batches in flight), whatever the number of micro-batches in flight; "
-                                  "host memory holds one hidden state per micro-batch and stage in flight. Layers "
-                                  "are not checkpointed again (keep_layers must be 0; activation_checkpointing still "
-                                  "chunks the last stage's loss). Not with attention dropout.")
-    fuse_last_stage: str = _f("auto", "The last stage runs forward, loss and backward of each micro-batch back to "
-                              "back in its forward: its layers are never checkpointed or recomputed, its head and "
-                              "loss run in chunks of tokens (the logits exist for one chunk at a time) and only the "
-                              "gradient of its input waits for the schedule's backward. Exact: the same arithmetic "
-                              "as recomputing. auto = true without seq_chunks (a segment's backward needs the later "
-                              "segments'; true is refused there) and unless gpipe runs with activation_offload "
-                              "(each micro-batch's input gradient would wait on the GPU).", choices=COMPILE_CHOICES)
-    tiled_mlp: str = _f("auto", "Run each decoder layer's MLP in tiles of tokens (one tile's intermediate tensor at "
-                        "most 256 MiB), each recomputed in its backward: a long row's MLP intermediates then exist "
-                        "for one tile at a time. Exact; costs one more MLP forward. auto = true only where the "
-                        "memory plan does not fit without it (with a GPU or gpu_memory_gb; false without). Not for "
-                        "mixture-of-experts layers.", choices=COMPILE_CHOICES)
-    mapping: str = _f("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the "
-                      "loads over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
-                      "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "
-                      "CUDA_VISIBLE_DEVICES). The older auto and cross mean planned, sequential and manual "
-                      "round_robin.", choices=MAPPING_MODES, renamed=RENAMED_MAPPING_MODES)
-    topology: str = _f("", "YAML/JSON file of GPU root groups overriding discovery ({gpus: [{index, root, numa, "
-                       "bandwidth_gbps}]}); ranks use its GPUs in CUDA_VISIBLE_DEVICES order.")
-    plan_tflops: float = _f(60.0, "Achieved TFLOP/s per GPU the mapping planner assumes for compute time.",
-                            check=above(0))
-    stagger_loads: bool = _f(True, "With the planner: hold back a rank's first load when the cost model predicts "
-                             "it would slow an earlier stage's load under the same root complex.")
-    device: str = _f("auto", "auto, cpu (gloo) or cuda (nccl).", choices=DEVICES)
-    receive_ahead: int = _f(0, "Post each receive from another rank this many computes before the compute that takes "
-                            "it, so that its transfer can run during them (0 = right before it). Each costs one "
-                            "more receive buffer per incoming neighbour, which --plan counts. On two H200s over "
-                            "PCIe (7B, 16 stages) 1 measured the same step as 0.",
-                            check=at_least(0, " computes (0: each receive right before the compute that takes it)"))
-    comm_timeout_s: float = _f(600.0, "Seconds a send/recv or collective may wait for a peer before the run stops with "
-                               "an error naming the stalled action.", check=above(0))
-    # --- offload --------------------------------------------------------------
-    use_offload: bool = _f(False, "Keep stage parameters in host memory; load them only while the stage computes.")
-    use_prefetch: bool = _f(True, "Load the next stage's parameters while the current one computes.")
-    resident_stages: int = _f(-1, "With use_offload: stages per GPU that stay on it, AdamW state included (their "
-                              "optimizer step runs on the GPU, not the CPU): the GPU's first stages, whose steps "
-                              "the next iteration needs first. -1 = auto: as many as the memory plan fits in "
-                              "90% of the GPU (0 without a GPU).")
-    device_steps: int = _f(0, "With use_offload: offloaded stages per GPU whose AdamW step runs on the GPU beside "
-                           "the CPU's, the last ones its forward needs; their AdamW moments stay on the GPU (8 bytes "
-                           "a parameter, which --plan counts) and their fp32 masters and gradients cross PCIe at "
-                           "the step. With clipping, the CPU then has fewer steps to finish between the norm and "
-                           "the next forward's need of them. Not with data_parallel, delayed_update, lora_rank or "
-                           "embeddings tied across stages.",
-                           check=at_least(0, " (0: every offloaded stage steps on the CPU)"))
-    gpu_memory_gb: float = _f(0.0, "Cap on each GPU's usable memory in GiB (emulates a smaller card; 0 = no cap). "
-                              "With --plan on a machine without a GPU (device auto): plan for GPUs of this size.",
-                              check=at_least(0))
-    host_memory_gb: float = _f(0.0, "Host memory the run may use in GiB, for the memory plan's host check (--plan and "
-                               "before training): set it, with nproc and gpu_memory_gb, to plan for another "
-                               "machine (0 = what this machine has available now).", check=at_least(0))
-    optimizer_threads: int = _f(0, "CPU threads for the offloaded AdamW of each process (0 = this rank's share of "
-                                   "its GPU's NUMA node cores, or of all cores, less two for its other threads).",
-                                check=at_least(0))
-    delayed_update: bool = _f(False, "NOT exact: iteration k+1 computes with the weights before step k, so each "
-                              "CPU AdamW step overlaps the next iteration instead of delaying it (ZeRO-Offload's "
-                              "delayed parameter update): the gradients are one update stale. Needs use_offload; "
-                              "every stage is offloaded (resident_stages 0); no eval_every, checkpoints or resume.")
-    # --- optimizer ------------------------------------------------------------
-    num_iterations: int = _f(20, "Optimizer steps to run.", check=AT_LEAST_ONE)
-    lr: float = _f(1e-4, "Peak learning rate (AdamW).", check=at_least(0))
-    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of lr (linear/cosine).",
-                             check=fraction(upper_open=False))
-    lr_schedule: str = _f("cosine", "Decay after warm-up.", choices=LR_SCHEDULES)
-    warmup_iterations: int = _f(0, "Linear warm-up steps.", check=at_least(0))
-    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to 1-D weights such as norms).", check=at_least(0))
-    adam_beta1: float = _f(0.9, "AdamW beta1.", check=fraction(upper_open=True))
-    adam_beta2: float = _f(0.95, "AdamW beta2.", check=fraction(upper_open=True))
-    adam_eps: float = _f(1e-8, "AdamW epsilon.", check=at_least(0))
-    grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold (0 = off).", check=at_least(0))
-    seed: int = _f(0, "Seed for data order and random initialisation.", check=at_least(0))
-    dtype: str = _f("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
-                    choices=DTYPES)
-    loss_scale: float = _f(65536.0, "float16 only: the initial loss scale (dynamic: halves on an overflow, doubles "
-                           "after loss_scale_window finite steps).", check=above(0))
-    loss_scale_window: int = _f(1000, "float16 only: finite steps before the loss scale doubles (0 = a fixed scale).",
-                                 check=at_least(0, " (0 = a fixed scale)"))
-    max_skipped_steps: int = _f(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with an "
-                                "error after more than this many in a row (0 = stop at the first; -1 = no check, "
-                                "non-finite steps are applied).", check=at_least(-1))
-    # --- lora -----------------------------------------------------------------
-    lora_rank: int = _f(0, "LoRA: train low-rank adapters (peft's) of this rank instead of the whole model (0 = full "
-                        "fine-tuning). The base weights are frozen: no gradient, master copy or AdamW state, kept in "
-                        "the compute dtype (with use_offload in host memory, streamed to the GPU like an offloaded "
-                        "stage); the adapters and their AdamW state stay on the GPU.",
-                        check=at_least(0, " (0 = full fine-tuning)"))
-    lora_alpha: float = _f(16.0, "LoRA scaling numerator: an adapter's update is multiplied by lora_alpha / lora_rank.")
-    lora_dropout: float = _f(0.0, "Dropout on an adapter's input (peft's lora_dropout), 0 <= p < 1. Not with "
-                             "activation_offload, whose recompute would draw another mask.")
-    lora_target_modules: str = _f("all-linear", "The modules that get adapters, by peft's names, comma-separated "
-                                  "(e.g. q_proj,k_proj,v_proj,o_proj), or all-linear (every linear layer of the "
-                                  "decoder layers; not the head). Mixture-of-experts experts are not linear layers "
-                                  "and get none.")
-    lora_adapter: str = _f("", "A saved peft adapter directory (adapter_config.json, adapter_model.safetensors) to "
-                           "continue training; its rank, alpha and target modules must be this run's.")
-    merge_lora: bool = _f(False, "With lora_rank: also write the base model with the adapters merged into it to "
-                          "save_dir/model (save_dir/adapter is written anyway). With load_in_4bit it needs "
-                          "merge_lora_base: merging into the 4-bit weights would bake their rounding into the model.")
-    merge_lora_base: str = _f("", "With merge_lora and load_in_4bit: the full-precision Hugging Face directory of "
-                              "the base model (usually model itself) whose weights the adapters are merged into.")
-    load_in_4bit: bool = _f(False, "QLoRA, with lora_rank: the decoder layers' linear weights are quantized once at "
-                            "load to 4 bits with bitsandbytes (as transformers' BitsAndBytesConfig(load_in_4bit=True) "
-                            "does, blocks of 64; the compute dtype is the run's): 0.5625 bytes a parameter with "
-                            "their scales instead of 2, in host memory with use_offload and streamed to the GPU. "
-                            "The embedding, norms and head stay in the compute dtype. Needs bitsandbytes "
-                            "(requirements.txt); the adapter records the quantization (adapter/base_quantization.json) "
-                            "and generate.py --adapter loads its base the same way.")
-    bnb_4bit_quant_type: str = _f("nf4", "With load_in_4bit: the 4-bit data type (bitsandbytes'), nf4 (normal "
-                                  "float, QLoRA's) or fp4.", choices=QUANT_TYPES)
-    bnb_4bit_use_double_quant: bool = _f(False, "With load_in_4bit: quantize the per-block scales too (8 bits in "
-                                         "blocks of 256, QLoRA's double quantization): 0.516 bytes a parameter "
-                                         "instead of 0.5625.")
-    # --- output ---------------------------------------------------------------
-    save_dir: str = _f("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
-                       "holds an earlier run is refused unless resume or overwrite is set; one that a live run "
-                       "writes is refused whatever is set (rank 0 holds save_dir/.lock while it runs).")
-    overwrite: bool = _f(False, "Start afresh in a save_dir that holds an earlier run, replacing its model, "
-                         "metrics and results (its checkpoints stay until pruned by keep_checkpoints).")
-    save_model: bool = _f(True, "Write the fine-tuned model in Hugging Face format to save_dir/model (with "
-                          "lora_rank: the adapter in peft's format to save_dir/adapter).")
-    save_params: bool = _f(False, "Also write the whole state dict to save_dir/params.pt.")
-    save_results: str = _f("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank "
-                           "(empty = save_dir/results.json).")
-    save_metrics: bool = _f(True, "Write save_dir/metrics.jsonl (a row per step and evaluation) and save_dir/metrics.png.")
-    progress_bar: bool = _f(True, "tqdm progress bar on the rank that computes the loss (only when stdout is a terminal).")
-    eval_every: int = _f(0, "Validation loss and perplexity every N steps and after the last (0 = off).",
-                         check=at_least(0))
-    timeline: bool = _f(False, "Record one iteration per rank; write save_dir/timeline.json (Chrome trace), "
-                        "timeline.png (Gantt) and timeline_predicted.json (cost model).")
-    timeline_iteration: int = _f(-1, "Iteration the timeline records (-1 = the last).")
-    debug_schedule: bool = _f(False, "Print every rank's action list before training.")
-    checkpoint_every: int = _f(0, "Save a training checkpoint (weights, AdamW state, data position) to "
-                               "save_dir/checkpoints/step_N every N steps and at the end (0 = only when "
-                               "stopped by SIGINT/SIGTERM).", check=at_least(0))
-    keep_checkpoints: int = _f(3, "Keep the newest K complete checkpoints; older ones are deleted once a newer "
-                               "one is complete.", check=AT_LEAST_ONE)
-    resume: str = _f("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
-                     "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
-                     "again) or a checkpoint directory; empty = start from the model. A checkpoint older than the "
-                     "step a finished run in save_dir ended at is refused (it would train over that run).")
-    report_to: str = _f("tensorboard", "Where the rows of metrics.jsonl also go, from the rank that writes it (with "
-                        "save_metrics): tensorboard (event files in save_dir/tensorboard; `tensorboard --logdir "
-                        "save_dir/tensorboard`), wandb (Weights & Biases, if installed; WANDB_MODE=offline needs no "
-                        "network, WANDB_PROJECT names the project, default mmoc-pipe), none, or several "
-                        "comma-separated (a YAML list too).", listed=REPORT_TO)
-    # --- launch ---------------------------------------------------------------
-    cuda_visible_devices: str = _f("", "GPUs to use (train.sh exports it); empty = all.")
-    nproc: int = _f(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU); train.sh's "
-                    "--nproc, then NPROC, come before the YAML's.",
-                    check=at_least(0, " (0 = one process per visible GPU, or 2 without one)"))
-    master_port: int = _f(29500, "Rendezvous port train.sh gives torchrun; train.sh's --master_port, then "
-                          "MASTER_PORT, come before the YAML's.",
-                          check=Check(lambda v: 1 <= v <= 65535, "a TCP port, 1..65535"))
+class OptimizerSettings:
+    """The steps: how many, AdamW's and the learning rate's settings, the dtype and its loss scale."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    num_iterations: int = setting(20, "Optimizer steps to run.", check=AT_LEAST_ONE)
+    lr: float = setting(1e-4, "Peak learning rate (AdamW).", check=at_least(0))
+    min_lr_ratio: float = setting(0.1, "Final learning rate as a fraction of lr (linear/cosine).",
+                                  check=fraction(upper_open=False))
+    lr_schedule: str = setting("cosine", "Decay after warm-up.", choices=LR_SCHEDULES)
+    warmup_iterations: int = setting(0, "Linear warm-up steps.", check=at_least(0))
+    weight_decay: float = setting(0.0, "AdamW weight decay (not applied to 1-D weights such as norms).",
+                                  check=at_least(0))
+    adam_beta1: float = setting(0.9, "AdamW beta1.", check=fraction(upper_open=True))
+    adam_beta2: float = setting(0.95, "AdamW beta2.", check=fraction(upper_open=True))
+    adam_eps: float = setting(1e-8, "AdamW epsilon.", check=at_least(0))
+    grad_clip: float = setting(1.0, "Global gradient-norm clipping threshold (0 = off).", check=at_least(0))
+    seed: int = setting(0, "Seed for data order and random initialisation.", check=at_least(0))
+    dtype: str = setting("auto", "Compute dtype; auto = bfloat16 on GPU, float32 on CPU. Master weights are float32.",
+                         choices=DTYPES)
+    loss_scale: float = setting(65536.0, "float16 only: the initial loss scale (dynamic: halves on an overflow, "
+                                "doubles after loss_scale_window finite steps).", check=above(0))
+    loss_scale_window: int = setting(1000, "float16 only: finite steps before the loss scale doubles (0 = a fixed "
+                                     "scale).", check=at_least(0, " (0 = a fixed scale)"))
+    max_skipped_steps: int = setting(5, "A step whose loss or gradient is NaN/inf is skipped on every rank; stop with "
+                                     "an error after more than this many in a row (0 = stop at the first; -1 = no "
+                                     "check, non-finite steps are applied).", check=at_least(-1))
+
+
+# Modules outside the decoder layers: frozen always (peft's all-linear leaves the head out too).
+LORA_FROZEN = ("embed_tokens", "lm_head")
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraSettings:
+    """Low-rank adapters instead of full fine-tuning, and QLoRA's 4-bit base."""
+
+    lora_rank: int = setting(0, "LoRA: train low-rank adapters (peft's) of this rank instead of the whole model (0 = "
+                             "full fine-tuning). The base weights are frozen: no gradient, master copy or AdamW "
+                             "state, kept in the compute dtype (with use_offload in host memory, streamed to the GPU "
+                             "like an offloaded stage); the adapters and their AdamW state stay on the GPU.",
+                             check=at_least(0, " (0 = full fine-tuning)"))
+    lora_alpha: float = setting(16.0, "LoRA scaling numerator: an adapter's update is multiplied by lora_alpha / "
+                                "lora_rank.")
+    lora_dropout: float = setting(0.0, "Dropout on an adapter's input (peft's lora_dropout), 0 <= p < 1. Not with "
+                                  "activation_offload, whose recompute would draw another mask.")
+    lora_target_modules: str = setting("all-linear", "The modules that get adapters, by peft's names, comma-separated "
+                                       "(e.g. q_proj,k_proj,v_proj,o_proj), or all-linear (every linear layer of the "
+                                       "decoder layers; not the head). Mixture-of-experts experts are not linear "
+                                       "layers and get none.")
+    lora_adapter: str = setting("", "A saved peft adapter directory (adapter_config.json, adapter_model.safetensors) "
+                                "to continue training; its rank, alpha and target modules must be this run's.")
+    merge_lora: bool = setting(False, "With lora_rank: also write the base model with the adapters merged into it to "
+                               "save_dir/model (save_dir/adapter is written anyway). With load_in_4bit it needs "
+                               "merge_lora_base: merging into the 4-bit weights would bake their rounding into the "
+                               "model.")
+    merge_lora_base: str = setting("", "With merge_lora and load_in_4bit: the full-precision Hugging Face directory "
+                                   "of the base model (usually model itself) whose weights the adapters are merged "
+                                   "into.")
+    load_in_4bit: bool = setting(False, "QLoRA, with lora_rank: the decoder layers' linear weights are quantized once "
+                                 "at load to 4 bits with bitsandbytes (as transformers' "
+                                 "BitsAndBytesConfig(load_in_4bit=True) does, blocks of 64; the compute dtype is the "
+                                 "run's): 0.5625 bytes a parameter with their scales instead of 2, in host memory "
+                                 "with use_offload and streamed to the GPU. The embedding, norms and head stay in the "
+                                 "compute dtype. Needs bitsandbytes (requirements.txt); the adapter records the "
+                                 "quantization (adapter/base_quantization.json) and generate.py --adapter loads its "
+                                 "base the same way.")
+    bnb_4bit_quant_type: str = setting("nf4", "With load_in_4bit: the 4-bit data type (bitsandbytes'), nf4 (normal "
+                                       "float, QLoRA's) or fp4.", choices=QUANT_TYPES)
+    bnb_4bit_use_double_quant: bool = setting(False, "With load_in_4bit: quantize the per-block scales too (8 bits in "
+                                              "blocks of 256, QLoRA's double quantization): 0.516 bytes a parameter "
+                                              "instead of 0.5625.")
+
+
+def lora_targets(cfg: LoraSettings) -> list[str]:
+    """The module names ``lora_target_modules`` lists, as given (all-linear not expanded)."""
+    return [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()]
+
+
+@dataclass
+class OutputSettings:
+    """What a run writes to save_dir, how often, and where a resumed run continues from."""
+
+    save_dir: str = setting("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
+                            "holds an earlier run is refused unless resume or overwrite is set; one that a live run "
+                            "writes is refused whatever is set (rank 0 holds save_dir/.lock while it runs).")
+    overwrite: bool = setting(False, "Start afresh in a save_dir that holds an earlier run, replacing its model, "
+                              "metrics and results (its checkpoints stay until pruned by keep_checkpoints).")
+    save_model: bool = setting(True, "Write the fine-tuned model in Hugging Face format to save_dir/model (with "
+                               "lora_rank: the adapter in peft's format to save_dir/adapter).")
+    save_params: bool = setting(False, "Also write the whole state dict to save_dir/params.pt.")
+    save_results: str = setting("", "JSON file for per-iteration time, tokens/s, loss and peak memory of every rank "
+                                "(empty = save_dir/results.json).")
+    save_metrics: bool = setting(True, "Write save_dir/metrics.jsonl (a row per step and evaluation) and "
+                                 "save_dir/metrics.png.")
+    progress_bar: bool = setting(True, "tqdm progress bar on the rank that computes the loss (only when stdout is a "
+                                 "terminal).")
+    eval_every: int = setting(0, "Validation loss and perplexity every N steps and after the last (0 = off).",
+                              check=at_least(0))
+    timeline: bool = setting(False, "Record one iteration per rank; write save_dir/timeline.json (Chrome trace), "
+                             "timeline.png (Gantt) and timeline_predicted.json (cost model).")
+    timeline_iteration: int = setting(-1, "Iteration the timeline records (-1 = the last).")
+    debug_schedule: bool = setting(False, "Print every rank's action list before training.")
+    checkpoint_every: int = setting(0, "Save a training checkpoint (weights, AdamW state, data position) to "
+                                    "save_dir/checkpoints/step_N every N steps and at the end (0 = only when stopped "
+                                    "by SIGINT/SIGTERM).", check=at_least(0))
+    keep_checkpoints: int = setting(3, "Keep the newest K complete checkpoints; older ones are deleted once a newer "
+                                    "one is complete.", check=AT_LEAST_ONE)
+    resume: str = setting("", "Continue a run: 'latest' (newest complete checkpoint in save_dir/checkpoints; none: "
+                          "start fresh, unless save_dir holds a finished run, which is refused rather than trained "
+                          "again) or a checkpoint directory; empty = start from the model. A checkpoint older than "
+                          "the step a finished run in save_dir ended at is refused (it would train over that run).")
+    report_to: str = setting("tensorboard", "Where the rows of metrics.jsonl also go, from the rank that writes it "
+                             "(with save_metrics): tensorboard (event files in save_dir/tensorboard; `tensorboard "
+                             "--logdir save_dir/tensorboard`), wandb (Weights & Biases, if installed; "
+                             "WANDB_MODE=offline needs no network, WANDB_PROJECT names the project, default "
+                             "mmoc-pipe), none, or several comma-separated (a YAML list too).", listed=REPORT_TO)
 
     @property
     def results_path(self) -> str:
@@ -320,29 +188,39 @@ class TrainConfig:
         return self.save_results or os.path.join(self.save_dir, "results.json")
 
 
-# Every field in exactly one section (checked below). ``launch`` is train.sh's: which processes
-# run where, nothing about the training itself.
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "tokenizer", "num_layers", "embedding_dim", "ff_dim", "num_heads", "attn_implementation",
-              "attention_backend", "cache_dir"),
-    "data": ("dataset", "dataset_split", "seq_length", "allow_long_sequences", "packing", "batch_size", "num_chunks",
-             "eval_dataset", "eval_batches"),
-    "parallelism": ("num_stages", "data_parallel", "schedule", "partition", "seq_chunks", "activation_checkpointing",
-                    "keep_layers", "activation_offload", "compile_layers", "fuse_last_stage", "tiled_mlp", "mapping",
-                    "topology",
-                    "plan_tflops", "stagger_loads", "device", "receive_ahead", "comm_timeout_s"),
-    "offload": ("use_offload", "use_prefetch", "resident_stages", "device_steps", "gpu_memory_gb", "host_memory_gb",
-                "optimizer_threads", "delayed_update"),
-    "optimizer": ("num_iterations", "lr", "min_lr_ratio", "lr_schedule", "warmup_iterations", "weight_decay",
-                  "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "seed", "dtype", "loss_scale",
-                  "loss_scale_window", "max_skipped_steps"),
-    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_adapter", "merge_lora",
-             "merge_lora_base", "load_in_4bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant"),
-    "output": ("save_dir", "overwrite", "save_model", "save_params", "save_results", "save_metrics", "progress_bar",
-               "eval_every", "timeline", "timeline_iteration", "debug_schedule", "checkpoint_every",
-               "keep_checkpoints", "resume", "report_to"),
-    "launch": ("cuda_visible_devices", "nproc", "master_port"),
-}
+@dataclass
+class LaunchSettings:
+    """train.sh's: which processes run where, nothing about the training itself."""
+
+    cuda_visible_devices: str = setting("", "GPUs to use (train.sh exports it); empty = all.")
+    nproc: int = setting(0, "Processes train.sh starts (0 = one per visible GPU, or 2 without a GPU); train.sh's "
+                         "--nproc, then NPROC, come before the YAML's.",
+                         check=at_least(0, " (0 = one process per visible GPU, or 2 without one)"))
+    master_port: int = setting(29500, "Rendezvous port train.sh gives torchrun; train.sh's --master_port, then "
+                               "MASTER_PORT, come before the YAML's.",
+                               check=Check(lambda v: 1 <= v <= 65535, "a TCP port, 1..65535"))
+
+
+# The sections in the order --help and docs/config.md list them, each a YAML mapping of its keys.
+SECTION_TYPES: dict[str, type] = {"model": ModelSettings, "data": DataSettings, "parallelism": ParallelismSettings,
+                                  "offload": OffloadSettings, "optimizer": OptimizerSettings, "lora": LoraSettings,
+                                  "output": OutputSettings, "launch": LaunchSettings}
+
+
+# A dataclass takes the fields of its last base first: the bases are SECTION_TYPES backwards, so
+# the fields (and to_dict) run in its order.
+@dataclass
+class TrainConfig(LaunchSettings, OutputSettings, LoraSettings, OptimizerSettings, OffloadSettings,
+                  ParallelismSettings, DataSettings, ModelSettings):
+    """Every setting of a run, read flat (``cfg.lr``); each section's class documents its fields."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+assert TrainConfig.__bases__ == tuple(reversed(SECTION_TYPES.values())), "TrainConfig's bases: SECTION_TYPES backwards"
+SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(f.name for f in dataclasses.fields(cls))
+                                        for section, cls in SECTION_TYPES.items()}
 # Keys a resumed run may change without it being reported as a change of the run: the launch
 # section, and where, how long and how often it writes.
 RESUME_FREE = frozenset(SECTIONS["launch"]) | {"resume", "num_iterations", "checkpoint_every", "keep_checkpoints",
@@ -355,8 +233,8 @@ def _fields() -> dict[str, dataclasses.Field]:
 
 
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
-assert sorted(_SECTION_OF) == sorted(_fields()) and len(_SECTION_OF) == sum(map(len, SECTIONS.values())), \
-    "every TrainConfig field belongs to exactly one section of SECTIONS"
+# a name declared in two sections would be one field of TrainConfig, quietly
+assert len(_SECTION_OF) == sum(map(len, SECTIONS.values())), "every TrainConfig field belongs to exactly one section"
 
 
 def flatten_sections(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
@@ -565,12 +443,9 @@ def partition_counts(partition: str) -> list[int] | None:
     return counts
 
 
-# --- the rules on the settings ----------------------------------------------------------------
-# Every rule that needs nothing but the settings and the number of processes lives here, beside
-# the declarations: one field's own rule as its ``check=``, the rules between fields below. They
-# run before anything is read or launched (``check_settings``, from ``preflight.check_config``).
-# The rules that need the model are ``pipeline.plan.model_rules``'s, the files' and the machine's
-# ``pipeline.plan.preflight``'s.
+# --- each field's own rule -------------------------------------------------------------------
+# Declared with the field (``check=``); run by ``check_settings`` (``pipeline.plan.settings_rules``,
+# with the rules between fields) and, for train.sh's launch keys, by ``launch_settings``.
 def check_fields(values: dict[str, Any]) -> None:
     """Each field's own rule (its ``check=``) on ``values`` (name -> value). Fields that break
     the same rule are named together: "lr (-1.0) and grad_clip (-2.0) must be >= 0"."""
@@ -583,156 +458,6 @@ def check_fields(values: dict[str, Any]) -> None:
     for must, names in broken.items():
         named = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
         raise ConfigError(f"{named} must be {must}")
-
-
-def _replicas(cfg: TrainConfig, world_size: int) -> None:
-    D = cfg.data_parallel
-    if D < 1 or world_size % D:
-        raise ConfigError(f"data_parallel ({D}) must be >= 1 and divide the number of processes ({world_size}); "
-                          f"e.g. launch {max(D, 1) * max(world_size // max(D, 1), 1)} processes, or data_parallel 1")
-    if cfg.num_chunks % D:
-        raise ConfigError(f"num_chunks ({cfg.num_chunks}) must be divisible by data_parallel ({D}): each replica "
-                          f"runs num_chunks / data_parallel of the global batch's micro-batches; "
-                          f"e.g. num_chunks={D * max(cfg.num_chunks // D, 1)}")
-
-
-def _stages(cfg: TrainConfig, world_size: int) -> None:
-    P = world_size // cfg.data_parallel  # the ranks of one pipeline
-    if cfg.num_stages != -1 and (cfg.num_stages < 1 or cfg.num_stages % P):
-        per = f" per pipeline (world {world_size} / data_parallel {cfg.data_parallel})" if P != world_size else ""
-        raise ConfigError(f"num_stages ({cfg.num_stages}) must be a positive multiple of the number of "
-                          f"processes{per} ({P}), or -1 (auto); e.g. num_stages={P * 2}")
-    if cfg.num_stages == -1 and partition_counts(cfg.partition) is not None:
-        raise ConfigError(f"partition {cfg.partition!r} gives the layers of every stage, so num_stages must be their "
-                          f"number, not -1 (auto)")
-    if cfg.batch_size % cfg.num_chunks:  # both >= 1 (their own checks)
-        divisor = max(d for d in range(1, cfg.num_chunks + 1) if cfg.batch_size % d == 0)
-        raise ConfigError(f"batch_size ({cfg.batch_size}) must be divisible by num_chunks ({cfg.num_chunks}); e.g. "
-                          f"batch_size {cfg.num_chunks * -(-cfg.batch_size // cfg.num_chunks)} or num_chunks "
-                          f"{divisor}")
-
-
-def _segments(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.seq_chunks != -1 and not 1 <= cfg.seq_chunks <= cfg.seq_length:
-        raise ConfigError(f"seq_chunks ({cfg.seq_chunks}) must be between 1 (whole rows) and seq_length "
-                          f"({cfg.seq_length}): each of a row's segments needs at least one token; or -1 (auto)")
-    if cfg.compile_layers == "true" and cfg.tiled_mlp == "true":
-        # a tiled MLP checkpoints each tile inside the layer: not tried under torch.compile
-        raise ConfigError("compile_layers true does not work with tiled_mlp true yet; use compile_layers auto "
-                          "(eager with tiles) or false")
-    if cfg.seq_chunks > 1 and cfg.compile_layers == "true":
-        # The carried keys/values pass through a Python cache object the compiled layer cannot
-        # capture, and a checkpointed layer then recomputes other tensors than its forward saved.
-        raise ConfigError("compile_layers true does not work with seq_chunks > 1 yet; use compile_layers auto "
-                          "(eager with segments) or false")
-    if cfg.seq_chunks > 1 and cfg.fuse_last_stage == "true":
-        # segment j's backward needs the gradients of its keys/values from the backwards of the
-        # later segments, which have not run when its forward ends
-        raise ConfigError("fuse_last_stage true does not work with seq_chunks > 1 (a segment's backward needs the "
-                          "later segments'); use fuse_last_stage auto or false")
-
-
-def _offload(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.delayed_update:
-        # Each of these would see or save the weights between the two that the delay keeps apart.
-        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
-                                       (f"resident_stages {cfg.resident_stages}", cfg.resident_stages > 0),
-                                       (f"eval_every {cfg.eval_every}", cfg.eval_every > 0),
-                                       (f"checkpoint_every {cfg.checkpoint_every}", cfg.checkpoint_every > 0),
-                                       (f"resume {cfg.resume!r}", bool(cfg.resume))) if on]
-        if clash:
-            raise ConfigError(f"delayed_update needs use_offload with every stage offloaded and no evaluation, "
-                              f"checkpoints or resume; got {', '.join(clash)}")
-    per_rank = cfg.num_stages // (world_size // cfg.data_parallel) if cfg.num_stages > 0 else 0
-    if not -1 <= cfg.resident_stages <= per_rank and cfg.num_stages != -1:
-        raise ConfigError(f"resident_stages ({cfg.resident_stages}) must be -1 (auto) or 0..{per_rank} "
-                          f"(the stages per process)")
-    if cfg.device_steps:
-        # the replicas' sharded steps are collective on the CPU; a delayed step must not touch the
-        # masters the next iteration's loads read while it runs
-        clash = [name for name, on in (("use_offload off", not cfg.use_offload),
-                                       ("delayed_update", cfg.delayed_update),
-                                       (f"data_parallel {cfg.data_parallel}", cfg.data_parallel > 1)) if on]
-        if clash:
-            raise ConfigError(f"device_steps ({cfg.device_steps}) needs use_offload without delayed_update or "
-                              f"data_parallel; got {', '.join(clash)}")
-        if cfg.num_stages != -1 and cfg.device_steps + max(cfg.resident_stages, 0) > per_rank:
-            raise ConfigError(f"device_steps ({cfg.device_steps}) and resident_stages ({cfg.resident_stages}) "
-                              f"together must be at most the {per_rank} stages per process")
-    if cfg.activation_offload and cfg.keep_layers > 0:
-        # the backward recomputes each stage whole: there is no layer whose activations could be kept
-        raise ConfigError(f"activation_offload recomputes every stage whole in its backward; keep_layers "
-                          f"({cfg.keep_layers}) must be 0 or -1 with it")
-
-
-def _timeline(cfg: TrainConfig, world_size: int) -> None:
-    if not -cfg.num_iterations <= cfg.timeline_iteration < cfg.num_iterations:
-        raise ConfigError(f"timeline_iteration ({cfg.timeline_iteration}) must be in [-{cfg.num_iterations}, "
-                          f"{cfg.num_iterations}) for num_iterations={cfg.num_iterations}; -1 = the last")
-
-
-# Modules outside the decoder layers: frozen always (peft's all-linear leaves the head out too).
-LORA_FROZEN = ("embed_tokens", "lm_head")
-ALL_LINEAR = "all-linear"
-
-
-def lora_targets(cfg: TrainConfig) -> list[str]:
-    """The module names ``lora_target_modules`` lists, as given (all-linear not expanded)."""
-    return [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()]
-
-
-def _lora(cfg: TrainConfig, world_size: int) -> None:
-    if not cfg.lora_rank:
-        given = [k for k, on in (("lora_adapter", bool(cfg.lora_adapter)), ("merge_lora", cfg.merge_lora),
-                                 ("load_in_4bit", cfg.load_in_4bit)) if on]
-        if given:
-            raise ConfigError(f"{' and '.join(given)} need lora_rank > 0 (the adapter's rank); got lora_rank 0")
-        return
-    if cfg.merge_lora_base and not (cfg.merge_lora and cfg.load_in_4bit):
-        raise ConfigError(f"merge_lora_base ({cfg.merge_lora_base!r}) is the full-precision base that merge_lora "
-                          "merges a 4-bit run's adapters into; it needs merge_lora and load_in_4bit (without "
-                          "load_in_4bit the base the run trained on is merged)")
-    if cfg.merge_lora and cfg.load_in_4bit and not cfg.merge_lora_base:
-        raise ConfigError("merge_lora with load_in_4bit would merge the adapters into the 4-bit base weights, "
-                          "baking their rounding into the model: give merge_lora_base, the full-precision Hugging "
-                          f"Face directory of the base (model: {cfg.model!r}), or drop merge_lora and use "
-                          "save_dir/adapter")
-    if cfg.lora_alpha <= 0:
-        raise ConfigError(f"lora_alpha ({cfg.lora_alpha}) must be > 0")
-    if not 0 <= cfg.lora_dropout < 1:
-        raise ConfigError(f"lora_dropout ({cfg.lora_dropout}) must be in [0, 1)")
-    if cfg.lora_dropout and cfg.activation_offload:
-        # the backward's recompute of a stage runs outside torch.utils.checkpoint: another mask
-        raise ConfigError(f"lora_dropout ({cfg.lora_dropout}) does not work with activation_offload (its recompute "
-                          "would draw other dropout masks than the forward); use lora_dropout 0")
-    targets = lora_targets(cfg)
-    if not targets:
-        raise ConfigError("lora_target_modules is empty; give peft module names (q_proj,v_proj) or all-linear")
-    if ALL_LINEAR in targets and len(targets) > 1:
-        raise ConfigError(f"lora_target_modules {cfg.lora_target_modules!r}: all-linear stands alone")
-    frozen = [t for t in targets if t in LORA_FROZEN]
-    if frozen:
-        raise ConfigError(f"lora_target_modules: {', '.join(frozen)} cannot take adapters here (the embedding and "
-                          "head stay frozen); target the decoder layers' modules")
-    if cfg.delayed_update or cfg.device_steps:
-        what = "delayed_update" if cfg.delayed_update else f"device_steps ({cfg.device_steps})"
-        raise ConfigError(f"{what} does not apply to lora_rank > 0: the adapters step on the GPU, no CPU "
-                          f"AdamW step is left to overlap or move; drop it")
-
-
-# The rules between fields, in the order they are checked (each field's own rule comes first).
-SETTINGS_RULES: tuple[Callable[[TrainConfig, int], None], ...] = (_replicas, _stages, _segments, _offload, _timeline,
-                                                                  _lora)
-
-
-def check_settings(cfg: TrainConfig, world_size: int) -> None:
-    """Every rule on the settings alone for a run of ``world_size`` processes: each field's own
-    (``check=``), then ``SETTINGS_RULES``. The first broken one is a ConfigError of one line: the
-    values given, what is allowed, what to change. The launch keys are train.sh's, checked where
-    it resolves them (``launch_settings``)."""
-    check_fields({name: getattr(cfg, name) for name in _fields() if _SECTION_OF[name] != "launch"})
-    for rule in SETTINGS_RULES:
-        rule(cfg, world_size)
 
 
 def config_file(given: str | None) -> str | None:

@@ -7,8 +7,8 @@ after reading the model's config, once per process start and before any process 
 ``check_choices`` runs the rules on what ``resolve`` decides (the stages and the resident stages
 that ``-1`` left open) on its answer.
 
-The rules on the settings alone are ``pipeline.config``'s (beside the fields), the rules on files
-and the machine ``pipeline.plan.preflight``'s: among them that a tied head is stored as the
+The rules on the settings alone are ``pipeline.plan.settings_rules``'s (each field's own beside
+it, ``check=``), the rules on files and the machine ``pipeline.plan.preflight``'s: among them that a tied head is stored as the
 embedding's copy, the one check that reads tensors; these rules read the model's config and no
 weight, so ``--plan`` reads none.
 """

@@ -215,7 +215,7 @@ def save_params(path: Path, stores: dict, env: DistEnv) -> None:
 def mark_finished(save_dir: Path, step: int, env: DistEnv) -> None:
     """Rank 0, once a run's final outputs are written: ``save_dir/finished.json`` names the step
     they are at, so that resuming an older checkpoint into save_dir is refused before launch
-    instead of training over them (``preflight.check_save_dir``)."""
+    instead of training over them (``pipeline.plan.save_dir.check_save_dir``)."""
     if env.rank == 0:
         write_json_atomic(Path(save_dir) / FINISHED, {"step": step, "finished_at": time.time()})
 
@@ -343,7 +343,7 @@ def find_resume(resume: str, save_dir: str, env: DistEnv, log) -> ResumePoint | 
             path = find_latest(Path(save_dir), log.warn)
             if path is not None:
                 answer = ("ok", (str(path), read_trainer_state(path)))
-        else:  # checked before launch too (preflight.check_resume); here: damaged since
+        else:  # checked before launch too (save_dir.check_resume); here: damaged since
             refusal = resume_refusal(resume, save_dir)
             answer = ("error", refusal) if refusal else ("ok", (resume, read_trainer_state(Path(resume))))
     kind, value = broadcast_object(answer)

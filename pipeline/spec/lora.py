@@ -3,7 +3,7 @@ names, ``all-linear`` expanded against the model the way peft expands it), how m
 elements each stage holds and, with ``load_in_4bit`` (QLoRA), how the base's linear weights are
 quantized and what they then cost. No weights, no peft: the counts read the model's skeleton on the meta
 device, so ``--plan`` of a 70B-class model runs on a laptop. The combinations refused are
-checked before launch: on the settings in ``pipeline.config``, against the model in
+checked before launch: on the settings in ``pipeline.plan.settings_rules``, against the model in
 ``pipeline.plan.model_rules``, the saved adapter's files in ``pipeline.plan.preflight``. A saved
 adapter is read here too, without a tensor: its ``adapter_config.json`` and the shapes its
 safetensors header gives (``adapter_mismatches``: everything in it that differs from the run)."""

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.config import ConfigError
 from pipeline.plan import saved
-from pipeline.plan.preflight import LOCK_FILE
+from pipeline.plan.save_dir import LOCK_FILE
 from tests.helpers.launch import Launched, alive, launch, wait_for_line, worker_pids
 from tests.helpers.paths import ROOT, env_without_dist
 from tests.helpers.prelaunch import check_only, one_error, refused_before_launch, train_sh

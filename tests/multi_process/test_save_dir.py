@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, make_config
-from pipeline.plan import preflight, saved
+from pipeline.plan import preflight, save_dir, saved
 from tests.helpers.prelaunch import chat_file, refused_before_launch, train_sh
 
 
 @pytest.fixture
 def held(monkeypatch):
     """The lock files this test's process takes: released after the test."""
-    monkeypatch.setattr(preflight, "_held", {})
+    monkeypatch.setattr(save_dir, "_held", {})
     yield
-    preflight.release_save_dir()
+    save_dir.release_save_dir()
 
 
 def _finished_run(out: Path, checkpoint_step: int = 0, finished_step: int = 0) -> Path:
@@ -48,7 +48,7 @@ def _finished_run(out: Path, checkpoint_step: int = 0, finished_step: int = 0) -
 
 
 def _check(out: Path, **kw) -> None:
-    preflight.check_save_dir(make_config({"save_dir": str(out), **kw}), test_lock=True)
+    save_dir.check_save_dir(make_config({"save_dir": str(out), **kw}), test_lock=True)
 
 
 def test_a_finished_run_is_continued_or_replaced_only_as_asked(tmp_path):
@@ -122,9 +122,9 @@ def test_a_resume_path_must_be_a_complete_checkpoint(tmp_path):
     what is wrong with it."""
     run = _finished_run(tmp_path / "run", checkpoint_step=4, finished_step=4)
 
-    def refusal(resume: str, save_dir: Path = run) -> str:
+    def refusal(resume: str, where: Path = run) -> str:
         with pytest.raises(ConfigError) as info:
-            preflight.check_resume(make_config({"save_dir": str(save_dir), "resume": resume}))
+            save_dir.check_resume(make_config({"save_dir": str(where), "resume": resume}))
         return str(info.value)
 
     assert refusal("latset") == (f"resume 'latset': no such checkpoint directory ({Path('latset').absolute()}); "
@@ -139,21 +139,21 @@ def test_a_resume_path_must_be_a_complete_checkpoint(tmp_path):
         f"resume '{run / saved.CHECKPOINTS / 'step_00000002'}' is not a complete checkpoint: no COMPLETE marker (the "
         "save did not finish); give a checkpoints/step_N directory or 'latest'")
     for resume in (str(saved.checkpoint_dir(run, 4)), "latest", ""):
-        preflight.check_resume(make_config({"save_dir": str(run), "resume": resume}))
+        save_dir.check_resume(make_config({"save_dir": str(run), "resume": resume}))
 
 
 def test_a_run_leaves_no_lock_file(tmp_path, held, monkeypatch):
     """A run removes its lock file as it ends, and the save_dir it made where nothing else is in
     it; the next run locks the file that is at the path, not one its holder removed as it left."""
     out = tmp_path / "run"
-    preflight.hold_save_dir(out)
-    assert (out / preflight.LOCK_FILE).is_file()
-    preflight.release_save_dir()
+    save_dir.hold_save_dir(out)
+    assert (out / save_dir.LOCK_FILE).is_file()
+    save_dir.release_save_dir()
     assert not out.exists()  # made by this run, and nothing else in it
     out.mkdir()
     (out / "metrics.jsonl").write_text("")
-    preflight.hold_save_dir(out)
-    preflight.release_save_dir()
+    save_dir.hold_save_dir(out)
+    save_dir.release_save_dir()
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
 
     opened, real_open = [], os.open
@@ -166,24 +166,24 @@ def test_a_run_leaves_no_lock_file(tmp_path, held, monkeypatch):
         return fd
 
     monkeypatch.setattr(os, "open", holder_leaves_after_the_first_open)
-    preflight.hold_save_dir(out)
+    save_dir.hold_save_dir(out)
     monkeypatch.undo()
-    assert len(opened) == 2 and preflight.lock_holder(out)  # the lock is on the file at the path
+    assert len(opened) == 2 and save_dir.lock_holder(out)  # the lock is on the file at the path
 
 
 def test_a_live_run_holds_its_save_dir(tmp_path, held):
     out = tmp_path / "run"
-    assert preflight.lock_holder(out) is None
-    preflight.hold_save_dir(out, launcher_pid=4321)
-    holder = preflight.lock_holder(out)
+    assert save_dir.lock_holder(out) is None
+    save_dir.hold_save_dir(out, launcher_pid=4321)
+    holder = save_dir.lock_holder(out)
     assert re.fullmatch(rf"host \S+, rank 0 pid {os.getpid()}, launcher pid 4321, started \d{{4}}-.*", holder)
     # Another open of the lock file is another holder, in this process too: refused whatever the flags.
     for kw in ({}, {"overwrite": True}, {"resume": "latest"}):
         with pytest.raises(ConfigError, match=rf"save_dir '{out}' is in use by a run that is still going \(host "):
             _check(out, **kw)
     with pytest.raises(ConfigError, match="is in use by a run that is still going"):
-        preflight.hold_save_dir(out)
-    preflight.check_save_dir(make_config({"save_dir": str(out)}), test_lock=False)  # the holder's own re-check
+        save_dir.hold_save_dir(out)
+    save_dir.check_save_dir(make_config({"save_dir": str(out)}), test_lock=False)  # the holder's own re-check
 
 
 @pytest.mark.parametrize("where", ["/proc/mmoc_run", "file/run"])
@@ -285,7 +285,7 @@ def test_a_second_run_into_a_live_save_dir_is_refused(tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, step + 1))
     assert rows[-1]["kind"] == "summary"
     assert saved.validate_checkpoint(saved.checkpoint_dir(out, step)) is None
-    assert preflight.lock_holder(out) is None  # gone with the run
+    assert save_dir.lock_holder(out) is None  # gone with the run
 
 
 @pytest.mark.slow
@@ -312,7 +312,7 @@ def test_resume_latest_on_a_finished_run_keeps_it(tiny_model_dir, tmp_path):
                    save_metrics=True)
     proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != preflight.LOCK_FILE}
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != save_dir.LOCK_FILE}
     assert any(p.parent.name == "model" for p in before)
     for more in ([], ["--num_iterations", "4"]):
         proc, _ = train_sh(cli_flags(cfg) + ["--resume", "latest", *more], {"NPROC": "2"})
@@ -322,5 +322,5 @@ def test_resume_latest_on_a_finished_run_keeps_it(tiny_model_dir, tmp_path):
     proc = run_torchrun(2, cli_flags(cfg) + ["--resume", "latest"])
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1 and "holds a finished run" in errors[0], proc.stderr[-3000:]
-    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != preflight.LOCK_FILE}
+    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != save_dir.LOCK_FILE}
     assert after == before

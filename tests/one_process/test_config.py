@@ -188,7 +188,7 @@ def test_negative_optimizer_values_are_named():
 def test_a_negative_number_is_a_flags_value():
     """argparse takes "-1e-4" for a flag ("--lr: expected one argument"): here it is lr's value,
     and lr's own rule names it."""
-    from pipeline.config import check_settings
+    from pipeline.plan.settings_rules import check_settings
 
     cfg = parse_args(["--config", "", "--lr", "-1e-4", "--warmup_iterations", "-3", "--seed=-1"])[0]
     assert (cfg.lr, cfg.warmup_iterations, cfg.seed) == (-1e-4, -3, -1)
@@ -214,7 +214,7 @@ def test_a_negative_number_is_a_flags_value():
 def test_each_message_says_what_is_wrong(values, message):
     """batch_size 0 or -8 was "must be divisible by num_chunks (4)", num_chunks 0 "by num_chunks
     (0)"; out-of-range values that trained into a traceback, a hang or a silent change are named."""
-    from pipeline.config import check_settings
+    from pipeline.plan.settings_rules import check_settings
 
     with pytest.raises(ConfigError, match=message):
         check_settings(make_config(values), 2)

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from pipeline.config import ConfigError, TrainConfig, check_settings, make_config
+from pipeline.config import ConfigError, TrainConfig, make_config
+from pipeline.plan.settings_rules import check_settings
 from tests.helpers.architectures import make_model, tiny_cfg
 
 

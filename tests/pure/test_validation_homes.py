@@ -1,7 +1,8 @@
 """L0: every ConfigError of the package is made in a validation home (docs/design.md, "Where
-settings are checked"): the settings' rules beside their fields, the model's rules in one module,
-the files' and the machine's in the pre-launch checks; the few refusals that need what only a
-started run has are named here one by one. Read from the source (an AST scan), no import."""
+settings are checked"): the settings' rules (each field's own beside it, the rules between fields
+in one module), the model's rules in one module, the files' and the machine's in the pre-launch
+checks; the few refusals that need what only a started run has are named here one by one. Read
+from the source (an AST scan), no import."""
 from __future__ import annotations
 
 import ast
@@ -10,9 +11,11 @@ from tests.helpers.paths import ROOT
 from tests.helpers.sources import package_files
 
 HOMES = {
-    "pipeline/config.py": "the settings alone (and the number of processes), beside their fields",
+    "pipeline/config.py": "the settings as read: keys, types, choices, and each field's own rule",
+    "pipeline/plan/settings_rules.py": "the settings alone (and the number of processes): the rules between fields",
     "pipeline/plan/model_rules.py": "the settings against the model's config, after resolve_model reads it",
     "pipeline/plan/preflight.py": "the files and the machine, before any process group exists",
+    "pipeline/plan/save_dir.py": "save_dir, its lock and the checkpoint a resume names, before any process group",
 }
 # Refusals that need what only a started run has, each in the one function that can know it.
 RUN_TIME = {
