@@ -65,6 +65,20 @@ def _single_thread(monkeypatch):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _no_full_collection_per_run(request, monkeypatch):
+    """The trainer's ``freeze_survivors`` (a full collection, then the survivors frozen out of the
+    GC's reach) is a no-op in a test: ``train()`` unfreezes at its end, so each run in this process
+    would walk the whole process again, torch's, transformers' and pytest's objects (some 500k,
+    0.1-0.3 s a run, a third of an in-process training's time). It changes no result; the tests
+    marked ``gc_freeze`` (the one that checks it) and ``gpu`` (the timings) keep it."""
+    if request.node.get_closest_marker("gc_freeze") is None and request.node.get_closest_marker("gpu") is None:
+        from pipeline.run import trainer
+
+        monkeypatch.setattr(trainer, "freeze_survivors", lambda: None)
+    yield
+
+
 def _user_outputs() -> list[tuple[str, float]]:
     out = ROOT / "outputs"
     return sorted((str(p), p.stat().st_mtime) for p in out.rglob("*")) if out.exists() else []
