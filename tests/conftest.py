@@ -2,6 +2,7 @@
 the same with a wide vocabulary (the cost partition's tests); and the skip of the ``gpu`` mark."""
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,38 @@ def _single_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _collected_objects_frozen():
+    """What collection built (torch's, transformers' and the test modules' objects, some 500k)
+    is moved out of the cyclic GC's reach once: a full collection during the tests then walks only
+    what the tests made (it walked it all, 0.3 s each, a few dozen times a session)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _trainer_leaves_the_gc_alone(request, monkeypatch):
+    """The trainer's ``freeze_survivors`` (a full collection, then the survivors frozen) and the
+    ``gc.unfreeze()`` that ends its ``train()`` are no-ops in a test: each in-process run would
+    otherwise walk the whole process (0.1-0.3 s a run, a third of a tiny training) and thaw what
+    ``_collected_objects_frozen`` froze. It changes no result. The tests marked ``gc_freeze`` (the
+    one that checks the freeze) and ``gpu`` (their timings) keep both, and start with nothing
+    frozen, as a run does; after them the survivors are frozen again."""
+    if request.node.get_closest_marker("gc_freeze") is not None or request.node.get_closest_marker("gpu") is not None:
+        gc.unfreeze()
+        yield
+        gc.collect()
+        gc.freeze()
+        return
+    from pipeline.run import trainer
+
+    monkeypatch.setattr(trainer, "freeze_survivors", lambda: None)
+    monkeypatch.setattr(gc, "unfreeze", lambda: None)
+    yield
 
 
 def _user_outputs() -> list[tuple[str, float]]:

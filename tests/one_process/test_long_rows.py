@@ -453,7 +453,7 @@ def test_longest_row_is_what_a_run_of_that_length_accepts(monkeypatch):
     assert not assess(longer, hf, round_robin(longer.num_stages, 1)).fits
 
 
-def test_a_given_host_size_bounds_the_longest_row_on_a_machine_without_a_gpu():
+def test_a_given_host_size_bounds_the_longest_row_on_a_machine_without_a_gpu(monkeypatch):
     """``--plan`` here for another machine whose host memory is given: the longest-row line is what
     the plan accepts at that length, host included (LoRA of Llama-3-8B at 24 GiB and 123 GiB of host
     memory: the GPU alone took 464,896 tokens, whose plan then needed 133.5 GiB of host memory), and
@@ -466,14 +466,19 @@ def test_a_given_host_size_bounds_the_longest_row_on_a_machine_without_a_gpu():
     hf = preset_config("llama-3-8b")
     cfg = _long_cfg(model="llama-3-8b", num_stages=-1, seq_chunks=-1, tiled_mlp="auto", host_memory_gb=40.0,
                     lora_rank=16, lora_target_modules="all-linear")
-    tokens, chosen, _ = long_rows.longest_row(cfg, hf, 1, limit=2**19, step=16384)
+    found = long_rows.longest_row(cfg, hf, 1, limit=2**19, step=16384)
+    tokens, chosen, _ = found
     a = assess(chosen, hf, round_robin(chosen.num_stages, 1))
     assert tokens > 0 and a.fits and a.gpu_fits, (tokens, a.total_host / 2**30)
-    gpu_only, _, _ = long_rows.longest_row(dataclasses.replace(cfg, host_memory_gb=0.0), hf, 1, limit=2**19,
-                                           step=16384)
-    assert gpu_only > tokens, (gpu_only, tokens)  # the host is what bounds it here
-    longer, _ = long_rows.resolve_long_rows(dataclasses.replace(cfg, seq_length=tokens + 16384), hf, 1)
-    assert not assess(longer, hf, round_robin(longer.num_stages, 1)).fits
+    # one step longer the host does not hold the plan, though the GPU alone would: the host is what
+    # bounds it here (the GPU alone's search would go further)
+    longer = dataclasses.replace(cfg, seq_length=tokens + 16384)
+    with_host, _ = long_rows.resolve_long_rows(longer, hf, 1)
+    assert not assess(with_host, hf, round_robin(with_host.num_stages, 1)).fits
+    gpu_only, _ = long_rows.resolve_long_rows(dataclasses.replace(longer, host_memory_gb=0.0), hf, 1)
+    assert assess(gpu_only, hf, round_robin(gpu_only.num_stages, 1)).gpu_fits, gpu_only
+    # the line's search is the one above, in finer steps: its head is what this test reads
+    monkeypatch.setattr(long_rows, "longest_row", lambda *args, **kw: found)
     assert "fits 24.00 GiB and 40.00 GiB of host memory" in long_rows.longest_row_line(cfg, hf, 1)
 
 

@@ -51,6 +51,7 @@ def test_next_iteration_starts_while_a_later_stage_steps(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.gc_freeze
 def test_training_runs_with_startup_objects_frozen_out_of_the_gc(tiny_model_dir):
     """While training, what start-up and the first step built is out of the cyclic GC's reach (a
     full collection would walk it all); the time the GC still takes is reported per iteration; afterwards the
