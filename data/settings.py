@@ -9,7 +9,7 @@ from inputs.settings import AT_LEAST_ONE, Check, at_least, setting
 
 
 @dataclass
-class DataSettings:
+class DataSection:
     """What is trained on, in rows of how many tokens, batches and micro-batches; what validates it."""
 
     dataset: str = setting("sample", "'sample' (bundled XSum-style data), 'synthetic' (random tokens), a save_to_disk "

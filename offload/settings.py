@@ -11,7 +11,7 @@ from inputs.settings import at_least, setting
 
 
 @dataclass
-class OffloadSettings:
+class OffloadSection:
     """Where the stages' parameters and AdamW state wait between computes, and the memory to plan for."""
 
     use_offload: bool = setting(False, "Keep stage parameters in host memory; load them only while the stage computes.")

@@ -20,11 +20,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from data.settings import DataSettings
+from data.settings import DataSection
 from inputs import InputError, NumberParser, join_negative_values, read_yaml
 from inputs.settings import AT_LEAST_ONE, Check, above, at_least, fraction, setting
-from offload.settings import OffloadSettings
-from schedule.settings import PARTITIONS, ParallelismSettings
+from offload.settings import OffloadSection
+from schedule.settings import PARTITIONS, ParallelismSection
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 
 # --- the sections whose owners sit above the config (the stages, the run, train.sh) -----------
 @dataclass
-class ModelSettings:
+class ModelSection:
     """The model and its tokenizer, and the attention kernels its layers run."""
 
     model: str = setting("generated", "Hugging Face model directory, or a preset with random weights (tiny, llama-3b, "
@@ -65,7 +65,7 @@ class ModelSettings:
 
 
 @dataclass
-class OptimizerSettings:
+class OptimizerSection:
     """The steps: how many, AdamW's and the learning rate's settings, the dtype and its loss scale."""
 
     num_iterations: int = setting(20, "Optimizer steps to run.", check=AT_LEAST_ONE)
@@ -98,8 +98,9 @@ ALL_LINEAR = "all-linear"
 
 
 @dataclass
-class LoraSettings:
-    """Low-rank adapters instead of full fine-tuning, and QLoRA's 4-bit base."""
+class LoraSection:
+    """Low-rank adapters instead of full fine-tuning, and QLoRA's 4-bit base (what a run makes of
+    them: ``pipeline.spec.lora.LoraSettings``)."""
 
     lora_rank: int = setting(0, "LoRA: train low-rank adapters (peft's) of this rank instead of the whole model (0 = "
                              "full fine-tuning). The base weights are frozen: no gradient, master copy or AdamW "
@@ -138,13 +139,13 @@ class LoraSettings:
                                               "instead of 0.5625.")
 
 
-def lora_targets(cfg: LoraSettings) -> list[str]:
+def lora_targets(cfg: LoraSection) -> list[str]:
     """The module names ``lora_target_modules`` lists, as given (all-linear not expanded)."""
     return [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()]
 
 
 @dataclass
-class OutputSettings:
+class OutputSection:
     """What a run writes to save_dir, how often, and where a resumed run continues from."""
 
     save_dir: str = setting("outputs/run", "Output directory: Hugging Face model at the end, metrics. A save_dir that "
@@ -189,7 +190,7 @@ class OutputSettings:
 
 
 @dataclass
-class LaunchSettings:
+class LaunchSection:
     """train.sh's: which processes run where, nothing about the training itself."""
 
     cuda_visible_devices: str = setting("", "GPUs to use (train.sh exports it); empty = all.")
@@ -202,16 +203,16 @@ class LaunchSettings:
 
 
 # The sections in the order --help and docs/config.md list them, each a YAML mapping of its keys.
-SECTION_TYPES: dict[str, type] = {"model": ModelSettings, "data": DataSettings, "parallelism": ParallelismSettings,
-                                  "offload": OffloadSettings, "optimizer": OptimizerSettings, "lora": LoraSettings,
-                                  "output": OutputSettings, "launch": LaunchSettings}
+SECTION_TYPES: dict[str, type] = {"model": ModelSection, "data": DataSection, "parallelism": ParallelismSection,
+                                  "offload": OffloadSection, "optimizer": OptimizerSection, "lora": LoraSection,
+                                  "output": OutputSection, "launch": LaunchSection}
 
 
 # A dataclass takes the fields of its last base first: the bases are SECTION_TYPES backwards, so
 # the fields (and to_dict) run in its order.
 @dataclass
-class TrainConfig(LaunchSettings, OutputSettings, LoraSettings, OptimizerSettings, OffloadSettings,
-                  ParallelismSettings, DataSettings, ModelSettings):
+class TrainConfig(LaunchSection, OutputSection, LoraSection, OptimizerSection, OffloadSection,
+                  ParallelismSection, DataSection, ModelSection):
     """Every setting of a run, read flat (``cfg.lr``); each section's class documents its fields."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ PARTITIONS = ("cost", "layers")
 
 
 @dataclass
-class ParallelismSettings:
+class ParallelismSection:
     """How the model is cut into stages, scheduled, placed on GPUs, and recomputed or kept."""
 
     num_stages: int = setting(4, "Pipeline stages; a multiple of the number of processes (virtual stages). -1 = auto "

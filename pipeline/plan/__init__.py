@@ -2,7 +2,7 @@
 ``save_dir`` for the runs a save_dir holds; the rules between settings in ``settings_rules``, the
 model's in ``model_rules``), the model source (``source``), the layout of replicas (``layout``),
 the automatic choices made once (``resolve``, ``long_rows``, ``fit``), the memory plan
-(``memory``), the partition and the placement (``placement``, ``topology``). The terms all of it
+(``memory``) and the placement (``placement``, ``topology``). The terms all of it
 reads, as the stages and the runners do, are ``pipeline.spec``'s.
 
 No stage of the run is built and no weight read outside ``check_files`` (which opens the weight

@@ -39,9 +39,9 @@ class TiledForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() <= self.tokens:
-            # one tile, still checkpointed: the plan chose tiling to keep no intermediates, and a
-            # fused last stage or a resident layer would otherwise keep them all (4-bit 70B at 4K rows:
-            # 4.4 GiB over the plan on an H200)
+            # one tile, still checkpointed: tiling promises the plan that no intermediate is kept,
+            # and a fused last stage would otherwise keep every layer's (4-bit 70B at 4K-token rows,
+            # shorter than one tile: 4.4 GiB of them on an H200, past the plan's peak)
             return self.run_tile(x)
         out = torch.cat([self.run_tile(t) for t in self.tiles(x)])
         return out.reshape(*x.shape[:-1], out.shape[-1])
