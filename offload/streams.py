@@ -72,17 +72,15 @@ class HostBuffers:
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         numel = torch.Size(shape).numel()
         free = self._free.setdefault(dtype, [])
-        fits = [entry for entry in free if entry[0].numel() >= numel]
+        # By index: ``list.remove`` would compare the entries' tensors with ``==``, elementwise.
+        fits = [i for i, (buf, _) in enumerate(free) if buf.numel() >= numel]
         if fits:
-            entry = min(fits, key=lambda e: e[0].numel())
-            free.remove(entry)
-            flat = entry[0]
+            flat = free.pop(min(fits, key=lambda i: free[i][0].numel()))[0]
         else:
             if free:  # narrower than what is asked for now: let it go, once its last copy is done
-                smallest = min(free, key=lambda e: e[0].numel())
-                free.remove(smallest)
-                if smallest[1] is not None:
-                    smallest[1].synchronize()  # host sync: only when the widest request grows
+                _, done = free.pop(min(range(len(free)), key=lambda i: free[i][0].numel()))
+                if done is not None:
+                    done.synchronize()  # host sync: only when the widest request grows
             flat = host_empty(numel, dtype, self.pin)
         self._whole[flat.data_ptr()] = flat
         return flat[:numel].view(shape)

@@ -95,6 +95,25 @@ def test_host_buffers_are_exact_and_reused_once_given_back():
     assert buffers.held_bytes() == before + wide.nbytes - 3 * 5 * 7 * 2
 
 
+def test_host_buffers_take_a_free_buffer_that_is_not_the_first():
+    """Two free buffers of different sizes, the wider given back last: a request only it holds
+    takes it (the 3B 128K row's second step, whose segments' inputs are of two widths, failed
+    here comparing the free buffers' tensors), and one wider than both lets the narrower go."""
+    from offload.streams import HostBuffers
+
+    buffers = HostBuffers(pin=False)
+    small, big = buffers.take((4,), torch.float32), buffers.take((9,), torch.float32)
+    big_ptr = big.data_ptr()
+    buffers.give(small)
+    buffers.give(big)
+    again = buffers.take((8,), torch.float32)
+    assert again.data_ptr() == big_ptr and buffers.held_bytes() == (4 + 9) * 4
+    buffers.give(again)
+    buffers.take((5,), torch.float32)  # the wider again (the narrower does not hold it)
+    wider = buffers.take((12,), torch.float32)  # only the narrower is free: it goes
+    assert wider.numel() == 12 and buffers.held_bytes() == (9 + 12) * 4
+
+
 @pytest.mark.gpu
 def test_cuda_stash_reuses_its_page_locked_buffers():
     """The next iteration's save of a key takes the buffer the previous restore gave back:
