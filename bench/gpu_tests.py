@@ -5,9 +5,11 @@
     python3 bench/gpu_tests.py --part 2 --parts 3 --out $OUT/tests2 -- -x   # extra pytest arguments
 
 The tests are split by their expected time (``gpu_test_seconds.json`` beside this file, measured
-on nvidia-h200-x2; a test it does not list counts as ``--unknown_s``), longest first, each to the
+on nvidia-h200-x2 and, for the one-GPU tests of 2026-12-02, nvidia-h200; a test it does
+not list counts as ``--unknown_s``), longest first, each to the
 part expected to finish first. A part's log (``pytest.txt``, verbose) gets each test's outcome as
-it ends, so one cut by ``--timeout_s`` still says what ran (``summary.txt``); the durations table
+it ends, so one cut by ``--timeout_s`` still says what ran (``summary.txt``) and why a test failed
+(``failures.txt``, written as each fails); the durations table
 (``--durations=0``) comes only with a finished part, and ``seconds.json`` in ``--out`` holds its
 times, to merge into ``gpu_test_seconds.json``.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -57,6 +60,14 @@ def measured(log: str) -> dict[str, float]:
     return out
 
 
+def pytest_runtest_logreport(report) -> None:
+    """As a pytest plugin (``-p gpu_tests``): each failure's report into ``$GPU_TESTS_FAILURES`` as
+    its test ends, since pytest prints them only at the end, which a part cut by its limit never reaches."""
+    if report.failed and os.environ.get("GPU_TESTS_FAILURES"):
+        with open(os.environ["GPU_TESTS_FAILURES"], "a") as fh:
+            fh.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", type=int, default=3)
@@ -80,11 +91,16 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "--durations=0", "-p", "no:cacheprovider",
-           *extra, *parts[args.part - 1]]
+           "-p", "gpu_tests", *extra, *parts[args.part - 1]]
     log = out / "pytest.txt"
+    failures = out / "failures.txt"
+    failures.unlink(missing_ok=True)
+    env = {**os.environ, "GPU_TESTS_FAILURES": str(failures.resolve()),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as fh:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout_s,
+                                env=env).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     text = log.read_text(errors="replace")

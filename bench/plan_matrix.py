@@ -262,7 +262,8 @@ def main() -> int:
         row.update(plan_of(flags))
         steps = STEP_S[job]
         step = steps.get(tokens) or steps[max(steps)] * (tokens / max(steps)) ** 2
-        row["limit_s"] = START_S[job] + args.iterations * step * 1.5 + 45  # sharing the GPU: half as long again
+        shared = 1.5 if args.parallel > 1 else 1.15  # sharing the GPU: half as long again
+        row["limit_s"] = START_S[job] + args.iterations * step * shared + 45
         rows.append(row)
     extra = {"cap_gb": args.cap_gb, "host_available_gib": host_gb, "versions": versions()}
     write(out, rows, extra)
