@@ -37,7 +37,9 @@ by the same ``runner_for`` from the same mode (``RunSpec.modes``). The walk has 
   ones. A tiled MLP (``pipeline.stage.tiled``) keeps no intermediate from forward to backward and
   allocates one tile's in either. A layer's backward peaks in its MLP phase (everything saved)
   or its attention phase (the MLP side's saved tensors freed by then), whichever is higher.
-* **Not counted**: the CUDA context, NCCL and cuBLAS workspaces and the caching allocator's
+* **Workspaces.** cuBLAS's, one for the forward's thread and one for autograd's backward thread
+  (``footprint.BLAS_WORKSPACE_BYTES``), and inductor's autotuning buffer while layers compile.
+* **Not counted**: the CUDA context (outside the allocator), NCCL's buffers and the caching allocator's
   fragmentation, which the 10% of the GPU the fit check leaves free covers (``plan.USABLE_FRACTION``;
   main.py turns on expandable segments, where a freed block serves an allocation of any size).
 """

@@ -396,6 +396,11 @@ def param_bytes_host(numel: int, d: int, delayed: bool = False) -> int:
 # flushing its L2 cache with a buffer of the cache's size: 60 MiB on an H200 (Qwen2.5-32B LoRA's
 # first backward peaked with it), 72 MiB on an RTX 4090, 96 MiB on an RTX 5090.
 AUTOTUNE_BYTES = 128 * 2**20
+# cuBLAS's workspace, from the caching allocator, one for each (handle, stream) that runs a matmul:
+# handles are per thread, so the forward's thread and autograd's backward thread hold one each on
+# the compute stream, 32 MiB apiece on Hopper (torch's default; 8 MiB before it). LoRA of the tiny
+# preset in 10 uncompiled stages peaked 62-63 MiB above the plan that left them out.
+BLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 PROCESS_HOST_BYTES = int(2.5 * GiB)
 COMPILED_HOST_BYTES = int(3.0 * GiB)
 # The same while the stages are built: the CUDA context and the libraries, before any workspace or
@@ -489,6 +494,8 @@ class Ledger:
             if not inp.cpu:  # as the staging buffer below: the streams', not a store's
                 self.params_static += device_step_buffers(max(moved))
         out.host_parts = {"parameters": out.host}
+        if not inp.cpu:
+            self.params_static += BLAS_WORKSPACE_BYTES
         if offloaded and d < 4 and not inp.cpu and not self.lora:  # the load stream's staging buffer (masters converted on the GPU)
             self.params_static += min(MASTER_SLICE_NUMEL, max(inp.stages[s].numel for s in offloaded)) * 4
         # numel -> buffers: free now, and made (``pool``: what an earlier iteration left, all free)

@@ -491,3 +491,19 @@ def test_gpu_test_parts_balance_and_read_back():
     assert gpu_tests.OUTCOME_RE.findall(cut) == ["PASSED", "FAILED"]
     table = f"12.50s call     {ids[0]}\n0.50s setup    {ids[0]}\n3.00s call     {ids[1]}\n"
     assert gpu_tests.measured(table) == {ids[0]: 13.0, ids[1]: 3.0}
+
+
+def test_gpu_test_failures_are_written_as_they_happen(tmp_path, monkeypatch):
+    """bench/gpu_tests.py as a pytest plugin: a failed test's report goes to its file at once (a
+    part cut by its limit never prints pytest's summary); a passed one writes nothing."""
+    from types import SimpleNamespace
+
+    import gpu_tests
+
+    log = tmp_path / "failures.txt"
+    monkeypatch.setenv("GPU_TESTS_FAILURES", str(log))
+    gpu_tests.pytest_runtest_logreport(SimpleNamespace(failed=False, nodeid="t.py::test_ok", when="call"))
+    assert not log.exists()
+    report = SimpleNamespace(failed=True, nodeid="t.py::test_bad", when="call", longreprtext="E   assert 1 == 2")
+    gpu_tests.pytest_runtest_logreport(report)
+    assert log.read_text() == "t.py::test_bad (call)\nE   assert 1 == 2\n\n"
