@@ -24,7 +24,8 @@ from tests.helpers.runs import tiny_cfg
 # bfloat16 or a delayed update: a pinned copy of its own), resident beside offloaded, LoRA's frozen
 # weights offloaded and resident, the fused last stage (its forward takes the gradient buffer),
 # resident in bfloat16 (no fp32 copy of the gradient: the norm and the step convert it), an
-# offloaded stage stepped on the device (its AdamW moments there)
+# offloaded stage stepped on the device (its AdamW moments there), a 4-bit base offloaded (its packed
+# bytes in a buffer of their own beside the compute-dtype weights')
 CASES = {
     "offloaded": dict(use_offload=True, resident_stages=0, schedule="gpipe"),
     "offloaded-bf16": dict(use_offload=True, resident_stages=0, dtype="bfloat16", schedule="1f1b"),
@@ -37,6 +38,8 @@ CASES = {
     "lora-bf16": dict(use_offload=True, resident_stages=1, lora_rank=4, num_stages=3, dtype="bfloat16",
                       schedule="gpipe"),
     "device-step": dict(use_offload=True, resident_stages=1, device_steps=1, schedule="1f1b"),
+    "qlora-offloaded": dict(use_offload=True, resident_stages=1, lora_rank=4, num_stages=3, load_in_4bit=True,
+                            schedule="gpipe"),
 }
 
 
@@ -132,9 +135,9 @@ def _planned(monkeypatch, trainer):
         return run
 
     def noted(what, method):
-        def run(self, numel):
-            self.moves[-1].append((what, numel * self.inp.dtype_bytes))
-            return method(self, numel)
+        def run(self, key):  # (elements, bytes each)
+            self.moves[-1].append((what, key[0] * key[1]))
+            return method(self, key)
         return run
 
     monkeypatch.setattr(footprint.Ledger, "__init__", tracked_init)
@@ -164,9 +167,8 @@ def _static(store) -> tuple[int, int]:
         host, device = _storages(flat + [store.work]), 0
     else:
         host, device = 0, _storages(flat + [store.dev, store.grad])
-    if store.frozen is not None:
-        frozen = store.frozen.state_dict()
-        nbytes = _storages(frozen.values()) if frozen else 0
+    if store.frozen is not None:  # its compute-dtype buffer and a 4-bit base's packed bytes
+        nbytes = store.frozen.nbytes
         host, device = (host + nbytes, device) if store.frozen.offload else (host, device + nbytes)
     return device, host
 
@@ -175,8 +177,9 @@ def assert_plan_moves_what_runs(case: str, trainer, measured: ActionRecorder, pl
     assert plan.actions == measured.actions, "the plan walks another program than the rank runs"
     inp, stores = plan.inp, trainer.stores
     for s, st in sorted(stores.items()):
-        trained = st.numel if st.frozen is None else st.frozen.numel
-        assert (inp.stages[s].numel, inp.stages[s].adapter) == \
+        trained = st.numel if st.frozen is None else st.frozen.numel  # a 4-bit base's packed weights apart
+        planned = inp.stages[s].numel - inp.stages[s].quantized.numel
+        assert (planned, inp.stages[s].adapter) == \
             ((trained, 0) if st.frozen is None else (trained, st.numel)), f"stage {s}: parameter counts"
         offloaded = st.offload if st.frozen is None else st.frozen.offload
         assert (s in plan.offloaded) == offloaded, f"stage {s}: offloaded in the plan, not in the run, or back"
@@ -184,6 +187,8 @@ def assert_plan_moves_what_runs(case: str, trainer, measured: ActionRecorder, pl
         assert sorted(planned) == sorted(ran), (
             f"{case}: {action} moves {ran} in the run (take/give, bytes) but {planned} in the plan")
     device, host = (sum(parts) for parts in zip(*(_static(st) for st in stores.values())))
+    # a 4-bit base's dequantized weight: a compute's transient, which the plan holds throughout
+    device += footprint.dequantized_bytes([inp.stages[s] for s in stores], inp.dtype_bytes)
     assert (plan.params_static, plan.out.host_parts["parameters"]) == (device, host), (
         f"{case}: static parameter bytes (device, host): plan {plan.params_static, plan.out.host_parts} "
         f"against the stores' {device, host}")
