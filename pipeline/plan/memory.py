@@ -47,8 +47,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pipeline.spec.footprint import (GiB, Ledger, MemoryInputs, ModelShape, RankMemory, StagePlan, gib,
-                                     layer_saved_bytes_per_token)
+from pipeline.spec.footprint import GiB, Ledger, MemoryInputs, ModelShape, RankMemory, StagePlan, gib
 from pipeline.runners import Mode, runner_for
 from schedule.ir import Action, Op
 
@@ -82,5 +81,4 @@ def estimate(inp: MemoryInputs, schedule: dict[int, list[Action]], modes: Sequen
     return [estimate_rank(inp, r, schedule[r], modes) for r in sorted(schedule)]
 
 
-__all__ = ["GiB", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "estimate", "estimate_rank", "gib",
-           "layer_saved_bytes_per_token"]
+__all__ = ["GiB", "MemoryInputs", "ModelShape", "RankMemory", "StagePlan", "estimate", "estimate_rank", "gib"]

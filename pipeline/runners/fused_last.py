@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.spec.footprint import MemoryInputs, per_token, weight_grad_bytes
+from pipeline.spec.compute_bytes import per_token, weight_grad_bytes
+from pipeline.spec.footprint import MemoryInputs
 from pipeline.runners.base import Arrival, Iteration, Key, Mode, forward_input, routing
 from schedule.ir import Action, Op
 

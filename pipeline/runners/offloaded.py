@@ -13,7 +13,8 @@ import torch
 
 from offload.activations import ActivationStash
 from offload.kv import CarriedKV
-from pipeline.spec.footprint import MemoryInputs, attention_work, mlp_work, per_token, weight_grad_bytes
+from pipeline.spec.compute_bytes import attention_work, mlp_work, per_token, weight_grad_bytes
+from pipeline.spec.footprint import MemoryInputs
 from pipeline.runners.base import (Arrival, Iteration, Key, Mode, differentiate, forward_input,
                                    forward_result, routing, whole_pass)
 from schedule.ir import Action, Op, crosses

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pipeline.spec.footprint import per_token, weight_grad_bytes
+from pipeline.spec.compute_bytes import per_token, weight_grad_bytes
 from pipeline.runners.base import (Arrival, Iteration, Key, Mode, differentiate, forward_input,
                                    forward_result, routing, whole_pass)
 from schedule.ir import Action, Op

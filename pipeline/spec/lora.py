@@ -284,7 +284,7 @@ def adapted_per_layer(hf_config, settings: LoraSettings | None) -> int:
 def adapts_mlp_width(hf_config, settings: LoraSettings | None) -> bool:
     """Whether an adapted linear of a decoder layer makes an MLP-wide output (gate, up): peft adds
     its adapter's output to the base output as a new tensor of that width, and a compiled layer's
-    backward then holds more MLP-wide tensors (``pipeline.spec.footprint.mlp_work``)."""
+    backward then holds more MLP-wide tensors (``pipeline.spec.compute_bytes.mlp_work``)."""
     if settings is None:
         return False
     width = getattr(hf_config, "intermediate_size", 0)

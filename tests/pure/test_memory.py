@@ -10,8 +10,9 @@ import torch
 import schedule as sched
 from models import supports_sdpa, tiny_config
 from pipeline.config import ConfigError, make_config
-from pipeline.plan.memory import MemoryInputs, ModelShape, StagePlan, layer_saved_bytes_per_token
+from pipeline.plan.memory import MemoryInputs, ModelShape, StagePlan
 from pipeline.plan.source import preset_config
+from pipeline.spec.compute_bytes import layer_saved_bytes_per_token
 from pipeline.stage.model import build_stage
 from tests.helpers.families import FAMILY_TYPES
 
@@ -106,7 +107,7 @@ def test_compiled_layer_backward_peak_is_counted_and_not_more(lora):
     tensors in the backward, which ``mlp_work`` counts (``lora_mlp``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pipeline.spec.footprint import per_token
+    from pipeline.spec.compute_bytes import per_token
     from pipeline.spec.lora import LoraSettings, adapts_mlp_width
     from pipeline.stage import lora as peft_layers
 
@@ -309,7 +310,7 @@ def test_auto_kept_layers_fill_the_spare_gpu_memory():
 def test_kept_layers_count_their_activations():
     """A kept layer's saved bytes replace its checkpointed input; keeping them all is the
     estimate without checkpointing, the head aside (it is recomputed either way)."""
-    from pipeline.spec.footprint import MemoryInputs, StagePlan, per_token
+    from pipeline.spec.compute_bytes import per_token
 
     m = ModelShape.of(preset_config("llama-2-7b"))
     stages = [StagePlan(1, 4, False, False)]
@@ -324,7 +325,7 @@ def test_checkpointed_head_counts_one_loss_chunk():
     """A 128K vocabulary (Llama-3): checkpointed, the head's logits exist for one chunk of
     tokens at a time, so its transient is the chunk's, not the micro-batch's; unchunked
     (no checkpointing) it is the whole micro-batch's."""
-    from pipeline.spec.footprint import MemoryInputs, StagePlan, per_token
+    from pipeline.spec.compute_bytes import per_token
     from pipeline.spec.shapes import LOSS_CHUNK_BYTES
 
     m = ModelShape(hidden=4096, q_dim=4096, kv_dim=1024, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
@@ -377,7 +378,7 @@ def test_cudnn_whole_rows_count_no_query_gradient_accumulator():
     forward is the same either way."""
     import dataclasses
 
-    from pipeline.spec.footprint import MemoryInputs, StagePlan, attention_work, head_pad
+    from pipeline.spec.compute_bytes import attention_work, head_pad
 
     m = ModelShape.of(preset_config("llama-3b"))
     flash = MemoryInputs(m, [StagePlan(1, 2, False, False)], [0], 1, 16384, 2, True, True, segments=(8192, 8192))
