@@ -82,10 +82,14 @@ class ParallelismSection:
                                    "activation_offload (each micro-batch's input gradient would wait on the GPU).",
                                    choices=COMPILE_CHOICES)
     tiled_mlp: str = setting("auto", "Run each decoder layer's MLP in tiles of tokens (one tile's intermediate tensor "
-                             "at most 256 MiB), each recomputed in its backward: a long row's MLP intermediates then "
-                             "exist for one tile at a time. Exact; costs one more MLP forward. auto = true only where "
-                             "the memory plan does not fit without it (with a GPU or gpu_memory_gb; false without). "
-                             "Not for mixture-of-experts layers.", choices=COMPILE_CHOICES)
+                             "at most mlp_tile_mib), each recomputed in its backward: a long row's MLP intermediates "
+                             "then exist for one tile at a time. Exact; costs one more MLP forward. auto = true only "
+                             "where the memory plan does not fit without it (with a GPU or gpu_memory_gb; false "
+                             "without). Not for mixture-of-experts layers.", choices=COMPILE_CHOICES)
+    mlp_tile_mib: float = setting(256.0, "tiled_mlp: the most one tile's intermediate tensor (tokens x "
+                                  "intermediate_size in the compute dtype) may take, MiB; its tokens follow (Llama-3B "
+                                  "in bf16: 15534). Larger tiles are fewer kernels and hold more memory.",
+                                  check=above(0))
     mapping: str = setting("planned", "Stage -> rank placement: planned (the cross-mapping planner spreads the loads "
                            "over the GPUs' PCIe roots; round_robin when there are no GPUs, no offload or no known "
                            "topology) or round_robin (stage s on rank s % N, rank r on the r-th GPU of "

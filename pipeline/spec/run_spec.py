@@ -128,7 +128,8 @@ def build_kernels(cfg: TrainConfig, hf_config, device: str, dtype: torch.dtype,
     rows of a model with no sliding window, sdpa, the ``auto`` backend, on a GPU."""
     family = spec_for(hf_config)
     attention = attention_kernel(cfg, hf_config)
-    tile = mlp_tile_tokens(ModelShape.of(hf_config).intermediate, dtype.itemsize) if cfg.tiled_mlp == "true" else 0
+    tile = mlp_tile_tokens(ModelShape.of(hf_config).intermediate, dtype.itemsize, int(cfg.mlp_tile_mib * 2**20)) \
+        if cfg.tiled_mlp == "true" else 0
     candidate = (cudnn_probe is not None and device == "cuda" and cfg.attention_backend == "auto"
                  and not cfg.packing and attention == "sdpa"
                  and not any(k.window for k in family.layer_kinds(hf_config)))

@@ -5,7 +5,6 @@ memory plan, the partition and the built stages read the same numbers from here.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Sequence
 
 from models import counts, head_dim, spec_for, tied
@@ -117,15 +116,10 @@ def model_flops_per_token(config, num_layers: int, seq_len: int, adapters: int |
     return 2 * forward + attention + 6 * adapters
 
 
-# One tile's intermediate tensor (tokens x intermediate_size in the compute dtype) is at most this
-# (MMOC_MLP_TILE_BYTES: smaller tiles, for the tests' tiny models, whose MLPs never reach it).
-MLP_TILE_BYTES = int(os.environ.get("MMOC_MLP_TILE_BYTES", 256 * 2**20))
-
-
-def mlp_tile_tokens(intermediate: int, dtype_bytes: int) -> int:
-    """Tokens per tile: as many as keep one intermediate tensor of a tile within ``MLP_TILE_BYTES``
-    (Llama-3B in bf16: 15534 tokens)."""
-    return max(1, MLP_TILE_BYTES // (dtype_bytes * intermediate))
+def mlp_tile_tokens(intermediate: int, dtype_bytes: int, tile_bytes: int) -> int:
+    """Tokens per tile: as many as keep one intermediate tensor of a tile (tokens x ``intermediate``)
+    within ``tile_bytes`` (``mlp_tile_mib``; Llama-3B in bf16 at 256 MiB: 15534 tokens)."""
+    return max(1, tile_bytes // (dtype_bytes * intermediate))
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,7 +39,10 @@ ARCHS = {
 LENGTHS = {"equal": [24, 24, 24, 24], "balanced": balanced_segments(SEQ, 3, key_cost=0.02), "two": [50, 46]}
 TOL = 2e-6  # relative error (norm) of the loss and of each parameter's gradient
 # every long-row path of the trainer at once: segments, activation offload, recompute, tiled MLPs
-LONG = dict(seq_chunks=3, activation_offload=True, activation_checkpointing=True, tiled_mlp="true")
+# tiles of 10 tokens of the tiny model's MLP (float32, intermediate 128), whose rows never reach 256 MiB
+TINY_TILE_MIB = 10 * 4 * 128 / 2**20
+LONG = dict(seq_chunks=3, activation_offload=True, activation_checkpointing=True, tiled_mlp="true",
+            mlp_tile_mib=TINY_TILE_MIB)
 
 
 def make_config(arch: str, impl: str):

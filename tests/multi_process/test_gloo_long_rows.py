@@ -11,12 +11,11 @@ from tests.helpers.segments import LONG
 
 
 @pytest.mark.slow
-def test_torchrun_long_rows_match_reference(tiny_model_dir, tmp_path, monkeypatch):
+def test_torchrun_long_rows_match_reference(tiny_model_dir, tmp_path):
     """Two processes: segments crossing ranks with their keys/values in host memory, tiled MLPs
-    (MMOC_MLP_TILE_BYTES: tiles of 10 tokens in the ranks too)."""
+    (LONG's mlp_tile_mib: tiles of 10 tokens in the ranks too)."""
     from tests.helpers.runs import torchrun_training
 
-    monkeypatch.setenv("MMOC_MLP_TILE_BYTES", str(10 * 4 * 128))
     cfg = tiny_cfg(tiny_model_dir, schedule="interleaved", num_stages=4, use_offload=True, **LONG,
                    save_dir=str(tmp_path), save_params=True, save_results=str(tmp_path / "results.json"))
     losses, params, proc = torchrun_training(2, cfg)

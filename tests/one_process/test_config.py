@@ -208,6 +208,7 @@ def test_a_negative_number_is_a_flags_value():
     ({"comm_timeout_s": 0.0}, r"^comm_timeout_s \(0.0\) must be > 0$"),
     ({"plan_tflops": 0.0}, r"^plan_tflops \(0.0\) must be > 0$"),
     ({"loss_scale": 0.0}, r"^loss_scale \(0.0\) must be > 0$"),
+    ({"mlp_tile_mib": 0.0}, r"^mlp_tile_mib \(0.0\) must be > 0$"),
     ({"num_layers": -2}, r"^num_layers \(-2\) must be >= 0$"),
     ({"optimizer_threads": -1}, r"^optimizer_threads \(-1\) must be >= 0$"),
 ])

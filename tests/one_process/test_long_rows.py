@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pipeline.spec.shapes as shapes
 import pipeline.stage.attention as attention
 import pipeline.stage.segments as segments
 import pipeline.stage.tiled as tiled
@@ -35,8 +34,8 @@ from pipeline.stage.model import build_stage
 from pipeline.stage.segments import SegmentStage
 from tests.helpers.reference import assert_same_training, reference_train, train_in_process
 from tests.helpers.runs import tiny_cfg
-from tests.helpers.segments import (LENGTHS, LONG, TOL, make_batch, make_config, make_stages, mismatch, noise_floor,
-                                    reference, rel, run_segments)
+from tests.helpers.segments import (LENGTHS, LONG, TINY_TILE_MIB, TOL, make_batch, make_config, make_stages,
+                                    mismatch, noise_floor, reference, rel, run_segments)
 
 EQUAL = LENGTHS["equal"]  # 4 x 24: segments of one shape, so a mix-up shows in the numbers
 
@@ -280,9 +279,8 @@ def test_a_dropped_tile_fails(monkeypatch):
 # --- the trainer: everything together, against plain training --------------------------------------
 @contextlib.contextmanager
 def small_tiles(monkeypatch, counts: dict):
-    """MLP tiles of 10 tokens for the tiny model (float32, intermediate 128), and counters of the
-    tiles run and the keys/values sent to host memory."""
-    monkeypatch.setattr(shapes, "MLP_TILE_BYTES", 10 * 4 * 128)
+    """Counters of the MLP tiles run and the keys/values sent to host memory (the runs' tiles of
+    10 tokens: ``mlp_tile_mib`` TINY_TILE_MIB)."""
     real_tile, real_offload = tiled.TiledForward.run_tile, CarriedKV.offload
 
     def tile(self, t):
@@ -307,14 +305,16 @@ def _sdpa_reference(model_dir: str):
 
 @pytest.mark.parametrize("schedule,offload,kw", [
     ("interleaved", True, LONG),
-    pytest.param("1f1b", True, dict(tiled_mlp="true", activation_checkpointing=True),  # whole rows, tiled, checkpointed
+    # whole rows, tiled, checkpointed
+    pytest.param("1f1b", True, dict(tiled_mlp="true", mlp_tile_mib=TINY_TILE_MIB, activation_checkpointing=True),
                  marks=pytest.mark.slow),
     pytest.param("gpipe", False, LONG, marks=pytest.mark.slow),
     pytest.param("gpipe", True, LONG, marks=pytest.mark.slow),
     pytest.param("1f1b", False, LONG, marks=pytest.mark.slow),
     pytest.param("1f1b", True, LONG, marks=pytest.mark.slow),
     pytest.param("interleaved", False, LONG, marks=pytest.mark.slow),
-    pytest.param("gpipe", True, dict(tiled_mlp="true", activation_offload=True, activation_checkpointing=True),
+    pytest.param("gpipe", True, dict(tiled_mlp="true", mlp_tile_mib=TINY_TILE_MIB, activation_offload=True,
+                                     activation_checkpointing=True),
                  marks=pytest.mark.slow),
 ])
 def test_long_rows_train_like_the_reference(tiny_model_dir, monkeypatch, schedule, offload, kw):

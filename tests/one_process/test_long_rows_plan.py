@@ -50,6 +50,20 @@ def test_plan_counts_tiles_and_keys_in_host_memory():
     assert _peak(_long_cfg(tiled_mlp="true", seq_chunks=8)).host_parts["carried_kv"] == 0  # one layer a stage
 
 
+def test_mlp_tile_mib_sizes_the_tiles_the_run_and_the_plan_take():
+    """``mlp_tile_mib``: twice the MiB, twice the tokens a tile (llama-3b in bf16: 15534 at the
+    default 256), in the run's kernels and in what the plan walks (test_config: 0 is refused)."""
+    from pipeline.plan.fit import memory_inputs, plan_spec
+    from pipeline.plan.source import preset_config
+    from schedule import round_robin
+
+    hf = preset_config("llama-3b")
+    for mib, tokens in ((256.0, 15534), (512.0, 31068)):
+        spec = plan_spec(_long_cfg(tiled_mlp="true", mlp_tile_mib=mib), hf, 1, "cuda")
+        inp, _ = memory_inputs(spec, round_robin(spec.num_stages, 1))
+        assert spec.kernels.mlp_tile_tokens == inp.mlp_tile_tokens == tokens
+
+
 def test_automatic_choice_takes_the_first_that_fits():
     """Whole rows before segments, untiled before tiled, the fewest stages: each choice fits and
     one stage fewer would not."""
