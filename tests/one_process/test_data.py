@@ -26,25 +26,7 @@ from data import (
 )
 from data.make_sample import make_records
 from data.tokenization import _PROMPT_PREFIX, _PROMPT_SUFFIX
-
-BOS, EOS, PAD = 1, 2, 0
-
-
-class CharTokenizer:
-    """One token per character (its code point): every expected id can be written by hand."""
-
-    bos_token_id = BOS
-    eos_token_id = EOS
-    pad_token_id = PAD
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict:
-        assert add_special_tokens is False
-        return {"input_ids": [[ord(c) for c in t] for t in texts]}
-
-
-def chars(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
+from tests.helpers.tokenizers import BOS, EOS, PAD, CharTokenizer, chars
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
