@@ -99,6 +99,46 @@ def _trainer_leaves_the_gc_alone(request, monkeypatch):
     yield
 
 
+_SAMPLE_TOKENIZED: dict[tuple, tuple] = {}
+
+
+@pytest.fixture(autouse=True)
+def _bundled_sample_tokenized_once(monkeypatch):
+    """The bundled sample (a file of the repository, never written) is tokenized once per
+    tokenizer (its files and their times) and seq_length: every in-process trainer and reference
+    tokenized its 300 records again, 80 ms each, hundreds of times a session. The examples are only
+    read (``BatchStream`` indexes them), so the trainers share them; each still gets its own
+    list and its own stream. Other datasets, and the tests of the tokenization, tokenize each time."""
+    import data
+    import data.tokenization
+    from pipeline.run import build
+
+    real_build, real_tokenize = build.build_stream, data.tokenization.tokenize_records
+
+    def build_stream(cfg, source):
+        if cfg.dataset != "sample" or source.tokenizer_dir is None:
+            return real_build(cfg, source)
+        files = sorted((f.name, f.stat().st_mtime_ns) for f in Path(source.tokenizer_dir).iterdir() if f.is_file())
+        key = (str(source.tokenizer_dir), tuple(files), cfg.dataset_split, cfg.seq_length)
+
+        def tokenize_records(records, tokenizer, seq_length, *, fmt=None, stats=None):
+            if key not in _SAMPLE_TOKENIZED:
+                counted: dict[str, int] = {}
+                _SAMPLE_TOKENIZED[key] = (*real_tokenize(records, tokenizer, seq_length, fmt=fmt, stats=counted),
+                                          counted)
+            examples, skipped, counted = _SAMPLE_TOKENIZED[key]
+            if stats is not None:
+                stats.update(counted)
+            return list(examples), skipped
+
+        with monkeypatch.context() as m:  # build_stream imports it from data when called
+            m.setattr(data, "tokenize_records", tokenize_records, raising=False)
+            return real_build(cfg, source)
+
+    monkeypatch.setattr(build, "build_stream", build_stream)
+    yield
+
+
 def _user_outputs() -> list[tuple[str, float]]:
     out = ROOT / "outputs"
     return sorted((str(p), p.stat().st_mtime) for p in out.rglob("*")) if out.exists() else []
