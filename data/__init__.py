@@ -23,8 +23,7 @@ _HOMES = {
     **dict.fromkeys(("FORMATS", "DataError", "check_first_records", "detect_format", "load_records"), "data.dataset"),
     **dict.fromkeys(("ensure_tiny_model", "is_complete_tiny_model"), "data.tiny_model"),
     **dict.fromkeys(("ALPACA_TEMPLATE", "ALPACA_TEMPLATE_NO_INPUT", "IGNORE_INDEX", "PROMPT_TEMPLATE", "Example",
-                     "encode_generation_prompt", "encode_prompt", "format_alpaca_prompt", "format_prompt",
-                     "tokenize_records"), "data.tokenization"),
+                     "encode_generation_prompt", "encode_prompt", "format_alpaca_prompt", "tokenize_records"), "data.tokenization"),
 }
 
 

@@ -241,12 +241,6 @@ class BatchStream:
                 f"{batch_size} rows of seq_length={seq_length}; lower batch_size or add data"
             )
 
-    @property
-    def batches_per_epoch(self) -> int:
-        if not self.packing:
-            return len(self.examples) // self.batch_size
-        return len(self._plan_epoch(self.epoch))
-
     def next_batch(self) -> Batch:
         """The next global batch; moves to the next epoch when this one has no full batch left."""
         plan = self._plan(self.epoch, self.position)

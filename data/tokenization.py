@@ -80,11 +80,6 @@ class Example:
         return len(self.input_ids)
 
 
-def format_prompt(document: str) -> str:
-    """The prompt text put before a summary."""
-    return PROMPT_TEMPLATE.format(document=document)
-
-
 def format_alpaca_prompt(instruction: str, input: str = "") -> str:
     """The prompt text put before an Alpaca output (the no-input prompt when ``input`` is blank)."""
     if input.strip():

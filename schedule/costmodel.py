@@ -33,7 +33,7 @@ An event-driven simulation of the executor (``pipeline/run/executor.py`` with ``
 
 With sequence segments (actions with ``seg``), ``stage_compute_s`` stays the time of a whole
 micro-batch and a segment's compute takes its share of it (``segment_share``, default equal;
-``segment_costs`` gives the shares of a balanced partition). A segment's wait for the earlier
+``pipeline/run/timeline.py`` passes the measured shares). A segment's wait for the earlier
 segment of the same rows needs no rule here: both run on the same compute lane, in list order.
 
 Issuing a transfer when the compute lane reaches it is conservative: the real host thread
@@ -135,7 +135,7 @@ def predict(
         pending_steps: ``{stage: seconds}`` when the previous iteration's step of each stage
             ends, counted from this iteration's start (default none).
         segment_share: with sequence segments, the fraction of a micro-batch's compute each
-            segment takes (``segment_costs``); default ``1 / K`` each.
+            segment takes; default ``1 / K`` each.
     """
     share = _segment_shares(schedule, segment_share)
     _check_stage_inputs(len(mapping), stage_compute_s, stage_bytes)
@@ -433,19 +433,6 @@ def predict_steady(*args, iterations: int = 4, **kwargs) -> Prediction:
     return pred
 
 
-def attention_key_cost(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
-                       head_dim: int | None = None) -> float:
-    """A decoder layer's attention cost per (query, key) pair relative to its cost per token
-    outside attention (``balanced_segments``' ``key_cost``), in FLOPs: the projections and the
-    gated MLP take ``2 (h (q + 2 kv + o) + 3 h f)`` per token, the scores and the weighted sum
-    ``4 heads * head_dim`` per pair. About 4.0e-5 for Llama-2-7B: at 25K positions a token's
-    attention costs as much as the rest of its layer."""
-    head_dim = head_dim or hidden_size // num_heads
-    q, kv = num_heads * head_dim, num_kv_heads * head_dim
-    per_token = 2 * (hidden_size * (2 * q + 2 * kv) + 3 * hidden_size * intermediate_size)
-    return 4 * q / per_token
-
-
 def _prefix_cost(n: int, key_cost: float) -> float:
     """Cost of positions 0..n-1: each costs 1 plus ``key_cost`` per key it attends (p + 1)."""
     return n + key_cost * n * (n + 1) / 2
@@ -484,12 +471,3 @@ def balanced_segments(seq_length: int, num_segments: int, key_cost: float = 0.0,
         bounds.append(min(max(cut, lo), hi))
     bounds.append(seq_length)
     return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def segment_costs(lengths: Sequence[int], key_cost: float = 0.0) -> list[float]:
-    """The fraction of a sequence's compute each segment of ``lengths`` takes (``predict``'s
-    ``segment_share``), under ``balanced_segments``' cost of a position."""
-    ends = [sum(lengths[:i + 1]) for i in range(len(lengths))]
-    starts = [0] + ends[:-1]
-    total = _prefix_cost(ends[-1], key_cost)
-    return [(_prefix_cost(e, key_cost) - _prefix_cost(s, key_cost)) / total for s, e in zip(starts, ends)]

@@ -36,7 +36,7 @@ class MappingPlan:
         step_time: predicted seconds per iteration of the chosen mapping.
         sequential_step_time: predicted for the identity mapping (rank r on the r-th GPU).
         worst_step_time / worst_gpu_of_rank: the slowest mapping considered.
-        method: "exhaustive", "greedy" or "manual".
+        method: "exhaustive" or "greedy".
         evaluated: distinct cost-model runs made.
     """
 
@@ -60,12 +60,6 @@ class MappingPlan:
         return (f"mapping: rank -> GPU {self.gpu_of_rank} ({self.method}, {self.evaluated} simulations): predicted "
                 f"step {self.step_time:.3f}s, sequential {self.sequential_step_time:.3f}s ({gain:+.1%} saved), "
                 f"worst {self.worst_step_time:.3f}s with {self.worst_gpu_of_rank}")
-
-
-def manual_mapping(cuda_visible_devices: list[int]) -> tuple[list[int], str]:
-    """The user's own GPU order, unchanged: when they set it, the planner does not run."""
-    return list(cuda_visible_devices), (f"CUDA_VISIBLE_DEVICES={','.join(map(str, cuda_visible_devices))} was set "
-                                        f"by the user: rank r uses its r-th GPU; mapping planner not run")
 
 
 def estimate_compute_s(stage_bytes: Sequence[int], tokens_per_microbatch: int, tflops: float,

@@ -6,6 +6,7 @@ disagree about what the program is.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from schedule.ir import Schedule
@@ -50,16 +51,22 @@ class ProgramSpec:
         return device_stepped_stages(mapping, resident_stages(mapping, self.resident), self.device_steps)
 
     def build(self, mapping: list[int]) -> Schedule:
-        """Every rank's training program, validated."""
-        return build(self.schedule, self.num_stages, self.num_microbatches, mapping, offload=self.offload,
-                     prefetch=self.prefetch, clip=self.clip, resident=self.resident, tied=self.tied,
-                     num_segments=self.num_segments, receive_ahead=self.receive_ahead)
+        """Every rank's training program, validated: built once per spec and mapping (the memory
+        plan asks again for every candidate it weighs), each caller given its own lists."""
+        return {rank: list(actions) for rank, actions in _built(self, tuple(mapping)).items()}
 
     def build_forward(self, mapping: list[int]) -> Schedule:
         """Every rank's forward-only program (evaluation), validated."""
         return build_forward(self.num_stages, self.num_microbatches, mapping, offload=self.offload,
                              prefetch=self.prefetch, resident=self.resident, num_segments=self.num_segments,
                              receive_ahead=self.receive_ahead)
+
+
+@functools.lru_cache(maxsize=256)
+def _built(spec: ProgramSpec, mapping: tuple[int, ...]) -> Schedule:
+    return build(spec.schedule, spec.num_stages, spec.num_microbatches, list(mapping), offload=spec.offload,
+                 prefetch=spec.prefetch, clip=spec.clip, resident=spec.resident, tied=spec.tied,
+                 num_segments=spec.num_segments, receive_ahead=spec.receive_ahead)
 
 
 __all__ = ["ProgramSpec"]

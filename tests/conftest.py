@@ -70,11 +70,12 @@ def _single_thread(monkeypatch):
 def _collected_objects_frozen():
     """What collection built (torch's, transformers' and the test modules' objects, some 500k)
     is moved out of the cyclic GC's reach once: a full collection during the tests then walks only
-    what the tests made (it walked it all, 0.3 s each, a few dozen times a session)."""
+    what the tests made (it walked it all, 0.3 s each, a few dozen times a session). It stays
+    frozen to the end: pytest's last check for unraisable exceptions runs five full collections,
+    which would walk it all again, and nothing frozen is garbage the process must free."""
     gc.collect()
     gc.freeze()
     yield
-    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +96,46 @@ def _trainer_leaves_the_gc_alone(request, monkeypatch):
 
     monkeypatch.setattr(trainer, "freeze_survivors", lambda: None)
     monkeypatch.setattr(gc, "unfreeze", lambda: None)
+    yield
+
+
+_SAMPLE_TOKENIZED: dict[tuple, tuple] = {}
+
+
+@pytest.fixture(autouse=True)
+def _bundled_sample_tokenized_once(monkeypatch):
+    """The bundled sample (a file of the repository, never written) is tokenized once per
+    tokenizer (its files and their times) and seq_length: every in-process trainer and reference
+    tokenized its 300 records again, 80 ms each, hundreds of times a session. The examples are only
+    read (``BatchStream`` indexes them), so the trainers share them; each still gets its own
+    list and its own stream. Other datasets, and the tests of the tokenization, tokenize each time."""
+    import data
+    import data.tokenization
+    from pipeline.run import build
+
+    real_build, real_tokenize = build.build_stream, data.tokenization.tokenize_records
+
+    def build_stream(cfg, source):
+        if cfg.dataset != "sample" or source.tokenizer_dir is None:
+            return real_build(cfg, source)
+        files = sorted((f.name, f.stat().st_mtime_ns) for f in Path(source.tokenizer_dir).iterdir() if f.is_file())
+        key = (str(source.tokenizer_dir), tuple(files), cfg.dataset_split, cfg.seq_length)
+
+        def tokenize_records(records, tokenizer, seq_length, *, fmt=None, stats=None):
+            if key not in _SAMPLE_TOKENIZED:
+                counted: dict[str, int] = {}
+                _SAMPLE_TOKENIZED[key] = (*real_tokenize(records, tokenizer, seq_length, fmt=fmt, stats=counted),
+                                          counted)
+            examples, skipped, counted = _SAMPLE_TOKENIZED[key]
+            if stats is not None:
+                stats.update(counted)
+            return list(examples), skipped
+
+        with monkeypatch.context() as m:  # build_stream imports it from data when called
+            m.setattr(data, "tokenize_records", tokenize_records, raising=False)
+            return real_build(cfg, source)
+
+    monkeypatch.setattr(build, "build_stream", build_stream)
     yield
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.architectures import make_model, tiny_cfg
+from tests.helpers.architectures import arch_cfg, make_model
 from tests.helpers.reference import assert_same_training, reference_train
 
 
@@ -14,12 +14,12 @@ from tests.helpers.reference import assert_same_training, reference_train
                                                        ("gpipe", False, 0)])
 def test_nccl_tied_matches_hf(models_root, tmp_path, schedule, offload, resident):
     """2 GPUs, float32: TIE's all-reduce over NCCL (no hang, both copies summed). GPU kernels
-    against the CPU reference: 1e-3, not the CPU tests' 1e-5 (adam_eps 1e-6 as in test_equivalence)."""
+    against the CPU reference: 1e-3, not the CPU tests' 1e-5."""
     from tests.helpers.runs import torchrun_training
 
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=4, use_offload=offload,
-               use_prefetch=offload, resident_stages=resident, adam_eps=1e-6, device="cuda",
+    cfg = arch_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=4, use_offload=offload,
+               use_prefetch=offload, resident_stages=resident, device="cuda",
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
     losses, params, _ = torchrun_training(2, cfg, timeout=300)
-    ref_cfg = tiny_cfg(cfg.model, schedule=schedule, num_stages=4, adam_eps=1e-6)
+    ref_cfg = arch_cfg(cfg.model, schedule=schedule, num_stages=4)
     assert_same_training(losses, params, *reference_train(ref_cfg, cfg.model), rtol=1e-3)

@@ -1,5 +1,5 @@
 """Tiny models of the architectures people fine-tune today (tests/one_process/test_architectures.py
-says which and why), generated once per directory, and the training configuration their tests share."""
+says which and why), generated once per directory, and the training configuration their tests share (arch_cfg)."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import make_config
+from tests.helpers import runs
 
 WINDOW = 32
 SEQ = 96  # three windows: a mask that ignores the window shows in every layer past position 32
@@ -51,9 +51,10 @@ def make_model(arch: str, root: str) -> Path:
     return path
 
 
-def tiny_cfg(path: Path, **kw):
-    base = dict(model=str(path), dataset="synthetic", seq_length=SEQ, batch_size=4, num_chunks=2, num_iterations=3,
-                num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1, weight_decay=0.01,
-                grad_clip=1.0, attn_implementation="eager", save_model=False, save_metrics=False)
-    base.update(kw)
-    return make_config(base)
+def arch_cfg(path: Path, **kw):
+    """runs.tiny_cfg on a model of ARCHS: synthetic rows of SEQ tokens (three windows), two
+    micro-batches of two."""
+    return runs.tiny_cfg(path, **{"dataset": "synthetic", "seq_length": SEQ, "batch_size": 4, "num_chunks": 2, **kw})
+
+
+tiny_cfg = arch_cfg  # the name tests/one_process/test_long_rows.py imports it by

@@ -7,18 +7,14 @@ import json
 
 import torch
 
-from pipeline.config import make_config
+from tests.helpers.runs import tiny_cfg
 
 EVAL_BATCHES = 3
 
 
-def tiny_cfg(model_dir, tmp_path, **kw):
-    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
-                num_iterations=2, num_stages=4, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
-                grad_clip=1.0, attn_implementation="eager", save_model=False, save_dir=str(tmp_path),
-                progress_bar=False)
-    base.update(kw)
-    return make_config(base)
+def metrics_cfg(model_dir, save_dir, **kw):
+    """runs.tiny_cfg writing its metrics to ``save_dir`` (the tests read them there), two steps."""
+    return tiny_cfg(model_dir, **{"num_iterations": 2, "save_metrics": True, "save_dir": str(save_dir), **kw})
 
 
 def hf_eval_loss(model_dir, params, cfg) -> float:

@@ -1,5 +1,6 @@
-"""Helpers the tests share: the tiny training configuration the equivalence tests start from,
-its single-process reference result (cached), and torchrun runs of main.py."""
+"""Helpers the tests share: the tiny training configuration the in-process and torchrun tests
+start from, its single-process reference result (cached), the check that a mutated run fails the
+comparison with it, and torchrun runs of main.py."""
 from __future__ import annotations
 
 import functools
@@ -8,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeline.config import make_config
 from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
-from tests.helpers.reference import reference_train
+from tests.helpers.reference import assert_same_training, reference_train, train_in_process
 
 ITERS = 3
 
@@ -33,6 +35,17 @@ def tiny_cfg(model_dir, **kw):
 @functools.lru_cache(maxsize=None)
 def reference_result(model_dir: str, num_layers: int = 0):
     return reference_train(tiny_cfg(model_dir, num_layers=num_layers), model_dir)
+
+
+def expect_mismatch(model_dir, monkeypatch, patch, **kw) -> None:
+    """``patch(monkeypatch)`` applied, a run of ``tiny_cfg(model_dir, **kw)`` (interleaved and
+    offloaded unless ``kw`` says otherwise) fails the comparison with the reference: the
+    comparison can see the fault ``patch`` makes."""
+    patch(monkeypatch)
+    cfg = tiny_cfg(model_dir, **{"schedule": "interleaved", "use_offload": True, **kw})
+    losses, params = train_in_process(cfg).outcome
+    with pytest.raises(AssertionError):
+        assert_same_training(losses, params, *reference_result(str(model_dir)))
 
 
 def run_torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None = None

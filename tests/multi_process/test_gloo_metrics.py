@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from tests.helpers.images import png_size
-from tests.helpers.metrics import EVAL_BATCHES, hf_eval_loss, read_rows, tiny_cfg
+from tests.helpers.metrics import EVAL_BATCHES, hf_eval_loss, metrics_cfg, read_rows
 
 
 @pytest.mark.slow
 def test_torchrun_eval_matches_hf(tiny_model_dir, tmp_path):
     from tests.helpers.runs import cli_flags, run_torchrun
 
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule="1f1b", eval_every=2, eval_batches=EVAL_BATCHES,
-               save_params=True)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, schedule="1f1b", eval_every=2, eval_batches=EVAL_BATCHES,
+                      save_params=True)
     proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(tmp_path / "metrics.jsonl")
@@ -43,7 +43,7 @@ def test_torchrun_stops_after_too_many_nan_steps(tiny_model_dir, tmp_path, monke
         "    _ce = F.cross_entropy\n"
         "    F.cross_entropy = lambda *a, **k: _ce(*a, **k) * float('nan')\n")
     monkeypatch.setenv("PYTHONPATH", str(hook))  # env_without_dist puts the repo root first
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, num_iterations=5, max_skipped_steps=1)
     proc = run_torchrun(2, cli_flags(cfg))
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

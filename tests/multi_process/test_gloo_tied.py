@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.architectures import make_model, tiny_cfg
+from tests.helpers.architectures import arch_cfg, make_model
 from tests.helpers.reference import assert_same_training, reference_train
 
 
@@ -16,7 +16,7 @@ def test_torchrun_tied_matches_hf(models_root, tmp_path, nproc, num_stages, sche
     """The embedding's and the head's ranks differ: TIE is an all-reduce on their own group."""
     from tests.helpers.runs import torchrun_training
 
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=num_stages, use_offload=offload,
+    cfg = arch_cfg(make_model("qwen2_tied", models_root), schedule=schedule, num_stages=num_stages, use_offload=offload,
                save_dir=str(tmp_path / "out"), save_params=True, save_results=str(tmp_path / "results.json"))
     losses, params, _ = torchrun_training(nproc, cfg, timeout=300)
     assert "lm_head.weight" not in params

@@ -16,7 +16,7 @@ import torch
 from pipeline.config import ConfigError
 from pipeline.spec.shapes import stage_num_params
 from pipeline.stage.model import build_stage
-from tests.helpers.architectures import WINDOW, SEQ, ARCHS, make_model, tiny_cfg
+from tests.helpers.architectures import ARCHS, SEQ, WINDOW, arch_cfg, make_model
 from tests.helpers.reference import (assert_same_training, hf_model, in_process_trainer, reference_train, stages_forward,
                                     train_in_process, trained, trainer_masters)
 from tests.helpers.tolerance import assert_close, rel_err
@@ -74,7 +74,7 @@ def test_stage_param_counts(models_root):
     ("qwen2_tied", "eager", dict(num_stages=1, schedule="gpipe", use_offload=True, activation_checkpointing=True)),
 ])
 def test_training_matches_hf(models_root, arch, impl, kw):
-    cfg = tiny_cfg(make_model(arch, models_root), attn_implementation=impl, **kw)
+    cfg = arch_cfg(make_model(arch, models_root), attn_implementation=impl, **kw)
     assert_same_training(*train_in_process(cfg).outcome, *reference_train(cfg, cfg.model))
 
 
@@ -96,7 +96,7 @@ def _with_head_saved(src: Path, dst: Path, noise: float = 0.0) -> Path:
 
 def test_tied_checkpoint_with_head_trains_one_matrix(models_root, tmp_path):
     path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "with_head")
-    cfg = tiny_cfg(path, num_stages=1, schedule="gpipe", save_dir=str(tmp_path / "out"), save_model=True)
+    cfg = arch_cfg(path, num_stages=1, schedule="gpipe", save_dir=str(tmp_path / "out"), save_model=True)
     trainer = in_process_trainer(cfg)
     stage = trainer.stages[0]
     assert stage.lm_head.weight is stage.model.embed_tokens.weight
@@ -121,7 +121,7 @@ def test_tied_config_with_a_different_head_is_refused(models_root, tmp_path, mon
     from pipeline.plan.source import resolve_model
 
     path = _with_head_saved(make_model("qwen2_tied", models_root), tmp_path / "other_head", noise=0.01)
-    cfg = tiny_cfg(path, num_stages=1, save_dir=str(tmp_path / "out"))
+    cfg = arch_cfg(path, num_stages=1, save_dir=str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="lm_head.weight differs from model.embed_tokens.weight") as e:
         check_files(cfg)
     assert "\n" not in str(e.value)
@@ -141,4 +141,4 @@ def test_sliding_layers_without_a_window_are_refused(models_root, tmp_path):
     config.update(use_sliding_window=False)  # sliding_window becomes None, layer_types still say sliding
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="sliding_attention layers but sliding_window is None"):
-        resolve_model(tiny_cfg(dst))
+        resolve_model(arch_cfg(dst))

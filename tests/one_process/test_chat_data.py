@@ -19,8 +19,8 @@ from data import (
     tokenize_records,
 )
 from data.tiny_model import _train_tokenizer
+from tests.helpers.tokenizers import BOS, EOS, CharTokenizer, chars
 
-BOS, EOS = 1, 2
 
 # A small ChatML-like template: role tag, newline, content; an assistant turn ends with eos.
 # Every newline is written as an expression (transformers renders with trim_blocks).
@@ -204,21 +204,6 @@ def test_chat_records_load_from_files_and_saved_datasets(tmp_path, tok):
 
 
 # ---------------------------------------------------------------- alpaca
-
-
-class CharTokenizer:
-    """One token per character (its code point): every expected id can be written by hand."""
-
-    bos_token_id = BOS
-    eos_token_id = EOS
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict:
-        assert add_special_tokens is False
-        return {"input_ids": [[ord(c) for c in t] for t in texts]}
-
-
-def chars(text: str) -> list[int]:
-    return [ord(c) for c in text]
 
 
 def test_alpaca_prompts_are_pinned():

@@ -19,32 +19,13 @@ from data import (
     detect_format,
     encode_prompt,
     ensure_tiny_model,
-    format_prompt,
     is_complete_tiny_model,
     load_records,
     tokenize_records,
 )
 from data.make_sample import make_records
 from data.tokenization import _PROMPT_PREFIX, _PROMPT_SUFFIX
-
-BOS, EOS, PAD = 1, 2, 0
-
-
-class CharTokenizer:
-    """One token per character (its code point): every expected id can be written by hand."""
-
-    bos_token_id = BOS
-    eos_token_id = EOS
-    pad_token_id = PAD
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict:
-        assert add_special_tokens is False
-        return {"input_ids": [[ord(c) for c in t] for t in texts]}
-
-
-def chars(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
+from tests.helpers.tokenizers import BOS, EOS, PAD, CharTokenizer, chars
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
@@ -67,7 +48,7 @@ def test_xsum_labels_mask_prompt_char_tokenizer():
     [example], skipped = tokenize_records(
         [{"document": "abc", "summary": "xy"}], CharTokenizer(), seq_length=200
     )
-    prompt = [BOS] + chars(format_prompt("abc"))
+    prompt = [BOS] + chars(_PROMPT_PREFIX + "abc" + _PROMPT_SUFFIX)
     assert skipped == 0
     assert example.input_ids == prompt + chars("xy") + [EOS]
     assert example.labels == [IGNORE_INDEX] * len(prompt) + chars("xy") + [EOS]
@@ -250,7 +231,6 @@ def test_batch_stream_is_deterministic():
 
 def test_batch_stream_cycles_epochs_and_drops_last_partial_batch():
     s = stream(n=10, batch_size=3)
-    assert s.batches_per_epoch == 3
     rows = rows_of(s, 7)
     epoch0 = sum(rows[:3], [])
     assert len(set(epoch0)) == 9  # three full batches of distinct rows, one row dropped

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers.reference import (assert_same_training, in_process_trainer, reference_train, train_in_process,
                                     trained)
-from tests.helpers.runs import ITERS, reference_result, tiny_cfg
+from tests.helpers.runs import ITERS, expect_mismatch, reference_result, tiny_cfg
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
@@ -175,14 +175,6 @@ def test_truncated_model_matches_reference(tiny_model_dir):
 
 
 # --- the comparison must be able to fail -------------------------------------------------------
-def _expect_mismatch(tiny_model_dir, monkeypatch, patch, **cfg) -> None:
-    patch(monkeypatch)
-    losses, params = train_in_process(tiny_cfg(tiny_model_dir, **{"schedule": "interleaved", "use_offload": True,
-                                                                   **cfg})).outcome
-    with pytest.raises(AssertionError):
-        assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
-
-
 def test_detects_wrong_labels(tiny_model_dir, monkeypatch):
     from data import Batch
 
@@ -193,7 +185,7 @@ def test_detects_wrong_labels(tiny_model_dir, monkeypatch):
         targets = [mb.targets for mb in mbs]
         return [Batch(mb.input_ids, mb.labels, targets[(i + 1) % n], mb.num_targets) for i, mb in enumerate(mbs)]
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Batch, "microbatches", rotated))
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(Batch, "microbatches", rotated))
 
 
 def test_detects_another_microbatch_input(tiny_model_dir, monkeypatch):
@@ -207,8 +199,8 @@ def test_detects_another_microbatch_input(tiny_model_dir, monkeypatch):
         held = [k for k in [*self._host, *self._back] if k[0] == key[0] and k != key]
         return original(self, held[0] if held else key)
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(ActivationStash, "restore", swapped),
-                     schedule="gpipe", activation_offload=True)
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(ActivationStash, "restore", swapped),
+                    schedule="gpipe", activation_offload=True)
 
 
 @pytest.mark.slow
@@ -223,7 +215,7 @@ def test_detects_lost_gradient(tiny_model_dir, monkeypatch, stage):
             self.grad.zero_()
         original(self, *args, **kw)
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "offload_grads", lossy))
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "offload_grads", lossy))
 
 
 @pytest.mark.slow
@@ -237,8 +229,8 @@ def test_detects_lost_gradient_of_a_resident_stage(tiny_model_dir, monkeypatch):
             self.grad.zero_()
         return original(self, *args, **kw)
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "step", lossy),
-                     resident_stages=1)
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(StageStore, "step", lossy),
+                    resident_stages=1)
 
 
 @pytest.mark.slow
@@ -254,7 +246,7 @@ def test_detects_skipped_layer(tiny_model_dir, monkeypatch):
             layers[0].forward = lambda h, **_: h  # weights stay, compute is skipped
         return stage
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.run.build.build_stage", skipping))
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr("pipeline.run.build.build_stage", skipping))
 
 
 def test_detects_fused_loss_gradient_scaled_wrong(tiny_model_dir, monkeypatch):
@@ -272,4 +264,4 @@ def test_detects_fused_loss_gradient_scaled_wrong(tiny_model_dir, monkeypatch):
         finally:
             it.num_targets = total
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(FusedLast, "_forward_backward", per_microbatch))
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(FusedLast, "_forward_backward", per_microbatch))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import make_config
 from pipeline.run.metrics import TrainingError
 from pipeline.run.optim import LossScaler
 from tests.helpers.reference import in_process_trainer, train_in_process, trained, trainer_masters
+from tests.helpers.runs import tiny_cfg
 
 
 def test_loss_scaler_policy():
@@ -30,19 +30,11 @@ def test_loss_scaler_policy():
     assert restored.state_dict() == s.state_dict()
 
 
-def tiny_cfg(model_dir, tmp_path, **kw):
-    base = dict(model=str(model_dir), dataset="sample", seq_length=64, batch_size=8, num_chunks=4,
-                num_iterations=3, num_stages=4, device="cpu", lr=1e-3, grad_clip=1.0, schedule="1f1b",
-                attn_implementation="eager", save_model=False, save_metrics=False, save_dir=str(tmp_path))
-    base.update(kw)
-    return make_config(base)
-
-
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.slow
-def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
-    full = train_in_process(tiny_cfg(tiny_model_dir, tmp_path, dtype="float32", use_offload=offload))
-    half = train_in_process(tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", use_offload=offload))
+def test_float16_trains_like_float32(tiny_model_dir, offload):
+    full = train_in_process(tiny_cfg(tiny_model_dir, schedule="1f1b", dtype="float32", use_offload=offload))
+    half = train_in_process(tiny_cfg(tiny_model_dir, schedule="1f1b", dtype="float16", use_offload=offload))
     assert half.trainer.scaler is not None and not any(h["skipped"] for h in half.history)
     for a, b in zip(half.history, full.history):
         assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (a["loss"], b["loss"])
@@ -52,10 +44,10 @@ def test_float16_trains_like_float32(tiny_model_dir, tmp_path, offload):
 
 
 @pytest.mark.parametrize("stores", [{}, dict(use_offload=True, resident_stages=1, device_steps=1)])
-def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path, stores):
+def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, stores):
     """An overflow skips every stage's step: resident (float16 gradients, no fp32 copy), offloaded
     on the CPU and offloaded stepped on the device alike; the weights stay as they were."""
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=1000,
                num_iterations=1, **stores)
     trainer = in_process_trainer(cfg)
     before = trainer_masters(trainer)
@@ -65,21 +57,21 @@ def test_overflow_skips_the_step_and_halves_the_scale(tiny_model_dir, tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir, tmp_path):
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
+def test_a_fixed_scale_that_always_overflows_stops_the_run(tiny_model_dir):
+    cfg = tiny_cfg(tiny_model_dir, schedule="1f1b", dtype="float16", loss_scale=2.0 ** 40, loss_scale_window=0,
                num_iterations=4, max_skipped_steps=2)
     with pytest.raises(TrainingError, match="3 steps in a row"):
         train_in_process(cfg)
 
 
 @pytest.mark.slow
-def test_float16_lora_trains_like_float32(tiny_model_dir, tmp_path):
+def test_float16_lora_trains_like_float32(tiny_model_dir):
     """LoRA adapters under float16 compute and loss scaling, the base weights frozen and offloaded:
     the losses, norms and adapters of float32 within float16's precision."""
     from pipeline.stage.lora import adapter_tensors
 
     lora = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules="all-linear", adam_eps=1e-4, use_offload=True)
-    runs = {dtype: train_in_process(tiny_cfg(tiny_model_dir, tmp_path, dtype=dtype, **lora))
+    runs = {dtype: train_in_process(tiny_cfg(tiny_model_dir, schedule="1f1b", dtype=dtype, **lora))
             for dtype in ("float32", "float16")}
     full, half = runs["float32"], runs["float16"]
     assert half.trainer.scaler is not None and not any(h["skipped"] for h in half.history)

@@ -16,15 +16,15 @@ import torch
 
 from pipeline.run.metrics import SkipGuard, TrainingError, plot_size, write_plot_png
 from tests.helpers.images import distinct_colours, png_size
-from tests.helpers.metrics import EVAL_BATCHES, hf_eval_loss, read_rows, tiny_cfg
+from tests.helpers.metrics import EVAL_BATCHES, hf_eval_loss, metrics_cfg, read_rows
 from tests.helpers.reference import in_process_trainer, trainer_masters
 
 
 # --- validation ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule,offload", [pytest.param("gpipe", False, marks=pytest.mark.slow), ("interleaved", True)])
 def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offload):
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
-               eval_batches=EVAL_BATCHES)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, schedule=schedule, use_offload=offload, eval_every=2,
+                      eval_batches=EVAL_BATCHES)
     trainer = in_process_trainer(cfg)
     assert {a.op.value for a in trainer.eval_actions} <= {"F", "SEND_F", "RECV_F", "L", "D"}
     trainer.save(trainer.train())  # metrics.png is written there, after the model and results
@@ -53,8 +53,7 @@ def test_eval_loss_matches_hf(tiny_model_dir, tmp_path, capsys, schedule, offloa
 
 @pytest.mark.slow
 def test_eval_every_and_at_the_end(tiny_model_dir, tmp_path):
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2,
-               save_metrics=True)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, num_iterations=3, eval_every=2, eval_batches=1, num_stages=2)
     in_process_trainer(cfg).train()
     assert [(r["kind"], r.get("step")) for r in read_rows(tmp_path / "metrics.jsonl")] == [
         ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("eval", 3), ("summary", None)]
@@ -66,7 +65,7 @@ def test_eval_needs_a_validation_split(tiny_model_dir, tmp_path):
     from pipeline.config import ConfigError
     from pipeline.plan.preflight import check_files
 
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, dataset=str(SAMPLE_TRAIN), eval_every=1)
     with pytest.raises(ConfigError, match="has no validation split .* set eval_dataset"):
         check_files(cfg)
 
@@ -91,7 +90,7 @@ def _poison(monkeypatch, bad_iterations: set[int], num_chunks: int = 4) -> None:
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.slow
 def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offload):
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, num_iterations=3, use_offload=offload)
     trainer = in_process_trainer(cfg)
     _poison(monkeypatch, {1})
     snaps, steps = [], []
@@ -123,7 +122,7 @@ def test_nan_step_is_skipped(tiny_model_dir, tmp_path, monkeypatch, capsys, offl
 
 @pytest.mark.slow
 def test_too_many_nan_steps_stop(tiny_model_dir, tmp_path, monkeypatch):
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, num_iterations=6, max_skipped_steps=2, grad_clip=0.0, num_stages=2)
     trainer = in_process_trainer(cfg)
     assert any(a.op.value == "NORM" for a in trainer.actions)  # skipping needs the norm even without clipping
     _poison(monkeypatch, {1, 2, 3, 4, 5})
@@ -165,8 +164,8 @@ def test_a_peer_lost_at_the_end_of_a_step_is_named_in_one_line():
 def test_no_norm_without_clip_and_check(tiny_model_dir, tmp_path):
     from pipeline.spec.settings import needs_norm
 
-    assert needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
-    assert not needs_norm(tiny_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))
+    assert needs_norm(metrics_cfg(tiny_model_dir, tmp_path, grad_clip=0.0))
+    assert not needs_norm(metrics_cfg(tiny_model_dir, tmp_path, grad_clip=0.0, max_skipped_steps=-1))
 
 
 # --- the plot -----------------------------------------------------------------------------------
@@ -266,7 +265,7 @@ def test_an_output_that_fails_costs_a_warning_not_the_model(tiny_model_dir, tmp_
 
     monkeypatch.setattr(metrics, "write_plot_png", no_matplotlib)
     monkeypatch.setattr(TensorBoardSink, "write", full_disk)
-    trainer = in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=3, save_model=True))
+    trainer = in_process_trainer(metrics_cfg(tiny_model_dir, tmp_path, num_iterations=3, save_model=True))
     trainer.save(trainer.train())
     assert seen == [True]
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
@@ -300,7 +299,7 @@ def test_tensorboard_event_files_hold_the_metrics_rows(tiny_model_dir, tmp_path)
     of metrics.jsonl (train, eval, summary, each rank's peak memory), at its step, and no other."""
     from pipeline.run.sinks import scalars
 
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, eval_every=2, eval_batches=1)
+    cfg = metrics_cfg(tiny_model_dir, tmp_path, eval_every=2, eval_batches=1)
     assert cfg.report_to == "tensorboard"
     in_process_trainer(cfg).train()
     rows = read_rows(tmp_path / "metrics.jsonl")
@@ -329,7 +328,7 @@ def test_report_to_none_and_lists(tiny_model_dir, tmp_path):
         make_config({"report_to": "comet"})
     with pytest.raises(ConfigError, match=r"\(none alone\); got 'none,wandb'"):
         make_config({"report_to": "none,wandb"})
-    in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="none")).train()
+    in_process_trainer(metrics_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="none")).train()
     assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
 
 
@@ -348,12 +347,12 @@ def test_packages_not_installed_are_refused_before_launch(tiny_model_dir, tmp_pa
     with pytest.raises(ConfigError, match=r"^report_to wandb needs the wandb package, which is not installed: "
                                           r"python3 -m pip install wandb \(requirements-gpu.txt lists all but "
                                           r"wandb\); or drop it from report_to"):
-        check_packages(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb"))
-    check_packages(tiny_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb", save_metrics=False))
+        check_packages(metrics_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb"))
+    check_packages(metrics_cfg(tiny_model_dir, tmp_path, report_to="tensorboard,wandb", save_metrics=False))
     with pytest.raises(ConfigError, match=r"^lora_rank 8 needs the peft package and report_to wandb needs the wandb "
                                           r"package, which are not installed: python3 -m pip install "
                                           r"'peft>=0.21,<0.22' wandb "):
-        check_packages(tiny_cfg(tiny_model_dir, tmp_path, report_to="wandb", lora_rank=8))
+        check_packages(metrics_cfg(tiny_model_dir, tmp_path, report_to="wandb", lora_rank=8))
 
 
 def test_wandb_offline_logs_the_rows(tiny_model_dir, tmp_path, monkeypatch):
@@ -361,7 +360,7 @@ def test_wandb_offline_logs_the_rows(tiny_model_dir, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    in_process_trainer(tiny_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="wandb")).train()
+    in_process_trainer(metrics_cfg(tiny_model_dir, tmp_path, num_iterations=1, report_to="wandb")).train()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import ConfigError, TrainConfig, make_config
 from pipeline.plan.settings_rules import check_settings
-from tests.helpers.architectures import make_model, tiny_cfg
+from tests.helpers.architectures import arch_cfg, make_model
 
 
 def test_tied_copies_stepping_apart_are_refused_before_launch(models_root):
@@ -19,7 +19,7 @@ def test_tied_copies_stepping_apart_are_refused_before_launch(models_root):
     from pipeline.plan.source import resolve_model
 
     path = make_model("qwen2_tied", models_root)
-    cfg = tiny_cfg(path, num_stages=4, use_offload=True, resident_stages=1)
+    cfg = arch_cfg(path, num_stages=4, use_offload=True, resident_stages=1)
     with pytest.raises(ConfigError, match=r"^tied embeddings: resident_stages 1 keeps stage 0 on the GPU but "
                                           r"offloads stage 3, .* use resident_stages 0 or 2 \(all\)$"):
         resolve_model(cfg, world_size=2)
@@ -39,8 +39,8 @@ def test_resolve_checks_the_choices_it_made(models_root):
     from pipeline.plan.model_rules import check_choices
     from pipeline.plan.source import resolve_model
 
-    hf = resolve_model(tiny_cfg(make_model("qwen2_tied", models_root))).config
-    chosen = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=4, use_offload=True, resident_stages=1)
+    hf = resolve_model(arch_cfg(make_model("qwen2_tied", models_root))).config
+    chosen = arch_cfg(make_model("qwen2_tied", models_root), num_stages=4, use_offload=True, resident_stages=1)
     with pytest.raises(ConfigError, match="tied embeddings: resident_stages 1"):
         check_choices(chosen, hf, 1)
     check_choices(dataclasses.replace(chosen, resident_stages=4), hf, 1)
@@ -53,12 +53,12 @@ def test_the_model_is_read_once_per_start(tiny_model_dir, tmp_path, monkeypatch)
     from pipeline.dist import DistEnv
     from pipeline.plan.preflight import check_files
     from pipeline.train import plan_report, train
-    from tests.helpers.runs import tiny_cfg as run_cfg
+    from tests.helpers.runs import tiny_cfg
 
     reads = []
     check_model = source_module.check_model
     monkeypatch.setattr(source_module, "check_model", lambda view: reads.append(view) or check_model(view))
-    cfg = run_cfg(tiny_model_dir, num_stages=2, num_iterations=1, save_dir=str(tmp_path / "run"))
+    cfg = tiny_cfg(tiny_model_dir, num_stages=2, num_iterations=1, save_dir=str(tmp_path / "run"))
     train(cfg, DistEnv(0, 1, 0, 1), check_files(cfg, world_size=1))
     assert len(reads) == 1 and reads[0].pipeline_size == 1
     reads.clear()

@@ -4,6 +4,7 @@ clipped steps overlapped with the next iteration give the weights of the plain o
 of an iteration done before the next starts."""
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -187,6 +188,14 @@ def _clipped_training(tiny_model_dir, overlap: bool, fault=None, device_steps: i
     return history, trainer_masters(trainer), overlapped
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_training(tiny_model_dir):
+    """``_clipped_training`` in the plain order, which every comparison here is with: the same run
+    whichever test asks (no fault is planted in it), so it is trained once (its sleeps alone are
+    over a second)."""
+    return _clipped_training(tiny_model_dir, overlap=False)
+
+
 def _outcome(run):
     history, masters, _ = run
     return [h["loss"] for h in history], masters
@@ -199,7 +208,7 @@ def test_overlapped_clipped_steps_give_the_plain_order_weights(tiny_model_dir, d
     stepping everything on the CPU before going on, bit for bit: each stage computes only after
     its own step of the clipped gradients, also the last one stepped on the device beside the
     CPU (``device_steps``; on the CPU the same kernel)."""
-    plain = _clipped_training(tiny_model_dir, overlap=False)
+    plain = _plain_training(tiny_model_dir)
     overlapped = _clipped_training(tiny_model_dir, overlap=True, device_steps=device_steps)
     norms = [h["grad_norm"] for h in plain[0] + overlapped[0]]
     assert all(n > 2 * CLIP for n in norms), norms  # clipping bites: every coefficient is below 1/2
@@ -214,7 +223,7 @@ def test_overlapped_clipped_steps_with_a_fault_are_caught(tiny_model_dir, monkey
     ``device_steps``), a stage stepped before the norm is known (where an unclipped list steps
     it), and a next iteration's LOAD that does not wait for its own stage's step each train
     other weights than the plain order, far outside any noise."""
-    plain = _clipped_training(tiny_model_dir, overlap=False)
+    plain = _plain_training(tiny_model_dir)
     if fault == "load_ahead":
         _load_ahead_of_its_step(monkeypatch)
     planted = {"unclipped": _unclipped_step, "before_norm": _step_before_the_norm,

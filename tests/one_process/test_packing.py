@@ -4,7 +4,6 @@ loss and gradients; a plain causal mask over packed rows does not; a pipeline ru
 equals the Hugging Face model fed the same packed rows, positions and 4-D mask."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -12,11 +11,11 @@ import torch
 
 from data import IGNORE_INDEX, BatchStream, DataError, Example, collate, collate_packed
 from data.batching import pack_rows
-from pipeline.config import make_config
 from pipeline.spec.shapes import partition_layers
 from pipeline.stage.model import build_stage
 from tests.helpers.architectures import make_model
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, trained
+from tests.helpers.runs import text_records, tiny_cfg
 from tests.helpers.tolerance import assert_close
 
 SEQ = 96
@@ -167,26 +166,12 @@ def test_comparison_fails_when_records_leak(models_root, impl, mutate):
 
 
 # --- (4) the pipeline with packing == Hugging Face fed the packed rows --------------------------
-def _text_records(path):
-    words = ("the match ended with three goals to one after a long season of rain and sun in the north "
-             "council plans new homes near the river while fans cheer the home side").split()
-    g = torch.Generator().manual_seed(3)
-    with open(path, "w") as fh:
-        for i in range(48):
-            n = int(torch.randint(2, 14, (1,), generator=g))
-            text = " ".join(words[int(j)] for j in torch.randint(len(words), (n,), generator=g))
-            fh.write(json.dumps({"text": text}) + "\n")
-    return path
-
-
 @pytest.mark.parametrize("impl,schedule", [("eager", "1f1b"), ("sdpa", "gpipe")])
 def test_pipeline_with_packing_matches_hf(tiny_model_dir, tmp_path, capsys, impl, schedule):
-    """2 stages in one process; adam_eps 1e-6 as in tests/one_process/test_equivalence.py."""
-    cfg = make_config(dict(model=str(tiny_model_dir), dataset=_text_records(tmp_path / "short.jsonl"),
-                           packing=True, seq_length=64, batch_size=4, num_chunks=2, num_stages=2, schedule=schedule,
-                           num_iterations=3, dtype="float32", device="cpu", lr=1e-3, warmup_iterations=1,
-                           weight_decay=0.01, grad_clip=1.0, attn_implementation=impl, save_model=False,
-                           adam_eps=1e-6, save_metrics=False, save_dir=str(tmp_path / "out")))
+    """2 stages in one process."""
+    cfg = tiny_cfg(tiny_model_dir, dataset=text_records(tmp_path / "short.jsonl", 2, 14), packing=True, batch_size=4,
+                   num_chunks=2, num_stages=2, schedule=schedule, attn_implementation=impl,
+                   save_dir=str(tmp_path / "out"))
     trainer = in_process_trainer(cfg)
     first = BatchStream(trainer.stream.examples, 4, pad_id=0, seq_length=64, packing=True).next_batch()
     assert int(first.segment_ids.max()) >= 3  # really packed: several records a row

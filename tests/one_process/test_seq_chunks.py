@@ -21,7 +21,7 @@ from pipeline.config import ConfigError, make_config
 from pipeline.plan.preflight import check_config
 from tests.helpers.reference import (assert_same_training, in_process_trainer, reference_train, train_in_process,
                                     trained)
-from tests.helpers.runs import ITERS, reference_result, text_records, tiny_cfg
+from tests.helpers.runs import ITERS, expect_mismatch, reference_result, text_records, tiny_cfg
 
 
 @pytest.mark.parametrize("schedule,offload", [
@@ -144,11 +144,7 @@ def _equal_segments(monkeypatch) -> None:
 
 def _expect_offload_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
     _equal_segments(monkeypatch)
-    patch(monkeypatch)
-    cfg = tiny_cfg(tiny_model_dir, schedule="gpipe", use_offload=True, activation_offload=True, seq_chunks=4)
-    losses, params = train_in_process(cfg).outcome
-    with pytest.raises(AssertionError):
-        assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
+    expect_mismatch(tiny_model_dir, monkeypatch, patch, schedule="gpipe", activation_offload=True, seq_chunks=4)
 
 
 @pytest.mark.slow
@@ -244,14 +240,6 @@ def test_activation_offload_detects_dropped_key_value_gradients(tiny_model_dir, 
 
 
 # --- the comparison must be able to fail -------------------------------------------------------
-def _expect_mismatch(tiny_model_dir, monkeypatch, patch) -> None:
-    patch(monkeypatch)
-    losses, params = train_in_process(tiny_cfg(tiny_model_dir, schedule="interleaved", use_offload=True,
-                                               seq_chunks=3)).outcome
-    with pytest.raises(AssertionError):
-        assert_same_training(losses, params, *reference_result(str(tiny_model_dir)))
-
-
 @pytest.mark.slow
 def test_detects_wrong_segment_labels(tiny_model_dir, monkeypatch):
     original = segments.SegmentStage.forward
@@ -261,7 +249,8 @@ def test_detects_wrong_segment_labels(tiny_model_dir, monkeypatch):
             targets = targets.roll(1, dims=1)
         return original(self, mb, seg, x, targets, **kw)
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(segments.SegmentStage, "forward", shifted))
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(segments.SegmentStage, "forward", shifted),
+                    seq_chunks=3)
 
 
 def test_detects_dropped_keys_and_values(tiny_model_dir, monkeypatch):
@@ -274,7 +263,7 @@ def test_detects_dropped_keys_and_values(tiny_model_dir, monkeypatch):
                 if kvs:
                     kvs[0] = (torch.zeros_like(kvs[0][0]), torch.zeros_like(kvs[0][1]))
 
-    _expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(segments, "_KVCarry", DropOne))
+    expect_mismatch(tiny_model_dir, monkeypatch, lambda mp: mp.setattr(segments, "_KVCarry", DropOne), seq_chunks=3)
 
 
 # --- configuration and plan ------------------------------------------------------------------------

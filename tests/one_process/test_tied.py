@@ -19,7 +19,7 @@ import schedule as sched
 from pipeline.config import ConfigError
 from schedule import ScheduleError, simulate, validate
 from schedule.ir import Action, Op
-from tests.helpers.architectures import make_model, tiny_cfg
+from tests.helpers.architectures import arch_cfg, make_model
 from tests.helpers.reference import assert_same_training, in_process_trainer, reference_train, train_in_process
 
 
@@ -152,7 +152,7 @@ def _train_tied(cfg):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_tied_training_matches_hf(models_root, arch, num_stages, schedule, offload):
-    cfg = tiny_cfg(make_model(arch, models_root), num_stages=num_stages, schedule=schedule, use_offload=offload,
+    cfg = arch_cfg(make_model(arch, models_root), num_stages=num_stages, schedule=schedule, use_offload=offload,
                use_prefetch=offload)
     assert cfg.grad_clip > 0
     losses, params = _train_tied(cfg)
@@ -164,7 +164,7 @@ def test_tied_training_matches_hf(models_root, arch, num_stages, schedule, offlo
 def test_tied_unclipped_and_resident_match_hf(models_root, resident):
     """No NORM (an offloaded stage steps right after its OFFLOAD, behind the TIE); and with
     every stage resident (both copies step on the device)."""
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="1f1b", use_offload=True,
+    cfg = arch_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="1f1b", use_offload=True,
                resident_stages=resident, grad_clip=0.0 if resident == 0 else 1.0)
     losses, params = _train_tied(cfg)
     assert_same_training(losses, params, *reference_train(cfg, cfg.model))
@@ -174,7 +174,7 @@ def test_without_the_exchange_the_comparison_fails(models_root, monkeypatch):
     from pipeline.run.executor import Executor
 
     monkeypatch.setattr(Executor, "_tie", lambda self, a: None)
-    cfg = tiny_cfg(make_model("llama3_tied", models_root), num_stages=4, schedule="interleaved", use_offload=True)
+    cfg = arch_cfg(make_model("llama3_tied", models_root), num_stages=4, schedule="interleaved", use_offload=True)
     run = train_in_process(cfg)
     with pytest.raises(AssertionError):
         assert_same_training(*run.outcome, *reference_train(cfg, cfg.model))
@@ -182,7 +182,7 @@ def test_without_the_exchange_the_comparison_fails(models_root, monkeypatch):
 
 def test_copies_stepping_apart_are_refused(models_root):
     """resident_stages 1 of 2 keeps stage 0 on the GPU and offloads stage 1 (the head's copy)."""
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, use_offload=True, resident_stages=1)
+    cfg = arch_cfg(make_model("qwen2_tied", models_root), num_stages=2, use_offload=True, resident_stages=1)
     with pytest.raises(ConfigError, match=r"tied embeddings: resident_stages 1 keeps stage 0 on the GPU but "
                                           r"offloads stage 1") as e:
         in_process_trainer(cfg)
@@ -192,7 +192,7 @@ def test_copies_stepping_apart_are_refused(models_root):
 def test_saved_model_stores_the_matrix_once(models_root, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="gpipe", use_offload=True,
+    cfg = arch_cfg(make_model("qwen2_tied", models_root), num_stages=2, schedule="gpipe", use_offload=True,
                num_iterations=1, save_model=True, save_dir=str(tmp_path))
     trainer = in_process_trainer(cfg)
     trainer.save(trainer.train())
@@ -211,9 +211,9 @@ def test_resume_from_a_checkpoint_is_exact(models_root, tmp_path):
     state comes from the last stage's own state file: training goes on bit for bit."""
     common = dict(num_stages=4, schedule="interleaved", use_offload=True, num_iterations=4, save_dir=str(tmp_path))
     path = make_model("llama3_tied", models_root)
-    straight = in_process_trainer(tiny_cfg(path, **common, checkpoint_every=2))
+    straight = in_process_trainer(arch_cfg(path, **common, checkpoint_every=2))
     losses = [h["loss"] for h in straight.train()]
-    resumed = in_process_trainer(tiny_cfg(path, **common, resume=str(tmp_path / "checkpoints" / "step_00000002")))
+    resumed = in_process_trainer(arch_cfg(path, **common, resume=str(tmp_path / "checkpoints" / "step_00000002")))
     assert [h["loss"] for h in resumed.train()] == losses[2:]
     for s in (0, 3):
         assert torch.equal(resumed.stores[s].master, straight.stores[s].master)

@@ -14,7 +14,7 @@ from pipeline.run.timeline import (STYLE, Timeline, read_chrome_trace, timeline_
                                    write_run_timeline, write_timeline_png)
 from schedule.costmodel import predict, predict_steady
 from schedule.ir import Action, Op
-from schedule.mapping import manual_mapping, plan_mapping
+from schedule.mapping import plan_mapping
 from schedule.spec import ProgramSpec
 from tests.helpers.images import distinct_colours, png_size
 from tests.helpers.paths import TESTS
@@ -303,9 +303,7 @@ def test_greedy_above_exhaustive_limit():
     assert plan.step_time == pytest.approx(_plan(groups, 4, 16).step_time)
 
 
-def test_manual_mapping_and_errors():
-    gpus, reason = manual_mapping([3, 1, 2, 0])
-    assert gpus == [3, 1, 2, 0] and "CUDA_VISIBLE_DEVICES=3,1,2,0" in reason
+def test_plan_mapping_refuses_a_stage_count_mismatch():
     with pytest.raises(ValueError, match=r"stage_bytes has 3 entries .* num_stages is 4"):
         plan_mapping([0, 1], [1, 2, 3], ProgramSpec("1f1b", 4, 4, offload=True, prefetch=True))
 

@@ -25,6 +25,9 @@ OUTSIDE: dict[tuple[str, str], str] = {
         "attribute; models.spec.attn_implementation and set_attn_implementation are the one place that does",
     ("models/spec.py", "causal_lm_class(config)._supports_sdpa"):
         "transformers says whether a model class has an sdpa attention only by this class attribute",
+    ("models/spec.py", "meta._is_hf_initialized"):
+        "transformers' init functions skip a tensor with this flag (it marks a loaded one): the one way to keep "
+        "a model's init_weights, which runs inside its constructor, off a skeleton's meta parameters",
 }
 
 

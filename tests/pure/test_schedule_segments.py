@@ -125,19 +125,29 @@ def test_reject_wrong_segments():
         generate("1f1b", 2, 2, [0, 1], num_segments=0)
 
 
+def _segment_costs(lengths: list[int], key_cost: float) -> list[float]:
+    """Each segment's fraction of a causal sequence's compute: position p costs 1 plus key_cost
+    for each of the p + 1 keys it attends."""
+    cost = [1 + key_cost * (p + 1) for p in range(sum(lengths))]
+    ends = [sum(lengths[:i + 1]) for i in range(len(lengths))]
+    return [sum(cost[e - n:e]) / sum(cost) for n, e in zip(lengths, ends)]
+
+
 def test_balanced_segments():
-    from schedule.costmodel import attention_key_cost, balanced_segments, segment_costs
+    from pipeline.plan.source import preset_config
+    from pipeline.spec.shapes import model_key_cost
+    from schedule.costmodel import balanced_segments
 
     assert balanced_segments(12, 3) == [4, 4, 4]
     assert balanced_segments(10, 3) == [3, 4, 3]  # equal split, at most one apart
     assert balanced_segments(3, 3) == [1, 1, 1]
-    k = attention_key_cost(4096, 11008, 32, 32)  # Llama-2-7B
+    k = model_key_cost(preset_config("llama-2-7b"))
     assert 3.9e-5 < k < 4.2e-5
     lengths = balanced_segments(32768, 4, k)
     assert sum(lengths) == 32768 and lengths == sorted(lengths, reverse=True)
-    shares = segment_costs(lengths, k)
+    shares = _segment_costs(lengths, k)
     assert sum(shares) == pytest.approx(1) and max(shares) - min(shares) < 1e-3
-    equal = segment_costs([8192] * 4, k)
+    equal = _segment_costs([8192] * 4, k)
     assert max(equal) / min(equal) > 1.8  # what balancing buys: the last segment is not 1.85x the first
     aligned = balanced_segments(32768, 4, k, multiple=64)
     assert sum(aligned) == 32768 and all(n % 64 == 0 for n in aligned[:-1])
