@@ -222,8 +222,11 @@ def _parameters_on_meta():
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            if param.ndim == 1 and (bool((param == 1).all()) or bool((param == 0).all())):
-                meta.constant_init = float(param.detach()[0]) if param.numel() else 0.0  # 1, or (1 + w)'s 0
+            # a norm's weight is made constant (1, or (1 + w)'s 0); another vector may be torch.empty's
+            # memory (a bias, gpt-oss's sinks), zero or not by chance, which ``init_weights_`` draws
+            if param.ndim == 1 and "Norm" in type(module).__name__ and \
+                    (bool((param == 1).all()) or bool((param == 0).all())):
+                meta.constant_init = float(param.detach()[0]) if param.numel() else 0.0
             # transformers' init functions skip a tensor so marked (as a loaded one): on the meta
             # device they change nothing and took 12 of a tiny model's 17 ms of building
             meta._is_hf_initialized = True

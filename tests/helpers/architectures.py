@@ -56,5 +56,3 @@ def arch_cfg(path: Path, **kw):
     micro-batches of two."""
     return runs.tiny_cfg(path, **{"dataset": "synthetic", "seq_length": SEQ, "batch_size": 4, "num_chunks": 2, **kw})
 
-
-tiny_cfg = arch_cfg  # the name tests/one_process/test_long_rows.py imports it by

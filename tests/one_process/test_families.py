@@ -278,3 +278,19 @@ def test_bf16_training_matches_hf_within_its_noise(root, family):
     distance, noise, per_tensor = bf16_agreement(root, family, "cuda")
     assert distance <= 2 * noise, (distance, noise)
     assert max(per_tensor)[0] <= 5, max(per_tensor)
+
+
+def test_only_a_norms_vector_starts_constant_whatever_empty_memory_holds(monkeypatch):
+    """A skeleton marks a norm's weight as constant (``constant_init``: 1 here), never another
+    vector made with ``torch.empty``: gpt-oss's attention sinks (and biases) held whatever the
+    allocator's memory held, often zeros, so a random preset's sinks came out 0 or drawn by chance.
+    Here that memory is all zeros."""
+    from models.spec import skeleton
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).zero_())
+    model = skeleton(tiny_config("gpt_oss", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2))
+    marked = {n: getattr(p, "constant_init", None) for n, p in model.named_parameters() if p.ndim == 1}
+    assert {n for n in marked if n.endswith("sinks")} and all(marked[n] is None for n in marked if n.endswith("sinks"))
+    assert all(marked[n] == 1.0 for n in marked if "norm" in n) and any("norm" in n for n in marked), marked

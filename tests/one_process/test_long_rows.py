@@ -332,7 +332,7 @@ def test_long_rows_train_like_the_reference(tiny_model_dir, monkeypatch, schedul
 def test_sliding_windows_train_like_the_reference(tmp_path_factory, monkeypatch, arch):
     """Windows shorter than the row, crossing segment boundaries, with the carried keys/values in
     host memory and tiled MLPs (sdpa: the explicit-mask reference on the CPU)."""
-    from tests.helpers.architectures import make_model, tiny_cfg as arch_cfg
+    from tests.helpers.architectures import arch_cfg, make_model
 
     counts: dict = {}
     path = make_model(arch, str(tmp_path_factory.mktemp("long_models")))
