@@ -16,7 +16,7 @@ import torch
 from tests.helpers.paths import ROOT, env_without_dist, scratch_save_dir
 from tests.helpers.prelaunch import (chat_file, check_only, fake_checkpoint, one_error, refused_before_launch, train_sh,
                                      without_packages)
-from tests.helpers.tokenizers import CharTokenizer
+from tests.helpers.char_tokenizer import CharTokenizer
 
 
 @pytest.mark.parametrize("cmd", [["python3", "main.py", "--help"], ["bash", "train.sh", "--help"]])

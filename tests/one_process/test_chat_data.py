@@ -19,7 +19,7 @@ from data import (
     tokenize_records,
 )
 from data.tiny_model import _train_tokenizer
-from tests.helpers.tokenizers import BOS, EOS, CharTokenizer, chars
+from tests.helpers.char_tokenizer import BOS, EOS, CharTokenizer, chars
 
 
 # A small ChatML-like template: role tag, newline, content; an assistant turn ends with eos.

@@ -25,7 +25,7 @@ from data import (
 )
 from data.make_sample import make_records
 from data.tokenization import _PROMPT_PREFIX, _PROMPT_SUFFIX
-from tests.helpers.tokenizers import BOS, EOS, PAD, CharTokenizer, chars
+from tests.helpers.char_tokenizer import BOS, EOS, PAD, CharTokenizer, chars
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
