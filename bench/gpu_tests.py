@@ -3,6 +3,7 @@
     python3 bench/gpu_tests.py --list                      # the parts and their expected seconds
     python3 bench/gpu_tests.py --part 1 --out $OUT/tests1  # run part 1 of PARTS (default 3)
     python3 bench/gpu_tests.py --part 2 --parts 3 --out $OUT/tests2 -- -x   # extra pytest arguments
+    python3 bench/gpu_tests.py --parts 1 --part 1 --skip ran.txt --out $OUT/rest  # what earlier calls left
 
 The tests are split by their expected time (``gpu_test_seconds.json`` beside this file, measured
 on nvidia-h200-x2 and, for the one-GPU tests of 2026-12-02, nvidia-h200; a test it does
@@ -52,6 +53,12 @@ def split(ids: list[str], seconds: dict[str, float], parts: int, unknown_s: floa
     return [sorted(part, key=order.__getitem__) for part in chosen]
 
 
+def listed(paths: list[str]) -> set[str]:
+    """The node ids that start the lines of ``paths`` (a list, or a verbose log's outcome lines)."""
+    return {line.split()[0] for path in paths for line in Path(path).read_text().splitlines()
+            if line and "::" in line.split()[0]}
+
+
 def measured(log: str) -> dict[str, float]:
     """Seconds per node id from pytest's ``--durations=0`` table (setup, call and teardown summed)."""
     out: dict[str, float] = {}
@@ -76,12 +83,16 @@ def main() -> None:
     p.add_argument("--unknown_s", type=float, default=10.0, help="expected seconds of a test not yet measured")
     p.add_argument("--timeout_s", type=float, default=560.0, help="stop the part after this long")
     p.add_argument("--out", default="gpu_tests")
+    p.add_argument("--skip", action="append", default=[],
+                   help="a file whose lines start with node ids to leave out (an earlier call's verbose log "
+                        "or a list), before the split; repeatable")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if not args.list and not 1 <= args.part <= args.parts:
         raise SystemExit(f"error: --part ({args.part}) must be 1..--parts ({args.parts}), or use --list")
     seconds = json.loads(SECONDS.read_text()) if SECONDS.exists() else {}
-    parts = split(collect(), seconds, args.parts, args.unknown_s)
+    skipped = listed(args.skip)
+    parts = split([n for n in collect() if n not in skipped], seconds, args.parts, args.unknown_s)
     if args.list:
         for k, part in enumerate(parts, 1):
             expected = sum(seconds.get(n, args.unknown_s) for n in part)

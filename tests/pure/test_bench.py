@@ -493,6 +493,20 @@ def test_gpu_test_parts_balance_and_read_back():
     assert gpu_tests.measured(table) == {ids[0]: 13.0, ids[1]: 3.0}
 
 
+def test_gpu_tests_skip_the_node_ids_a_file_lists(tmp_path):
+    """``--skip``: a list of node ids or an earlier call's verbose log names the tests to leave out;
+    the log's other lines name none."""
+    import gpu_tests
+
+    log = tmp_path / "pytest.txt"
+    log.write_text("collected 3 items\n\ntests/gpu/t.py::test_a PASSED [ 50%]\n"
+                   "tests/gpu/t.py::test_b[x-1] FAILED [100%]\n\n=== 1 failed in 3s (a::b) ===\n")
+    listing = tmp_path / "passed.txt"
+    listing.write_text("tests/gpu/t.py::test_c\n")
+    assert gpu_tests.listed([str(log), str(listing)]) == {
+        "tests/gpu/t.py::test_a", "tests/gpu/t.py::test_b[x-1]", "tests/gpu/t.py::test_c"}
+
+
 def test_gpu_test_failures_are_written_as_they_happen(tmp_path, monkeypatch):
     """bench/gpu_tests.py as a pytest plugin: a failed test's report goes to its file at once (a
     part cut by its limit never prints pytest's summary); a passed one writes nothing."""
