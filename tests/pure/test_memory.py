@@ -447,15 +447,20 @@ def test_posted_receives_are_counted_until_their_compute():
 
 
 # Rows outside the 10% band, and why (bench/results/2026-12-02_plan_matrix/NOTES.md): still never under the plan.
-BAND_MISSES = {("2026-12-02_plan_matrix/call5", "full@262144"): "GPU: the backward of a late segment over 262K keys"}
+LATE_SEGMENT = "GPU: the backward of a late segment over the whole row's keys"
+BAND_MISSES = {("2026-12-02_plan_matrix/call5", "full@262144"): LATE_SEGMENT,
+               ("2026-12-02_plan_matrix/call9", "lora@131072"): LATE_SEGMENT,
+               ("2026-12-02_plan_matrix/call10", "full@262144"): LATE_SEGMENT,
+               ("2026-12-02_plan_matrix/call11", "full@longest"): LATE_SEGMENT}
 # Until data.synthetic held them in an int32 array, the rows the matrix trains on were two Python lists of
 # ints a row, 44 bytes a token (0.75 GiB for the 64 rows of 256K tokens, measured on the CPU): in the host
 # peaks of these folders, and in no figure of the plan's.
 LIST_BYTES_PER_TOKEN = 44
 MATRIX_FOLDERS = ("2026-12-01_plan_matrix", "2026-12-02_plan_matrix/call2", "2026-12-02_plan_matrix/call3",
                   "2026-12-02_plan_matrix/call4", "2026-12-02_plan_matrix/call5", "2026-12-02_plan_matrix/call7",
-                  "2026-12-02_plan_matrix/call8")
-MEASURED_WITH_LISTS = MATRIX_FOLDERS[:5]  # calls 7 and 8 trained on the int32 array
+                  "2026-12-02_plan_matrix/call8", "2026-12-02_plan_matrix/call9", "2026-12-02_plan_matrix/call10",
+                  "2026-12-02_plan_matrix/call11")
+MEASURED_WITH_LISTS = MATRIX_FOLDERS[:5]  # calls 7 on trained on the int32 array
 
 
 def _rows_bytes(row: dict) -> float:
@@ -491,7 +496,7 @@ def test_plan_is_over_the_peaks_an_h200_measured_and_within_10_percent():
             if (folder, name) != ("2026-12-01_plan_matrix", "full@131072"):  # its pinned stash, rounded up
                 lists = _rows_bytes(row) if folder in MEASURED_WITH_LISTS else 0
                 assert float(host) - lists / GiB <= float(host_plan), line
-    assert list(counts.values()) == [4, 4, 2, 2, 1, 1, 1], counts
+    assert list(counts.values()) == [4, 4, 2, 2, 1, 1, 1, 2, 1, 1], counts
 
 
 # tests/gpu/test_gpu.py::test_lora_with_more_stages_than_layers_trains_like_two_stages on an H200 (torch 2.11,
