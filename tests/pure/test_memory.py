@@ -460,7 +460,7 @@ MATRIX_FOLDERS = ("2026-12-01_plan_matrix", "2026-12-02_plan_matrix/call2", "202
                   "2026-12-02_plan_matrix/call4", "2026-12-02_plan_matrix/call5", "2026-12-02_plan_matrix/call7",
                   "2026-12-02_plan_matrix/call8", "2026-12-02_plan_matrix/call9", "2026-12-02_plan_matrix/call10",
                   "2026-12-02_plan_matrix/call11")
-MEASURED_WITH_LISTS = MATRIX_FOLDERS[:5]  # calls 7 on trained on the int32 array
+MEASURED_WITH_LISTS = MATRIX_FOLDERS[:5]  # calls 7 and later trained on the int32 array
 
 
 def _rows_bytes(row: dict) -> float:
