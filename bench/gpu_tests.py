@@ -55,8 +55,8 @@ def split(ids: list[str], seconds: dict[str, float], parts: int, unknown_s: floa
 
 def listed(paths: list[str]) -> set[str]:
     """The node ids that start the lines of ``paths`` (a list, or a verbose log's outcome lines)."""
-    return {line.split()[0] for path in paths for line in Path(path).read_text().splitlines()
-            if line and "::" in line.split()[0]}
+    return {words[0] for path in paths for line in Path(path).read_text().splitlines()
+            if (words := line.split()) and "::" in words[0]}
 
 
 def measured(log: str) -> dict[str, float]:
